@@ -1,0 +1,325 @@
+"""Selection: which backend serves each op on the CUDA dispatch key.
+
+The semantics of the DeepInfer kernel dispatcher (``shared/seeds/000_*``), applied to ops:
+
+* Platform default: per op, the backends of ``registry.cuda_priority(op)`` whose capability is met
+  here; the first serves the op, the later ones take the calls it refuses (dtype, size). On every
+  other device the torch reference serves (``library.py`` registers it there).
+* ``DEEPINFER_OPS_BACKEND=<backend>``: every op from that backend. An op it lacks (no implementation,
+  or one this platform cannot run) comes from the platform default: one stderr line at import says
+  how many (all names with ``DEEPINFER_OPS_VERBOSE=1``), and one line at the first *use* of each
+  such op names it.
+* ``DEEPINFER_OPS_FALLBACK=op,op``: those ops come from the platform default even when another backend
+  is selected. A name that is not an op, or that the selected backend does not implement, raises.
+* ``DEEPINFER_OPS_STRICT=1``: no fallback of any kind. The default backend is never imported; an op
+  the selected backend lacks, or a call it refuses, raises :class:`KernelUnavailableError`. STRICT
+  with FALLBACK raises.
+* ``DEEPINFER_TRACE_KERNELS=path``: the first use of each (op, backend) appends a line ``op|backend``
+  to ``path``; ``DEEPINFER_TRACE_KERNEL_ARGS=1`` adds the argument signature (never tensor data).
+
+:func:`configure` does all of it from Python. Resolution happens on the first CUDA call of an op,
+under a lock (the first calls from several threads select and load once), not at import: reading
+the compute capability initialises CUDA, and engines fork their workers after importing us.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import os
+import sys
+import threading
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
+
+from . import registry
+from .spec import Backend, KernelSpec, Platform
+
+ENV_BACKEND = "DEEPINFER_OPS_BACKEND"
+ENV_FALLBACK = "DEEPINFER_OPS_FALLBACK"
+ENV_STRICT = "DEEPINFER_OPS_STRICT"
+ENV_VERBOSE = "DEEPINFER_OPS_VERBOSE"
+ENV_TRACE = "DEEPINFER_TRACE_KERNELS"
+ENV_TRACE_ARGS = "DEEPINFER_TRACE_KERNEL_ARGS"
+
+_FALSE = ("", "0", "false", "no", "off")
+
+
+class KernelUnavailableError(AttributeError):
+    """The selected backend lacks this op, or cannot take this call, and STRICT forbids a fallback.
+
+    An ``AttributeError`` as in the DeepInfer dispatcher, so ``hasattr``-style probing keeps
+    working; ``tests/conftest.py`` turns it into a skip.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The selection controls; :meth:`from_env` reads them from the ``DEEPINFER_*`` variables."""
+
+    backend: Optional[Backend] = None  # None: the platform default
+    fallback: FrozenSet[str] = frozenset()
+    strict: bool = False
+    verbose: bool = False
+    trace_path: Optional[str] = None
+    trace_args: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Selection":
+        backend = environ.get(ENV_BACKEND, "").strip()
+        return cls(
+            backend=Backend.parse(backend) if backend else None,
+            fallback=frozenset(n.strip() for n in environ.get(ENV_FALLBACK, "").split(",") if n.strip()),
+            strict=environ.get(ENV_STRICT, "").strip().lower() not in _FALSE,
+            verbose=environ.get(ENV_VERBOSE, "").strip().lower() not in _FALSE,
+            trace_path=environ.get(ENV_TRACE) or None,
+            trace_args=environ.get(ENV_TRACE_ARGS, "").strip().lower() not in _FALSE,
+        )
+
+    def validate(self) -> "Selection":
+        if self.strict and self.fallback:
+            raise RuntimeError(f"{ENV_STRICT} forbids {ENV_FALLBACK}: strict means no fallback of any kind")
+        unknown = sorted(self.fallback - set(registry.OPS))
+        if unknown:
+            raise RuntimeError(f"{ENV_FALLBACK} names unknown op(s) {unknown}; the ops are: {', '.join(registry.OPS)}")
+        if self.backend is not None:
+            unimplemented = sorted(n for n in self.fallback if self.backend not in registry.BY_OP[n])
+            if unimplemented:
+                raise RuntimeError(f"{ENV_FALLBACK} names op(s) backend {self.backend.value!r} does not implement: {unimplemented}")
+        return self
+
+    def lacking(self) -> List[str]:
+        """Ops the selected backend lacks, as far as is known without touching the GPU: no
+        implementation, or its framework is not installed. FALLBACK ops are not counted."""
+        if self.backend is None:
+            return []
+        out = []
+        for op in registry.OPS:
+            spec = registry.BY_OP[op].get(self.backend)
+            if op not in self.fallback and (spec is None or spec.capability.missing_package()):
+                out.append(op)
+        return out
+
+
+_lock = threading.RLock()
+_selection = Selection()
+_platform: Optional[Platform] = None
+_traced: set = set()
+
+
+def _notice(message: str) -> None:
+    print(f"[deepinfer] {message}", file=sys.stderr, flush=True)
+
+
+def selection() -> Selection:
+    return _selection
+
+
+def platform() -> Platform:
+    """The platform selection resolves against (detected on first need, or set by :func:`set_platform`)."""
+    global _platform
+    if _platform is None:
+        _platform = Platform.detect()
+    return _platform
+
+
+def set_platform(p: Optional[Platform]) -> None:
+    """Resolve against ``p`` instead of the detected platform (``None``: detect again). For tests."""
+    global _platform
+    with _lock:
+        _platform = p
+        _reset()
+
+
+def configure(selection: Optional[Selection] = None, **changes: Any) -> Selection:
+    """Set the selection from Python, as the environment variables do; returns the previous one.
+
+    ``configure(backend="triton", strict=True)``, ``configure(Selection.from_env())``. Backend
+    names are parsed, fallback may be any iterable of op names. Every op resolves again on its next
+    call, and the summary line is printed as at import.
+    """
+    global _selection
+    new = selection if selection is not None else _selection
+    if "backend" in changes and isinstance(changes["backend"], str):
+        changes["backend"] = Backend.parse(changes["backend"])
+    if "fallback" in changes:
+        changes["fallback"] = frozenset(changes["fallback"])
+    new = dataclasses.replace(new, **changes).validate()
+    with _lock:
+        previous, _selection = _selection, new
+        _reset()
+        _traced.clear()
+    lacking = new.lacking()
+    if lacking:
+        names = lacking if new.verbose else f"first: {lacking[0]}"
+        if new.strict:
+            _notice(f"backend {new.backend.value!r} lacks {len(lacking)} op(s); {ENV_STRICT} is set, "
+                    f"so calling them raises KernelUnavailableError ({names})")
+        else:
+            _notice(f"backend {new.backend.value!r} lacks {len(lacking)} op(s), falling back to the "
+                    f"platform default ({names})")
+    return previous
+
+
+def plan(op: str, on: Optional[Platform] = None) -> Tuple[List[KernelSpec], Optional[str]]:
+    """The backends that serve ``op`` on the CUDA key, in order, and the notice for its first use.
+
+    An empty list means every call raises :class:`KernelUnavailableError` (the notice says why).
+    """
+    on = on or platform()
+    sel = _selection
+    default = [k for k in registry.implementations(op) if k.is_available(on)]
+    if sel.backend is None or op in sel.fallback:
+        return (default[:1] if sel.strict else default), None
+    spec = registry.BY_OP[op].get(sel.backend)
+    why = f"{sel.backend.value!r} does not implement it" if spec is None else None
+    if spec is not None and not spec.is_available(on):
+        why = f"{sel.backend.value!r} cannot run here: {spec.unavailable_reason(on)}"
+    if why is None:
+        return ([spec] if sel.strict else [spec] + [k for k in default if k is not spec]), None
+    if sel.strict:
+        return [], f"op {op!r}: {why} and {ENV_STRICT} forbids a fallback"
+    return default, f"op {op!r} used from {default[0].backend.value!r}: {why}"
+
+
+class _Impl:
+    """One backend's implementation of one op, loaded on first use."""
+
+    __slots__ = ("op", "spec", "fn", "check", "dtypes", "data_arg", "notice", "run")
+
+    def __init__(self, spec: KernelSpec, data_arg: int, notice: Optional[str]) -> None:
+        self.op, self.spec, self.data_arg, self.notice = spec.op, spec, data_arg, notice
+        self.fn: Optional[Callable[..., Any]] = None
+        self.check: Optional[Callable[..., Optional[str]]] = None
+        self.dtypes: Optional[frozenset] = None
+        self.run = self._first_run
+
+    def load(self) -> None:
+        with _lock:
+            if self.fn is None:
+                import torch
+
+                self.check = self.spec.load_check()
+                self.dtypes = frozenset(getattr(torch, d) for d in self.spec.dtypes) or None
+                self.fn = self.spec.load()
+
+    @property
+    def restricted(self) -> bool:
+        return bool(self.spec.dtypes) or self.spec.check is not None
+
+    def refuses(self, args: tuple) -> Optional[str]:
+        """Why this implementation cannot take these arguments, or ``None``."""
+        if self.fn is None:
+            self.load()
+        if self.dtypes is not None and args[self.data_arg].dtype not in self.dtypes:
+            return f"dtype {args[self.data_arg].dtype} is not one of {', '.join(self.spec.dtypes)}"
+        return self.check(*args) if self.check is not None else None
+
+    def _first_run(self, *args: Any) -> Any:
+        with _lock:
+            if self.run == self._first_run:
+                self.load()
+                if self.notice:
+                    _notice(self.notice)
+                _trace(self.op, self.spec.backend, args)
+                self.run = self.fn
+        return self.fn(*args)
+
+
+class OpSlot:
+    """What the CUDA entry of one op calls: ``slot.call(*args)``. Resolves on the first call."""
+
+    def __init__(self, op: str, data_arg: int = 0) -> None:
+        self.op, self.data_arg = op, data_arg
+        self.impls: List[_Impl] = []
+        self.call: Callable[..., Any] = self._resolve_and_call
+
+    def reset(self) -> None:
+        self.impls = []
+        self.call = self._resolve_and_call
+
+    def _resolve_and_call(self, *args: Any) -> Any:
+        with _lock:
+            if self.call == self._resolve_and_call:
+                chain, notice = plan(self.op)
+                self.impls = [_Impl(k, self.data_arg, notice if i == 0 else None) for i, k in enumerate(chain)]
+                if not chain:
+                    self.call = self._unavailable(notice)
+                elif len(chain) == 1 and not self.impls[0].restricted:
+                    self.call = self._single
+                else:
+                    self.call = self._chained
+        return self.call(*args)
+
+    def _unavailable(self, why: Optional[str]) -> Callable[..., Any]:
+        def raise_unavailable(*args: Any) -> Any:
+            raise KernelUnavailableError(f"deepinfer::{self.op}: {why}")
+        return raise_unavailable
+
+    def _single(self, *args: Any) -> Any:
+        impl = self.impls[0]
+        out = impl.run(*args)
+        self.call = impl.fn  # from now on the backend function itself: no per-call cost here
+        return out
+
+    def _chained(self, *args: Any) -> Any:
+        for impl in self.impls:
+            if impl.refuses(args) is None:
+                return impl.run(*args)
+        reasons = "; ".join(f"{i.spec.backend.value}: {i.refuses(args)}" for i in self.impls)
+        raise KernelUnavailableError(
+            f"deepinfer::{self.op}: no selected backend takes this call ({reasons})"
+            + (f"; {ENV_STRICT} forbids a fallback" if _selection.strict else ""))
+
+
+_slots: Dict[str, OpSlot] = {}
+
+
+def slot(op: str, data_arg: int = 0) -> OpSlot:
+    """The slot of ``op`` (created on first request; ``library.py`` asks for every op)."""
+    with _lock:
+        if op not in _slots:
+            _slots[op] = OpSlot(op, data_arg)
+        return _slots[op]
+
+
+def _reset() -> None:
+    for s in _slots.values():
+        s.reset()
+
+
+def _describe(a: Any) -> str:
+    """An argument as the trace shows it: shapes, dtypes, strides and scalars, never tensor data."""
+    if hasattr(a, "shape") and hasattr(a, "dtype"):
+        text = f"{str(a.dtype).replace('torch.', '')}{list(a.shape)}@{a.device}"
+        return text if a.is_contiguous() else f"{text}stride={list(a.stride())}"
+    if isinstance(a, (list, tuple)):
+        return "[" + ", ".join(_describe(x) for x in a) + "]"
+    return repr(a)
+
+
+def _trace(op: str, backend: Backend, args: tuple) -> None:
+    path = _selection.trace_path
+    if not path or (op, backend) in _traced:
+        return
+    _traced.add((op, backend))
+    line = f"{op}|{backend.value}"
+    if _selection.trace_args:
+        line += "|args=(" + ", ".join(_describe(a) for a in args) + ")"
+    append_line(path, line)
+
+
+def append_line(path: str, line: str) -> None:
+    """Append one line with one ``write`` on an ``O_APPEND`` descriptor under an exclusive lock, so
+    that the ranks of a data-parallel job sharing one trace file never interleave a line."""
+    data = (line.rstrip("\n") + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+configure(Selection.from_env())

@@ -1,0 +1,1 @@
+"""The torch-native reference: the semantics every backend matches, and the fallback on every device."""

@@ -1,0 +1,137 @@
+"""Triton RMSNorm family: one program per row.
+
+Rows of up to ``_ONE_PASS_MAX`` elements are held in registers and read once; wider rows are
+reduced in a first pass and normalised in a second, in chunks of ``_CHUNK``. Arguments arrive
+validated (``torch_kernels.ops.norm``): last dim contiguous, dtype fp16/bf16/fp32, weight ``(N,)``.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# 16384 fp32 values per row over 8 warps is 64 registers a thread: no spills. Wider rows (up to the
+# 65536+ the op allows) loop over 4096-element chunks and re-read the row, which then comes from L2.
+_ONE_PASS_MAX = 16384
+_CHUNK = 4096
+
+
+@triton.jit
+def _rmsnorm_rows(
+    x_ptr, x_row_stride,  # input rows, read (last dim contiguous)
+    res_ptr, res_row_stride,  # residual rows: residual += input, written back, when HAS_RESIDUAL
+    out_ptr, out_row_stride,  # output rows; the input rows themselves for the in-place ops
+    w_ptr,  # weight (N,), contiguous
+    N,  # hidden size (elements per row)
+    eps,  # added to mean(x^2) before rsqrt
+    BLOCK_N: tl.constexpr,  # elements per load: the whole row (ONE_PASS) or a chunk
+    ONE_PASS: tl.constexpr,  # the row fits in one block
+    HAS_RESIDUAL: tl.constexpr,  # fused_add variants
+    GEMMA: tl.constexpr,  # scale by (1 + w) instead of w
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    res_row = res_ptr + row * res_row_stride
+    out_row = out_ptr + row * out_row_stride
+    cols = tl.arange(0, BLOCK_N)
+    if ONE_PASS:
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x += tl.load(res_row + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(res_row + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if GEMMA:
+            w += 1.0
+        tl.store(out_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            mask = start + cols < N
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                x += tl.load(res_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(res_row + start + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
+            acc += x * x
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+        for start in range(0, N, BLOCK_N):
+            mask = start + cols < N
+            # The second pass re-reads the rounded residual: within one ulp of the fp32 sum.
+            if HAS_RESIDUAL:
+                x = tl.load(res_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            if GEMMA:
+                w += 1.0
+            tl.store(out_row + start + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: Tensor, res, out: Tensor, weight: Tensor, eps: float, gemma: bool) -> None:
+    """All of ``x``, ``res`` and ``out`` are 2-D ``(T, N)`` row views."""
+    T, N = x.shape
+    if T == 0:
+        return
+    one_pass = N <= _ONE_PASS_MAX
+    block = triton.next_power_of_2(N) if one_pass else _CHUNK
+    # The layer-norm tutorial's rule: one warp per 256 elements, at most 8 (fewer starve small rows
+    # of parallelism, more add reduction cost without bandwidth).
+    num_warps = min(max(block // 256, 1), 8)
+    has_res = res is not None
+    _rmsnorm_rows[(T,)](
+        x, x.stride(0),
+        res if has_res else x, res.stride(0) if has_res else 0,
+        out, out.stride(0),
+        weight, N, eps,
+        BLOCK_N=block, ONE_PASS=one_pass, HAS_RESIDUAL=has_res, GEMMA=gemma,
+        num_warps=num_warps,
+    )
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``(..., N)`` as ``(T, N)`` rows: a view when the leading dims collapse, else a copy."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _rows_view(t: Tensor):
+    """``(..., N)`` as a ``(T, N)`` view of the same memory, or ``None`` when there is none."""
+    if t.dim() == 2:
+        return t
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
+    out = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+    _launch(_rows(input), None, _rows(out), weight, eps, gemma)
+    return out
+
+
+def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool) -> None:
+    x, res = _rows_view(input), _rows_view(residual)
+    if x is None or res is None:  # leading dims that do not collapse: work on copies, write back
+        x, res = input.reshape(-1, input.shape[-1]).clone(), residual.reshape(-1, residual.shape[-1]).clone()
+        _launch(x, res, x, weight, eps, gemma)
+        input.copy_(x.view(input.shape))
+        residual.copy_(res.view(residual.shape))
+        return
+    _launch(x, res, x, weight, eps, gemma)
+
+
+def rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    return _norm(input, weight, eps, gemma=False)
+
+
+def gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    return _norm(input, weight, eps, gemma=True)
+
+
+def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
+    _fused_add(input, residual, weight, eps, gemma=False)
+
+
+def gemma_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
+    _fused_add(input, residual, weight, eps, gemma=True)

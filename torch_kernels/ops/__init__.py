@@ -1,0 +1,36 @@
+"""Op definitions: per op its schema, input validation, fake function, autograd formula and typed
+wrapper. ``library.py`` registers every :class:`OpDef` in :data:`ALL`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Tuple
+
+NAMESPACE = "deepinfer"
+
+
+@dataclass(frozen=True)
+class OpDef:
+    schema: str  # "name(args) -> returns", as torch.library.Library.define takes it
+    validate: Callable[..., None]  # raises ValueError/TypeError naming the op and the argument
+    fake: Callable[..., Any]  # output metadata from input metadata (meta and fake tensors)
+    wrapper: Callable[..., Any]  # the typed public function; its docstring is the op's reference
+    samples: Callable[..., Iterator[tuple]]  # samples(device, dtype): fresh random arguments
+    data_arg: int = 0  # the argument whose dtype a kernel's KernelSpec.dtypes refers to
+    backward: Optional[Callable[..., Any]] = None  # torch.library.register_autograd formula
+    setup_context: Optional[Callable[..., Any]] = None
+    no_grad_reason: Optional[str] = None  # ops that refuse autograd say why
+
+    @property
+    def name(self) -> str:
+        return self.schema.split("(", 1)[0]
+
+    @property
+    def qualname(self) -> str:
+        return f"{NAMESPACE}::{self.name}"
+
+
+from . import norm  # noqa: E402  (families import OpDef from here)
+
+ALL: Tuple[OpDef, ...] = (*norm.OPS,)
+BY_NAME = {d.name: d for d in ALL}

@@ -1,0 +1,73 @@
+"""The inventory: every implementation of every op, and the order in which CUDA prefers them.
+
+Data, not branches: adding a backend implementation is one ``KernelSpec`` line here plus its module
+under ``torch_kernels/impl/<backend>/``. Standard library only (see ``spec.py``).
+
+    python -c "from torch_kernels import registry; print(*registry.KERNELS, sep='\\n')"
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Tuple
+
+from .spec import Backend, Capability, KernelSpec
+
+_TORCH = Capability()  # the reference runs wherever torch does
+_TRITON = Capability(device_types=("cuda",), min_compute_capability=(7, 0), package="triton")
+
+_FLOATS = ("float16", "bfloat16", "float32")
+
+# fp64 is accepted by the ops (gradcheck needs it) but not by the kernels: such calls go to the
+# next backend in the priority list, i.e. the reference.
+_NORM_OPS = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm")
+
+KERNELS: Tuple[KernelSpec, ...] = (
+    *(KernelSpec(op, Backend.TORCH, f"torch_kernels.impl.torch.norm:{op}", _TORCH,
+                 description="torch-native reference (fp32 compute)") for op in _NORM_OPS),
+    *(KernelSpec(op, Backend.TRITON, f"torch_kernels.impl.triton.norm:{op}", _TRITON, _FLOATS,
+                 description="one program per row; rows wider than 16384 in two passes") for op in _NORM_OPS),
+)
+
+#: The order in which the CUDA platform default tries backends, per op; the first one whose
+#: capability is met serves the op, the later ones take calls it cannot (dtype, size).
+#: TileLang first as in the DeepInfer dispatcher; Triton before FlashInfer because the one-row Triton
+#: rmsnorm measured 4092 GB/s against FlashInfer's 2762 at 16384x8192 bf16 (shared/gpu/README.md).
+DEFAULT_CUDA_PRIORITY: Tuple[Backend, ...] = (Backend.TILELANG, Backend.TRITON, Backend.FLASHINFER, Backend.TORCH)
+CUDA_PRIORITY: Dict[str, Tuple[Backend, ...]] = {}
+
+
+def validate(kernels: Iterable[KernelSpec]) -> Dict[str, Dict[Backend, KernelSpec]]:
+    """Index ``kernels`` by op then backend; raise if a backend implements an op twice or an op
+    has no torch reference (the reference is the fallback on every device)."""
+    index: Dict[str, Dict[Backend, KernelSpec]] = {}
+    for k in kernels:
+        per_op = index.setdefault(k.op, {})
+        if k.backend in per_op:
+            raise RuntimeError(f"backend {k.backend.value!r} implements op {k.op!r} twice: "
+                               f"{per_op[k.backend].target} and {k.target}")
+        per_op[k.backend] = k
+    for op, per_op in index.items():
+        if Backend.TORCH not in per_op:
+            raise RuntimeError(f"op {op!r} has no torch reference in the inventory")
+    return index
+
+
+BY_OP: Dict[str, Dict[Backend, KernelSpec]] = validate(KERNELS)
+OPS: Tuple[str, ...] = tuple(BY_OP)
+
+
+def cuda_priority(op: str) -> Tuple[Backend, ...]:
+    return CUDA_PRIORITY.get(op, DEFAULT_CUDA_PRIORITY)
+
+
+def implementations(op: str) -> List[KernelSpec]:
+    """Every implementation of ``op``, in CUDA priority order."""
+    return [BY_OP[op][b] for b in cuda_priority(op) if b in BY_OP[op]]
+
+
+def backends_of(op: str) -> List[Backend]:
+    return [k.backend for k in implementations(op)]
+
+
+def ops_of(backend: Backend) -> List[str]:
+    return [op for op in OPS if backend in BY_OP[op]]

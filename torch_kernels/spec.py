@@ -1,0 +1,170 @@
+"""Metadata for the kernel inventory: backends, platforms, capability requirements, kernel specs.
+
+Standard library only, so that the inventory can be imported and listed on a machine without torch
+(``python -c "import torch_kernels.registry"`` never imports torch, a kernel framework or a GPU driver).
+torch is imported inside :meth:`Platform.detect` only, and the callable behind a :class:`KernelSpec`
+is imported by :meth:`KernelSpec.load` only, on first use.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Tuple
+
+
+class Backend(str, enum.Enum):
+    """Who implements a kernel. New backends (CUDA C++, CuTe DSL, ...) are added here."""
+
+    TORCH = "torch"  # torch-native reference: the semantics, and the fallback on every device
+    TRITON = "triton"
+    TILELANG = "tilelang"
+    FLASHINFER = "flashinfer"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, name: str) -> "Backend":
+        """The backend called ``name``; a clear ``ValueError`` listing the known ones otherwise."""
+        try:
+            return cls(name.strip().lower())
+        except ValueError:
+            known = ", ".join(b.value for b in cls)
+            raise ValueError(f"unknown backend {name!r}; known backends: {known}") from None
+
+
+#: The Python package each backend needs, checked with ``importlib.util.find_spec`` (no import).
+FRAMEWORK_PACKAGE = {
+    Backend.TORCH: "torch",
+    Backend.TRITON: "triton",
+    Backend.TILELANG: "tilelang",
+    Backend.FLASHINFER: "flashinfer",
+}
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The accelerator this process runs on. ``Platform()`` is a CPU-only machine."""
+
+    device_type: str = "cpu"  # "cuda", "hip" or "cpu"
+    compute_capability: Optional[Tuple[int, int]] = None  # (9, 0) for an H100/H200
+    device_name: str = ""
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device_type == "cuda"
+
+    @classmethod
+    def detect(cls) -> "Platform":
+        """The platform of the current process. Never raises: anything unexpected means CPU.
+
+        Reading the compute capability initialises CUDA in this process; the dispatcher calls this
+        on the first CUDA call of an op (CUDA is initialised by then), never at import, so an engine
+        can still fork its workers after ``import torch_kernels``.
+        """
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return cls()
+            if getattr(torch.version, "hip", None):
+                return cls(device_type="hip", device_name=torch.cuda.get_device_name())
+            return cls(
+                device_type="cuda",
+                compute_capability=tuple(torch.cuda.get_device_capability()),
+                device_name=torch.cuda.get_device_name(),
+            )
+        except Exception:
+            return cls()
+
+    def __str__(self) -> str:
+        if self.compute_capability is None:
+            return self.device_type
+        major, minor = self.compute_capability
+        return f"{self.device_type} sm_{major}{minor} ({self.device_name})"
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What a kernel needs to run: a device type, a compute-capability range, a framework package."""
+
+    device_types: Tuple[str, ...] = ()  # empty: any device
+    min_compute_capability: Optional[Tuple[int, int]] = None
+    max_compute_capability: Optional[Tuple[int, int]] = None
+    package: Optional[str] = None  # importable name, e.g. "triton"
+
+    def unmet(self, platform: Platform) -> Optional[str]:
+        """Why this capability is not met on ``platform``, or ``None`` when it is."""
+        if self.device_types and platform.device_type not in self.device_types:
+            return f"needs {'/'.join(self.device_types)}, this is {platform.device_type}"
+        cc = platform.compute_capability
+        if cc is not None:
+            if self.min_compute_capability and cc < self.min_compute_capability:
+                return f"needs compute capability >= {_cc(self.min_compute_capability)}, this is {_cc(cc)}"
+            if self.max_compute_capability and cc > self.max_compute_capability:
+                return f"needs compute capability <= {_cc(self.max_compute_capability)}, this is {_cc(cc)}"
+        return self.missing_package()
+
+    def missing_package(self) -> Optional[str]:
+        """Why the framework package is missing, or ``None`` when it is importable (not imported)."""
+        if self.package is None:
+            return None
+        try:
+            found = importlib.util.find_spec(self.package) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"package {self.package!r} is not installed"
+
+
+def _cc(cc: Tuple[int, int]) -> str:
+    return f"{cc[0]}.{cc[1]}"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One implementation of one op by one backend.
+
+    ``target`` is ``"module:attr"``, imported by :meth:`load` on first use. ``dtypes`` lists the
+    dtype names the implementation accepts for the op's data tensor (empty: every dtype the op
+    accepts); a call with another dtype goes to the next backend. ``check`` optionally names a
+    ``"module:attr"`` callable taking the op's arguments and returning why this implementation
+    cannot take the call (size limit, alignment), or ``None``.
+    """
+
+    op: str
+    backend: Backend
+    target: str
+    capability: Capability = field(default_factory=Capability)
+    dtypes: Tuple[str, ...] = ()
+    check: Optional[str] = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for t in (self.target, self.check):
+            if t is not None and (":" not in t or not all(t.split(":", 1))):
+                raise ValueError(f"KernelSpec({self.op!r}, {self.backend.value!r}): target must be 'module:attr', got {t!r}")
+
+    def unavailable_reason(self, platform: Platform) -> Optional[str]:
+        """Why this implementation cannot run on ``platform`` (metadata only), or ``None``."""
+        return self.capability.unmet(platform)
+
+    def is_available(self, platform: Platform) -> bool:
+        return self.unavailable_reason(platform) is None
+
+    def load(self) -> Callable[..., Any]:
+        """Import and return the implementation (raises ``ImportError``/``AttributeError``)."""
+        return _resolve(self.target)
+
+    def load_check(self) -> Optional[Callable[..., Optional[str]]]:
+        return None if self.check is None else _resolve(self.check)
+
+
+def _resolve(target: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
