@@ -177,7 +177,7 @@ def plan(op: str, on: Optional[Platform] = None) -> Tuple[List[KernelSpec], Opti
     if why is None:
         return ([spec] if sel.strict else [spec] + [k for k in default if k is not spec]), None
     if sel.strict:
-        return [], f"op {op!r}: {why} and {ENV_STRICT} forbids a fallback"
+        return [], f"{why} and {ENV_STRICT} forbids a fallback"
     return default, f"op {op!r} used from {default[0].backend.value!r}: {why}"
 
 

@@ -20,10 +20,9 @@ def _validate_norm(op: str, input: Tensor, weight: Tensor, eps: float) -> None:
     check.floating(op, "input", input)
     check.floating(op, "weight", weight)
     check.last_dim_contiguous(op, "input", input)
-    if input.shape[-1] == 0:
-        check.fail(op, "input", "must have a hidden size (last dimension) of at least 1")
-    if weight.dim() != 1 or weight.shape[0] != input.shape[-1]:
-        check.fail(op, "weight", f"must have shape ({input.shape[-1]},) to match the hidden size of 'input', got {tuple(weight.shape)}")
+    check.require(input.shape[-1] != 0, op, "input", "must have a hidden size (last dimension) of at least 1")
+    check.require(weight.dim() == 1 and weight.shape[0] == input.shape[-1], op, "weight",
+                  lambda: f"must have shape ({input.shape[-1]},) to match the hidden size of 'input', got {tuple(weight.shape)}")
     check.last_dim_contiguous(op, "weight", weight)
     check.same_device(op, "weight", weight, "input", input)
     if not eps >= 0.0:
@@ -33,8 +32,7 @@ def _validate_norm(op: str, input: Tensor, weight: Tensor, eps: float) -> None:
 def _validate_fused(op: str, input: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
     _validate_norm(op, input, weight, eps)
     check.tensor(op, "residual", residual)
-    if residual.shape != input.shape:
-        check.fail(op, "residual", f"must have the shape of 'input' {tuple(input.shape)}, got {tuple(residual.shape)}")
+    check.same_shape(op, "residual", residual, "input", input)
     if residual.dtype != input.dtype:
         check.fail(op, "residual", f"must have the dtype of 'input' ({input.dtype}), got {residual.dtype}", TypeError)
     check.last_dim_contiguous(op, "residual", residual)

@@ -1,0 +1,59 @@
+"""Shared test setup.
+
+* Without a GPU, Triton kernels run on CPU tensors in Triton's interpreter: ``TRITON_INTERPRET``
+  must be set before Triton is first imported, so it is set here.
+* ``@pytest.mark.gpu`` tests need CUDA; they are skipped (reported as skipped) on machines
+  without it and run on the GPU host (``python -m pytest -m gpu``).
+* A :class:`~torch_kernels.KernelUnavailableError` raised by a test (the selected backend lacks an
+  op under ``DEEPINFER_OPS_STRICT``) turns into a skip that names the op, as in the DeepInfer
+  dispatcher: a partial port reports what it lacks instead of failing.
+"""
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import torch_kernels  # noqa: E402
+from torch_kernels import dispatch  # noqa: E402
+
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs on the GPU host)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    try:
+        return (yield)
+    except torch_kernels.KernelUnavailableError as e:
+        pytest.skip(f"kernel unavailable: {e}")
+
+
+@pytest.fixture(autouse=True)
+def _restore_selection():
+    """Every test starts from the selection of the environment and the detected platform."""
+    saved = dispatch.selection()
+    yield
+    dispatch.set_platform(None)
+    dispatch.configure(saved)
+
+
+@pytest.fixture
+def cuda_platform():
+    """Pretend to be an sm_90 CUDA machine, so the CUDA selection resolves as on the H200."""
+    dispatch.set_platform(torch_kernels.Platform("cuda", (9, 0), "pretend H200"))
+    return dispatch.platform()

@@ -1,0 +1,351 @@
+"""Selection: every rule of the DeepInfer dispatcher applied to ops, and every error it raises.
+
+The CUDA selection runs here on CPU tensors: ``cuda_platform`` makes the dispatcher resolve as on an
+sm_90 machine, and a slot's ``call`` is what the CUDA entry of the op calls (Triton runs in its
+interpreter without a GPU).
+"""
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import torch_kernels
+from torch_kernels import dispatch, registry, spec
+from torch_kernels.dispatch import KernelUnavailableError, Selection
+from torch_kernels.spec import Backend, KernelSpec, Platform
+from torch_kernels.testing import assert_close
+
+from conftest import DEVICES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _args():
+    return torch.randn(3, 96), torch.randn(96), 1e-6
+
+
+def _expected(x, w, eps):
+    return registry.BY_OP["rmsnorm"][Backend.TORCH].load()(x, w, eps)
+
+
+def _served_by(op, tmp_path, *args):
+    """Call op's CUDA slot once with a fresh trace file; return the backends the trace names."""
+    trace = tmp_path / f"trace-{op}.txt"
+    trace.unlink(missing_ok=True)
+    dispatch.configure(trace_path=str(trace))
+    out = dispatch.slot(op).call(*args)
+    return [line.split("|")[1] for line in trace.read_text().splitlines()], out
+
+
+def _run(code, env=None):
+    full_env = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}
+    full_env = {k: v for k, v in full_env.items() if v is not None}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+
+
+# --- platform default --------------------------------------------------------------------------
+
+
+def test_platform_default_on_cuda_is_the_priority_list_filtered_by_capability(cuda_platform):
+    chain, notice = dispatch.plan("rmsnorm")
+    assert [k.backend for k in chain] == [Backend.TRITON, Backend.TORCH] and notice is None
+    old = dispatch.plan("rmsnorm", Platform("cuda", (6, 0), "old GPU"))[0]
+    assert [k.backend for k in old] == [Backend.TORCH]
+
+
+def test_platform_default_elsewhere_is_the_reference():
+    chain, notice = dispatch.plan("rmsnorm", Platform())
+    assert [k.backend for k in chain] == [Backend.TORCH] and notice is None
+
+
+def test_default_serves_triton_and_refused_dtype_goes_to_next_backend(cuda_platform, tmp_path, capfd):
+    args = _args()
+    served, out = _served_by("rmsnorm", tmp_path, *args)
+    assert served == ["triton"]
+    assert_close(out, _expected(*args))
+    x64 = (args[0].double(), args[1].double(), 1e-6)
+    out64 = dispatch.slot("rmsnorm").call(*x64)
+    assert_close(out64, _expected(*x64))
+    err = capfd.readouterr().err
+    assert "op 'rmsnorm'" not in err or "float64" not in err  # eligibility moves on silently...
+    assert (tmp_path / "trace-rmsnorm.txt").read_text().splitlines()[-1] == "rmsnorm|torch"  # ...but traced
+
+
+# --- DEEPINFER_OPS_BACKEND -----------------------------------------------------------------------
+
+
+def test_backend_serves_every_op(cuda_platform, tmp_path):
+    dispatch.configure(backend="torch")
+    assert _served_by("rmsnorm", tmp_path, *_args())[0] == ["torch"]
+    dispatch.configure(backend="triton")
+    assert _served_by("rmsnorm", tmp_path, *_args())[0] == ["triton"]
+
+
+def test_backend_lacking_ops_summary_line_and_first_use_notice(cuda_platform, tmp_path, capfd):
+    dispatch.configure(backend="tilelang")
+    lacking = [op for op in registry.OPS if Backend.TILELANG not in registry.BY_OP[op]]
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [f"[deepinfer] backend 'tilelang' lacks {len(lacking)} op(s), falling back to the "
+                   f"platform default (first: {lacking[0]})"]
+    dispatch.configure(backend="tilelang", verbose=True)
+    assert str(lacking) in capfd.readouterr().err
+    args = _args()
+    served, out = _served_by("rmsnorm", tmp_path, *args)
+    assert served == ["triton"]
+    assert_close(out, _expected(*args))
+    dispatch.slot("rmsnorm").call(*args)  # the notice is printed once, at the first use
+    notices = [l for l in capfd.readouterr().err.splitlines() if "op 'rmsnorm'" in l]
+    assert notices == ["[deepinfer] op 'rmsnorm' used from 'triton': 'tilelang' does not implement it"]
+
+
+def test_backend_that_cannot_run_here_falls_back_with_the_reason(tmp_path, capfd):
+    dispatch.set_platform(Platform("cuda", (6, 0), "old GPU"))
+    dispatch.configure(backend="triton")
+    assert _served_by("rmsnorm", tmp_path, *_args())[0] == ["torch"]
+    assert "needs compute capability >= 7.0, this is 6.0" in capfd.readouterr().err
+
+
+def test_unknown_backend_raises():
+    with pytest.raises(ValueError, match="unknown backend 'cutlass'; known backends: torch, triton"):
+        dispatch.configure(backend="cutlass")
+    with pytest.raises(ValueError, match="unknown backend 'cutlass'"):
+        Selection.from_env({"DEEPINFER_OPS_BACKEND": "cutlass"})
+
+
+# --- DEEPINFER_OPS_FALLBACK ----------------------------------------------------------------------
+
+
+def test_fallback_ops_come_from_the_platform_default(cuda_platform, tmp_path, capfd):
+    dispatch.configure(backend="torch", fallback=["rmsnorm"])
+    assert _served_by("rmsnorm", tmp_path, *_args())[0] == ["triton"]
+    assert _served_by("gemma_rmsnorm", tmp_path, *_args())[0] == ["torch"]
+    assert "used from" not in capfd.readouterr().err  # a requested fallback is silent
+
+
+def test_fallback_unknown_op_raises():
+    with pytest.raises(RuntimeError, match=r"DEEPINFER_OPS_FALLBACK names unknown op\(s\) \['rms_norm'\]"):
+        dispatch.configure(backend="torch", fallback=["rms_norm"])
+
+
+def test_fallback_op_the_backend_does_not_implement_raises():
+    with pytest.raises(RuntimeError, match="backend 'tilelang' does not implement: \\['rmsnorm'\\]"):
+        dispatch.configure(backend="tilelang", fallback=["rmsnorm"])
+
+
+# --- DEEPINFER_OPS_STRICT ------------------------------------------------------------------------
+
+
+def test_strict_with_fallback_raises():
+    with pytest.raises(RuntimeError, match="DEEPINFER_OPS_STRICT forbids DEEPINFER_OPS_FALLBACK"):
+        dispatch.configure(backend="torch", fallback=["rmsnorm"], strict=True)
+
+
+def test_strict_lacking_op_raises_kernel_unavailable(cuda_platform, capfd):
+    dispatch.configure(backend="tilelang", strict=True)
+    assert "DEEPINFER_OPS_STRICT is set, so calling them raises KernelUnavailableError" in capfd.readouterr().err
+    with pytest.raises(KernelUnavailableError, match="deepinfer::rmsnorm: 'tilelang' does not implement it") as e:
+        dispatch.slot("rmsnorm").call(*_args())
+    assert isinstance(e.value, AttributeError)
+
+
+def test_strict_refused_call_raises_instead_of_falling_back(cuda_platform):
+    dispatch.configure(backend="triton", strict=True)
+    x, w, eps = _args()
+    assert_close(dispatch.slot("rmsnorm").call(x, w, eps), _expected(x, w, eps))
+    with pytest.raises(KernelUnavailableError, match="triton: dtype torch.float64 is not one of"):
+        dispatch.slot("rmsnorm").call(x.double(), w.double(), eps)
+
+
+def test_strict_never_imports_the_default_backend():
+    r = _run("""
+        import sys, torch, torch_kernels
+        from torch_kernels import dispatch, Platform
+        dispatch.set_platform(Platform("cuda", (9, 0), "pretend"))
+        try:
+            dispatch.slot("rmsnorm").call(torch.randn(2, 8), torch.randn(8), 1e-6)
+        except torch_kernels.KernelUnavailableError as e:
+            print("raised:", e)
+        print("triton imported:", "torch_kernels.impl.triton.norm" in sys.modules)
+    """, {"DEEPINFER_OPS_BACKEND": "tilelang", "DEEPINFER_OPS_STRICT": "1"})
+    assert r.returncode == 0, r.stderr
+    assert "raised: deepinfer::rmsnorm" in r.stdout and "triton imported: False" in r.stdout
+
+
+def test_conftest_turns_kernel_unavailable_into_a_skip(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    pytester.makeconftest(open(os.path.join(ROOT, "tests", "conftest.py")).read())
+    pytester.makepyfile("""
+        import torch_kernels
+        def test_lacking():
+            raise torch_kernels.KernelUnavailableError("deepinfer::rmsnorm: not here")
+    """)
+    result = pytester.runpytest_subprocess("-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*kernel unavailable: deepinfer::rmsnorm: not here*"])
+
+
+# --- the environment, read at import ---------------------------------------------------------------
+
+
+def test_environment_is_read_at_import():
+    r = _run("import torch_kernels", {"DEEPINFER_OPS_BACKEND": "tilelang"})
+    assert r.returncode == 0
+    assert r.stderr.strip().splitlines() == [
+        f"[deepinfer] backend 'tilelang' lacks {len(registry.OPS)} op(s), falling back to the platform "
+        f"default (first: {registry.OPS[0]})"]
+    for env, message in [({"DEEPINFER_OPS_BACKEND": "nope"}, "unknown backend 'nope'"),
+                         ({"DEEPINFER_OPS_FALLBACK": "nope"}, "names unknown op(s) ['nope']"),
+                         ({"DEEPINFER_OPS_STRICT": "1", "DEEPINFER_OPS_FALLBACK": "rmsnorm"}, "forbids")]:
+        r = _run("import torch_kernels", env)
+        assert r.returncode != 0 and message in r.stderr, (env, r.stderr)
+
+
+def test_selection_from_env_parses_every_variable():
+    s = Selection.from_env({"DEEPINFER_OPS_BACKEND": " Triton ", "DEEPINFER_OPS_FALLBACK": "rmsnorm, gemma_rmsnorm,",
+                            "DEEPINFER_OPS_STRICT": "0", "DEEPINFER_OPS_VERBOSE": "1",
+                            "DEEPINFER_TRACE_KERNELS": "/tmp/t", "DEEPINFER_TRACE_KERNEL_ARGS": "yes"})
+    assert s == Selection(Backend.TRITON, frozenset({"rmsnorm", "gemma_rmsnorm"}), False, True, "/tmp/t", True)
+    assert Selection.from_env({}) == Selection()
+
+
+# --- tracing --------------------------------------------------------------------------------------
+
+
+def test_trace_first_use_of_each_op_and_backend(cuda_platform, tmp_path):
+    trace = tmp_path / "trace.txt"
+    dispatch.configure(trace_path=str(trace))
+    for _ in range(3):
+        dispatch.slot("rmsnorm").call(*_args())
+    dispatch.slot("gemma_rmsnorm").call(*_args())
+    assert trace.read_text().splitlines() == ["rmsnorm|triton", "gemma_rmsnorm|triton"]
+
+
+def test_trace_kernel_args_gives_the_signature_never_data(cuda_platform, tmp_path):
+    trace = tmp_path / "trace.txt"
+    dispatch.configure(trace_path=str(trace), trace_args=True)
+    x = torch.full((4, 160), 123.25)[:, :96]
+    dispatch.slot("rmsnorm").call(x, torch.randn(96, dtype=torch.float32), 1e-5)
+    assert trace.read_text().splitlines() == [
+        "rmsnorm|triton|args=(float32[4, 96]@cpustride=[160, 1], float32[96]@cpu, 1e-05)"]
+    assert "123.25" not in trace.read_text()
+
+
+def _append_many(path, rank, n, width):
+    for i in range(n):
+        dispatch.append_line(path, f"rank{rank}:{i}:" + chr(ord("a") + rank) * width)
+
+
+def test_trace_lines_from_many_processes_never_interleave(tmp_path):
+    path, ranks, n, width = str(tmp_path / "trace.txt"), 4, 200, 20000  # lines far over PIPE_BUF
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_append_many, args=(path, r, n, width)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    lines = open(path).read().splitlines()
+    assert len(lines) == ranks * n
+    for line in lines:
+        head, _, body = line.rpartition(":")
+        rank = int(head.split(":")[0][4:])
+        assert body == chr(ord("a") + rank) * width, f"interleaved line starting {line[:40]!r}"
+
+
+# --- lazy loading from many threads ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_first_calls_from_many_threads_select_and_load_once(device, monkeypatch):
+    # Triton's interpreter is not thread-safe (it patches triton.language while it runs), so on CPU
+    # the threads race through the reference backend; on the GPU host through the Triton kernel.
+    backend = "triton" if device == "cuda" else "torch"
+    dispatch.set_platform(None if device == "cuda" else Platform("cuda", (9, 0), "pretend H200"))
+    loads = []
+    real = spec._resolve
+
+    def counting(target):
+        loads.append(target)
+        return real(target)
+
+    monkeypatch.setattr(spec, "_resolve", counting)
+    dispatch.configure(backend=backend)  # fresh slots
+    n = 8
+    barrier, results, errors = threading.Barrier(n), [None] * n, []
+    inputs = [tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in _args()) for _ in range(n)]
+
+    def worker(i):
+        try:
+            barrier.wait()
+            results[i] = dispatch.slot("rmsnorm").call(*inputs[i])
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert loads.count(f"torch_kernels.impl.{backend}.norm:rmsnorm") == 1
+    for i in range(n):
+        assert_close(results[i], _expected(*inputs[i]))
+
+
+# --- the inventory ----------------------------------------------------------------------------------
+
+
+def test_two_implementations_of_one_op_in_a_backend_raise():
+    dup = KernelSpec("rmsnorm", Backend.TRITON, "somewhere.else:rmsnorm")
+    with pytest.raises(RuntimeError, match="backend 'triton' implements op 'rmsnorm' twice"):
+        registry.validate([*registry.KERNELS, dup])
+
+
+def test_op_without_reference_raises():
+    with pytest.raises(RuntimeError, match="op 'new_op' has no torch reference"):
+        registry.validate([*registry.KERNELS, KernelSpec("new_op", Backend.TRITON, "m:new_op")])
+
+
+def test_kernel_spec_target_must_be_module_attr():
+    with pytest.raises(ValueError, match="target must be 'module:attr'"):
+        KernelSpec("rmsnorm", Backend.TRITON, "no_colon")
+
+
+def test_every_spec_loads_its_target_or_names_its_missing_package():
+    for k in registry.KERNELS:
+        if k.capability.missing_package() is None:
+            assert callable(k.load()), k
+
+
+def test_inventory_imports_and_lists_without_torch():
+    """spec and registry are stdlib only: import them with torch (and every framework) blocked."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "triton", "tilelang", "flashinfer", "numpy"):
+                    raise ImportError(f"blocked: {name}")
+        sys.meta_path.insert(0, Block())
+        import importlib.util
+        sys.path.insert(0, ".")
+        # import the two modules without running torch_kernels/__init__ (which registers the ops)
+        import types
+        pkg = types.ModuleType("torch_kernels"); pkg.__path__ = ["torch_kernels"]; sys.modules["torch_kernels"] = pkg
+        from torch_kernels import spec, registry
+        print(spec.Platform.detect())
+        for k in registry.KERNELS:
+            print(k.op, k.backend.value, k.target)
+        assert "torch" not in sys.modules
+    """)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "cpu"
+    assert "rmsnorm torch torch_kernels.impl.torch.norm:rmsnorm" in lines
+    assert len(lines) == 1 + len(registry.KERNELS)

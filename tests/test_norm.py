@@ -1,0 +1,172 @@
+"""Numerics of the norm family: the reference against an independent fp64 formula, and every
+backend against the reference, over dtypes and awkward shapes (Triton in its interpreter on CPU)."""
+
+import pytest
+import torch
+
+import torch_kernels
+from torch_kernels import registry
+from torch_kernels.spec import Backend
+from torch_kernels.testing import assert_close
+
+from conftest import DEVICES
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (shape, row stride or None): one element, one token, hidden sizes that are not powers of two,
+# 3-D, zero tokens, strided rows, rows wider than the one-pass limit (two passes), the largest size.
+SHAPES = [((1, 1), None), ((1, 4096), None), ((7, 1000), None), ((2, 3, 257), None), ((0, 64), None),
+          ((5, 96), 160), ((3, 5120), None), ((2, 20000), None), ((1, 65536), None)]
+GPU_SHAPES = [((4096, 8192), None), ((33, 7168), 8192), ((1, 131072), None)]
+NORM = ["rmsnorm", "gemma_rmsnorm"]
+FUSED = ["fused_add_rmsnorm", "gemma_fused_add_rmsnorm"]
+
+
+def _rows(shape, stride, dtype, device, scale=1.0):
+    if stride is None:
+        return torch.randn(shape, dtype=dtype, device=device) * scale
+    return (torch.randn(*shape[:-1], stride, dtype=dtype, device=device) * scale)[..., :shape[-1]]
+
+
+def _formula(x, weight, eps, gemma):
+    """The definition in fp64, written independently of the reference."""
+    x64 = x.double()
+    w64 = weight.double() + (1.0 if gemma else 0.0)
+    return x64 / torch.sqrt((x64 * x64).sum(-1, keepdim=True) / x.shape[-1] + eps) * w64
+
+
+def _backends(op, device):
+    """(name, callable) for every implementation that runs on ``device`` here."""
+    out = [("registered", getattr(torch.ops.deepinfer, op).default)]
+    for spec in registry.implementations(op):
+        if spec.backend is Backend.TORCH:
+            out.append(("torch", spec.load()))
+        elif device == "cuda" and spec.is_available(torch_kernels.Platform.detect()):
+            out.append((spec.backend.value, spec.load()))
+        elif device == "cpu" and spec.backend is Backend.TRITON and spec.capability.missing_package() is None:
+            out.append(("triton-interpreted", spec.load()))
+    return out
+
+
+def _shape_cases(device):
+    return SHAPES + (GPU_SHAPES if device == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+@pytest.mark.parametrize("shape,stride", SHAPES, ids=str)
+@pytest.mark.parametrize("op", NORM + FUSED)
+def test_reference_matches_fp64_formula(op, shape, stride, dtype):
+    gemma = op.startswith("gemma")
+    x, w = _rows(shape, stride, dtype, "cpu"), torch.randn(shape[-1], dtype=dtype)
+    ref = registry.BY_OP[op][Backend.TORCH].load()
+    if op in NORM:
+        assert_close(ref(x, w, 1e-6), _formula(x, w, 1e-6, gemma).to(dtype))
+    else:
+        res = _rows(shape, stride, dtype, "cpu")
+        total = x.double() + res.double()
+        xi, ri = x.clone(), res.clone()
+        ref(xi, ri, w, 1e-6)
+        assert_close(ri, total.to(dtype))
+        assert_close(xi, _formula(total, w, 1e-6, gemma).to(dtype))
+
+
+def _check_backends(op, device, dtype, shape, stride, scale=1.0, poison=None):
+    w = torch.randn(shape[-1], dtype=dtype, device=device)
+    reference = registry.BY_OP[op][Backend.TORCH].load()
+    x = _rows(shape, stride, dtype, device, scale)
+    if poison is not None and x.numel():
+        x.view(-1, shape[-1])[0, 0] = poison
+    for name, fn in _backends(op, device):
+        if op in NORM:
+            x_before = x.clone()
+            assert_close(fn(x, w, 1e-5), reference(x, w, 1e-5), msg=f"backend {name}")
+            assert torch.equal(x.nan_to_num(), x_before.nan_to_num()), f"{name} clobbered its input"
+        else:
+            res = _rows(shape, stride, dtype, device)
+            xa, ra, xb, rb = x.clone(), res.clone(), x.clone(), res.clone()
+            w_before = w.clone()
+            if stride is not None:  # keep the strided layout the op receives
+                xa, ra = _restride(xa, stride), _restride(ra, stride)
+            assert fn(xa, ra, w, 1e-5) is None
+            reference(xb, rb, w, 1e-5)
+            assert_close(ra, rb, msg=f"backend {name}: residual")
+            assert_close(xa, xb, msg=f"backend {name}: output")
+            assert torch.equal(w, w_before), f"{name} clobbered the weight"
+
+
+def _restride(t, stride):
+    wide = torch.full((*t.shape[:-1], stride), float("nan"), dtype=t.dtype, device=t.device)
+    wide[..., :t.shape[-1]] = t
+    return wide[..., :t.shape[-1]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", NORM + FUSED)
+def test_backends_match_reference(op, dtype, device):
+    for shape, stride in _shape_cases(device):
+        _check_backends(op, device, dtype, shape, stride)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", NORM + FUSED)
+def test_backends_large_values_and_nonfinite(op, device):
+    # fp16 squares overflow above 256: the fp32 accumulation must not.
+    _check_backends(op, device, torch.float16, (4, 3000), None, scale=1000.0)
+    for poison in (float("nan"), float("inf")):
+        _check_backends(op, device, torch.float32, (3, 700), None, poison=poison)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_add_non_collapsible_leading_dims(device):
+    """Leading dims that are not one stride (a slice in the middle dim) still update in place."""
+    base_x, base_r = (torch.randn(3, 4, 160, device=device) for _ in range(2))
+    x, r = base_x[:, 1:3, :100], base_r[:, 1:3, :100]
+    w = torch.randn(100, device=device)
+    expected_x, expected_r = x.clone(), r.clone()
+    registry.BY_OP["fused_add_rmsnorm"][Backend.TORCH].load()(expected_x, expected_r, w, 1e-6)
+    for name, fn in _backends("fused_add_rmsnorm", device):
+        xa, ra = base_x.clone()[:, 1:3, :100], base_r.clone()[:, 1:3, :100]
+        fn(xa, ra, w, 1e-6)
+        assert_close(xa, expected_x, msg=name)
+        assert_close(ra, expected_r, msg=name)
+        assert torch.equal(xa._base[:, 0], base_x[:, 0]), f"{name} wrote outside the view"
+
+
+@pytest.mark.parametrize("op", NORM)
+def test_gradcheck_fp64(op):
+    x = torch.randn(2, 3, 19, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(19, dtype=torch.float64, requires_grad=True)
+    fn = getattr(torch.ops.deepinfer, op)
+    assert torch.autograd.gradcheck(lambda a, b: fn(a, b, 1e-5), (x, w))
+    assert torch.autograd.gradgradcheck(lambda a, b: fn(a, b, 1e-5), (x, w))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", NORM)
+def test_backward_matches_autograd_of_formula(op, device):
+    x = torch.randn(5, 300, device=device, requires_grad=True)
+    w = torch.randn(300, device=device, requires_grad=True)
+    g = torch.randn(5, 300, device=device)
+    torch.autograd.backward(getattr(torch_kernels, op)(x, w), g)
+    got = (x.grad, w.grad)
+    x.grad = w.grad = None
+    torch.autograd.backward(_formula(x, w, 1e-6, op.startswith("gemma")).float(), g)
+    assert_close(got[0], x.grad)
+    assert_close(got[1], w.grad, torch.float16)  # a sum over rows: looser
+
+
+@pytest.mark.parametrize("op", FUSED)
+def test_inplace_ops_refuse_autograd(op):
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match=rf"deepinfer::{op} does not support autograd"):
+        getattr(torch_kernels, op)(x, torch.randn(2, 8), torch.randn(8))
+    with torch.no_grad():  # no gradient requested: fine
+        getattr(torch_kernels, op)(x, torch.randn(2, 8), torch.randn(8))
+
+
+@pytest.mark.gpu
+def test_cuda_default_selection_is_a_kernel():
+    """On the GPU host the CUDA key is served by a compiled backend, not the reference."""
+    from torch_kernels import dispatch
+    chain, notice = dispatch.plan("rmsnorm")
+    assert chain[0].backend is not Backend.TORCH and notice is None

@@ -1,0 +1,141 @@
+"""``python -m torch_kernels [check|docs]``
+
+* ``check`` (the default): the platform, the selection, one row per op (the backends that implement
+  it, which are usable here and why the others are not, which one the CUDA key selects), then every
+  usable backend against the reference on fresh random inputs. Exits 1 on a mismatch.
+* ``docs``: regenerate ``docs/ops.md`` from the registered schemas and the wrappers' docstrings
+  (``--check``: exit 1 if the file is out of date instead).
+"""
+
+import argparse
+import inspect
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import torch_kernels
+from torch_kernels import dispatch, ops, registry
+from torch_kernels.spec import Backend, Capability, Platform
+from torch_kernels.testing import TOLERANCES, mutated_args, outputs_of
+
+DOCS_OPS = Path(__file__).resolve().parent.parent / "docs" / "ops.md"
+
+
+def _inventory(platform: Platform) -> list:
+    rows = [("op", "implemented by", "usable here", "CUDA key serves")]
+    for op in registry.OPS:
+        impls = registry.implementations(op)
+        usable = []
+        for k in impls:
+            why = k.unavailable_reason(platform)
+            usable.append(k.backend.value if why is None else f"{k.backend.value}: no ({why})")
+        chain, notice = dispatch.plan(op, platform)
+        serves = " > ".join(k.backend.value for k in chain) or f"nothing: {notice}"
+        if notice and chain:
+            serves += f"  [{notice}]"
+        rows.append((op, ", ".join(k.backend.value for k in impls), "; ".join(usable), serves))
+    return rows
+
+
+def _table(rows: list) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _self_check(platform: Platform) -> int:
+    device = "cuda" if platform.is_cuda else "cpu"
+    # Without a GPU, Triton kernels still run on CPU tensors in Triton's interpreter, as in CI; it
+    # must be switched on before Triton is first imported.
+    interpret_triton = (not platform.is_cuda and "triton" not in sys.modules
+                        and Capability(package="triton").missing_package() is None)
+    if interpret_triton:
+        os.environ["TRITON_INTERPRET"] = "1"
+    failures = 0
+    torch.manual_seed(0)
+    print(f"\nself-check on {device}: every usable backend against the reference, fp32/fp16/bf16")
+    for op in ops.ALL:
+        overload = getattr(torch.ops.deepinfer, op.name).default
+        mutated = mutated_args(overload)
+        reference = registry.BY_OP[op.name][Backend.TORCH].load()
+        candidates = [("registered op", overload)] + [
+            (k.backend.value, k.load()) for k in registry.implementations(op.name)
+            if k.backend is not Backend.TORCH and k.is_available(platform)]
+        if interpret_triton and Backend.TRITON in registry.BY_OP[op.name]:
+            candidates.append(("triton (interpreted)", registry.BY_OP[op.name][Backend.TRITON].load()))
+        for name, fn in candidates:
+            worst, bad = 0.0, []
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                for args in op.samples(device, dtype):
+                    got = outputs_of(fn, args, mutated)
+                    want = outputs_of(reference, args, mutated)
+                    atol, rtol = TOLERANCES[dtype]
+                    for g, w in zip(got, want):
+                        if not torch.allclose(g.float(), w.float(), atol=atol, rtol=rtol, equal_nan=True):
+                            bad.append(f"{dtype} {tuple(args[op.data_arg].shape)}")
+                        if g.numel():
+                            worst = max(worst, ((g.float() - w.float()).abs() / (atol + rtol * w.float().abs())).max().item())
+            failures += bool(bad)
+            status = "ok" if not bad else "MISMATCH " + ", ".join(bad)
+            print(f"  {op.name:28s} {name:21s} {status}  (worst error {worst:.2f} of tolerance)")
+    return failures
+
+
+def check() -> int:
+    platform = Platform.detect()
+    dispatch.set_platform(platform)
+    sel = dispatch.selection()
+    print(f"torch_kernels {torch_kernels.__version__}, torch {torch.__version__}, platform: {platform}")
+    print(f"selection: backend={sel.backend.value if sel.backend else 'platform default'}"
+          f" fallback={sorted(sel.fallback) or '-'} strict={sel.strict} trace={sel.trace_path or '-'}"
+          f"{' (with args)' if sel.trace_args else ''}")
+    print("every device other than CUDA is served by the torch reference\n")
+    print(_table(_inventory(platform)))
+    failures = _self_check(platform)
+    print(f"\n{'FAILED: ' + str(failures) + ' mismatch(es)' if failures else 'all backends match the reference'}")
+    return 1 if failures else 0
+
+
+def render_ops_doc() -> str:
+    """docs/ops.md: the registered schema and the wrapper's docstring of every op."""
+    out = ["# Op reference", "",
+           "Generated by `python -m torch_kernels docs` from the registered schemas and the wrappers'",
+           "docstrings; `tests/test_registration.py` fails when it is out of date. Do not edit by hand.", ""]
+    for op in ops.ALL:
+        schema = str(getattr(torch.ops.deepinfer, op.name).default._schema)
+        impls = ", ".join(k.backend.value for k in registry.implementations(op.name))
+        out += [f"## `{op.name}`", "", "```", schema, "```", "",
+                f"Python: `torch_kernels.{op.name}{inspect.signature(op.wrapper)}`  ", f"Backends: {impls}", "",
+                inspect.cleandoc(op.wrapper.__doc__), ""]
+    return "\n".join(out)
+
+
+def docs(check_only: bool) -> int:
+    text = render_ops_doc()
+    if check_only:
+        current = DOCS_OPS.read_text() if DOCS_OPS.exists() else ""
+        if current != text:
+            print(f"{DOCS_OPS} is out of date: run `python -m torch_kernels docs`", file=sys.stderr)
+            return 1
+        return 0
+    DOCS_OPS.write_text(text)
+    print(f"wrote {DOCS_OPS}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("check", help="platform, inventory, selection and a self-check (default)")
+    d = sub.add_parser("docs", help="regenerate docs/ops.md")
+    d.add_argument("--check", action="store_true", help="exit 1 if docs/ops.md is out of date")
+    args = parser.parse_args(argv)
+    if args.command == "docs":
+        return docs(args.check)
+    return check()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

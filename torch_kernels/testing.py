@@ -1,0 +1,41 @@
+"""What the tests and the self-check share: the tolerance table and the comparison."""
+
+import torch
+
+#: (atol, rtol) per dtype for a backend against the reference. Kernels and the reference both
+#: compute in fp32 and round once, so they differ by summation order and by the final rounding:
+#: up to 2 ulp of the output dtype (fp16 2^-10, bf16 2^-7 at magnitude 1).
+TOLERANCES = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+def assert_close(actual, expected, dtype=None, msg: str = "") -> None:
+    """``torch.testing.assert_close`` with the tolerance of ``dtype`` (default: ``expected``'s)."""
+    atol, rtol = TOLERANCES[dtype or expected.dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, equal_nan=True,
+                               msg=(lambda m: f"{msg}\n{m}") if msg else None)
+
+
+def mutated_args(overload) -> tuple:
+    """Indices of the arguments ``overload``'s schema marks as written (``Tensor(a!)``)."""
+    return tuple(i for i, a in enumerate(overload._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+def outputs_of(fn, args: tuple, mutated: tuple) -> list:
+    """Call ``fn`` on clones of ``args`` (strides kept) and return what it produced: its return
+    value(s), then the arguments it mutates."""
+    args = tuple(clone_keep_strides(a) if i in mutated else a for i, a in enumerate(args))
+    out = fn(*args)
+    produced = [] if out is None else list(out) if isinstance(out, (tuple, list)) else [out]
+    return produced + [args[i] for i in mutated]
+
+
+def clone_keep_strides(t):
+    """A copy of ``t`` with its strides (``clone`` makes strided rows contiguous)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
