@@ -21,13 +21,18 @@ from torch_kernels.dispatch import KernelUnavailableError, Selection
 from torch_kernels.spec import Backend, KernelSpec, Platform
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES
+from conftest import DEVICES, HAS_CUDA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Slots run their backend for real: on CUDA tensors on the GPU host, on CPU tensors (Triton
+# interpreted) elsewhere.
+DEV = "cuda" if HAS_CUDA else "cpu"
+
+
 def _args():
-    return torch.randn(3, 96), torch.randn(96), 1e-6
+    return torch.randn(3, 96, device=DEV), torch.randn(96, device=DEV), 1e-6
 
 
 def _expected(x, w, eps):
@@ -169,7 +174,7 @@ def test_strict_never_imports_the_default_backend():
         from torch_kernels import dispatch, Platform
         dispatch.set_platform(Platform("cuda", (9, 0), "pretend"))
         try:
-            dispatch.slot("rmsnorm").call(torch.randn(2, 8), torch.randn(8), 1e-6)
+            dispatch.slot("rmsnorm").call(torch.randn(2, 8, device="cuda" if torch.cuda.is_available() else "cpu"), torch.randn(8), 1e-6)
         except torch_kernels.KernelUnavailableError as e:
             print("raised:", e)
         print("triton imported:", "torch_kernels.impl.triton.norm" in sys.modules)
@@ -230,10 +235,11 @@ def test_trace_first_use_of_each_op_and_backend(cuda_platform, tmp_path):
 def test_trace_kernel_args_gives_the_signature_never_data(cuda_platform, tmp_path):
     trace = tmp_path / "trace.txt"
     dispatch.configure(trace_path=str(trace), trace_args=True)
-    x = torch.full((4, 160), 123.25)[:, :96]
-    dispatch.slot("rmsnorm").call(x, torch.randn(96, dtype=torch.float32), 1e-5)
+    x = torch.full((4, 160), 123.25, device=DEV)[:, :96]
+    dispatch.slot("rmsnorm").call(x, torch.randn(96, dtype=torch.float32, device=DEV), 1e-5)
+    dev = str(x.device)
     assert trace.read_text().splitlines() == [
-        "rmsnorm|triton|args=(float32[4, 96]@cpustride=[160, 1], float32[96]@cpu, 1e-05)"]
+        f"rmsnorm|triton|args=(float32[4, 96]@{dev}stride=[160, 1], float32[96]@{dev}, 1e-05)"]
     assert "123.25" not in trace.read_text()
 
 

@@ -16,8 +16,6 @@ how a compiled route can differ from the eager one.
 """
 
 import torch
-from torch import Tensor
-
 from . import dispatch, registry
 from .ops import ALL, NAMESPACE, OpDef
 from .spec import Backend
@@ -39,15 +37,35 @@ def _cuda_entry(validate, slot: dispatch.OpSlot):
     return cuda_entry
 
 
-def _refusing_autograd(op: OpDef):
+def _autograd_entry(op: OpDef):
+    """The ``Autograd`` kernel: the op's backward formula, or its refusal, when a gradient is
+    requested; otherwise straight on to the device kernel. Written out rather than through
+    ``torch.library.register_autograd``, whose generic kernel measured 5.7 µs a call on the CPU
+    machine against 4.5 for this one, with no gradient requested (the inference case)."""
     overload = getattr(getattr(torch.ops, NAMESPACE), op.name).default
+    below_autograd = torch._C._after_autograd_keyset
+    function = None
+    if op.backward is not None:
+        function = type(f"{op.name}_autograd", (torch.autograd.Function,), {
+            "forward": staticmethod(lambda ctx, keyset, *args: _forward(ctx, op, overload, keyset & below_autograd, args)),
+            "backward": staticmethod(lambda ctx, *grads: (None, *op.backward(ctx, *grads))),
+        })
 
     def autograd_entry(keyset, *args):
-        if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
-            raise RuntimeError(f"{op.qualname} does not support autograd: {op.no_grad_reason}")
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            if function is None:
+                raise RuntimeError(f"{op.qualname} does not support autograd: {op.no_grad_reason}")
+            return function.apply(keyset, *args)
         with torch._C._AutoDispatchBelowAutograd():
-            return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+            return overload.redispatch(keyset & below_autograd, *args)
     return autograd_entry
+
+
+def _forward(ctx, op: OpDef, overload, keyset, args):
+    with torch._C._AutoDispatchBelowAutograd():
+        out = overload.redispatch(keyset, *args)
+    op.setup_context(ctx, args, out)
+    return out
 
 
 def _register(op: OpDef) -> None:
@@ -56,10 +74,7 @@ def _register(op: OpDef) -> None:
     LIBRARY.impl(op.name, _checked(op.validate, reference), "CompositeExplicitAutograd")
     LIBRARY.impl(op.name, _cuda_entry(op.validate, dispatch.slot(op.name, op.data_arg)), "CUDA")
     torch.library.register_fake(op.qualname, op.fake, lib=LIBRARY)
-    if op.backward is not None:
-        torch.library.register_autograd(op.qualname, op.backward, setup_context=op.setup_context, lib=LIBRARY)
-    elif op.no_grad_reason is not None:
-        LIBRARY.impl(op.name, _refusing_autograd(op), "Autograd", with_keyset=True)
+    LIBRARY.impl(op.name, _autograd_entry(op), "Autograd", with_keyset=True)
 
 
 for _op in ALL:

@@ -8,7 +8,7 @@ Checks on sizes go through :func:`require`, which is a plain ``if`` in eager mod
 import torch
 from torch import Tensor
 
-_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOATING = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
 
 def _message(op: str, arg: str, message: str) -> str:
@@ -35,7 +35,7 @@ def tensor(op: str, arg: str, t) -> None:
 
 
 def floating(op: str, arg: str, t: Tensor) -> None:
-    if t.dtype not in _FLOATING:
+    if t.dtype not in FLOATING:
         fail(op, arg, f"must be float16, bfloat16, float32 or float64, got {t.dtype}", TypeError)
 
 
