@@ -18,7 +18,7 @@ import torch
 import torch_kernels
 from torch_kernels import dispatch, ops, registry
 from torch_kernels.spec import Backend, Capability, Platform
-from torch_kernels.testing import TOLERANCES, mutated_args, outputs_of
+from torch_kernels.testing import compare_outputs, mutated_args, outputs_of
 
 DOCS_OPS = Path(__file__).resolve().parent.parent / "docs" / "ops.md"
 
@@ -65,20 +65,16 @@ def _self_check(platform: Platform) -> int:
         if interpret_triton and Backend.TRITON in registry.BY_OP[op.name]:
             candidates.append(("triton (interpreted)", registry.BY_OP[op.name][Backend.TRITON].load()))
         for name, fn in candidates:
-            worst, bad = 0.0, []
+            bad = []
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
                 for args in op.samples(device, dtype):
-                    got = outputs_of(fn, args, mutated)
-                    want = outputs_of(reference, args, mutated)
-                    atol, rtol = TOLERANCES[dtype]
-                    for g, w in zip(got, want):
-                        if not torch.allclose(g.float(), w.float(), atol=atol, rtol=rtol, equal_nan=True):
-                            bad.append(f"{dtype} {tuple(args[op.data_arg].shape)}")
-                        if g.numel():
-                            worst = max(worst, ((g.float() - w.float()).abs() / (atol + rtol * w.float().abs())).max().item())
+                    try:
+                        compare_outputs(op, outputs_of(fn, args, mutated), outputs_of(reference, args, mutated), dtype)
+                    except AssertionError as e:
+                        bad.append(f"{dtype} {tuple(args[op.data_arg].shape)}: {str(e).splitlines()[0]}")
             failures += bool(bad)
             status = "ok" if not bad else "MISMATCH " + ", ".join(bad)
-            print(f"  {op.name:28s} {name:21s} {status}  (worst error {worst:.2f} of tolerance)")
+            print(f"  {op.name:32s} {name:21s} {status}")
     return failures
 
 

@@ -17,15 +17,28 @@ _TRITON = Capability(device_types=("cuda",), min_compute_capability=(7, 0), pack
 
 _FLOATS = ("float16", "bfloat16", "float32")
 
-# fp64 is accepted by the ops (gradcheck needs it) but not by the kernels: such calls go to the
-# next backend in the priority list, i.e. the reference.
-_NORM_OPS = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm")
+
+def _family(family: str, ops: Tuple[str, ...], triton_dtypes: Tuple[str, ...] = _FLOATS, triton: str = "") -> Tuple[KernelSpec, ...]:
+    """The torch reference and the Triton kernel of each op of ``family`` (``impl/<backend>/<family>.py``).
+    Dtypes the ops accept but the kernels do not (fp64) go to the next backend, the reference."""
+    return tuple(spec for op in ops for spec in (
+        KernelSpec(op, Backend.TORCH, f"torch_kernels.impl.torch.{family}:{op}", _TORCH,
+                   description="torch-native reference (fp32 compute)"),
+        KernelSpec(op, Backend.TRITON, f"torch_kernels.impl.triton.{family}:{op}", _TRITON, triton_dtypes,
+                   description=triton),
+    ))
+
 
 KERNELS: Tuple[KernelSpec, ...] = (
-    *(KernelSpec(op, Backend.TORCH, f"torch_kernels.impl.torch.norm:{op}", _TORCH,
-                 description="torch-native reference (fp32 compute)") for op in _NORM_OPS),
-    *(KernelSpec(op, Backend.TRITON, f"torch_kernels.impl.triton.norm:{op}", _TRITON, _FLOATS,
-                 description="one program per row; rows wider than 16384 in two passes") for op in _NORM_OPS),
+    *_family("norm", ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm"),
+             triton="one program per row; rows wider than 16384 in two passes"),
+    *_family("activation", ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")),
+    *_family("rope", ("rotary_embedding",)),
+    *_family("quant", ("per_token_group_quant_fp8",)),
+    *_family("moe", ("topk_softmax", "grouped_topk")),
+    *_family("attention", ("merge_attn_states",)),
+    *_family("sampling", ("top_k_top_p_sampling_from_probs", "top_k_renorm_probs", "top_p_renorm_probs"),
+             triton_dtypes=("float32",)),
 )
 
 #: The order in which the CUDA platform default tries backends, per op; the first one whose

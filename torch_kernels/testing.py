@@ -20,6 +20,17 @@ def assert_close(actual, expected, dtype=None, msg: str = "") -> None:
                                msg=(lambda m: f"{msg}\n{m}") if msg else None)
 
 
+def compare_outputs(opdef, got: list, want: list, dtype) -> None:
+    """A backend's outputs against the reference's: the op's own ``compare`` if it has one (FP8,
+    integer ids, samples), else :func:`assert_close` with ``dtype``'s tolerance for each output."""
+    if opdef.compare is not None:
+        opdef.compare(got, want, dtype)
+        return
+    assert len(got) == len(want), f"{len(got)} outputs, expected {len(want)}"
+    for g, w in zip(got, want):
+        assert_close(g, w, dtype if g.is_floating_point() else None)
+
+
 def mutated_args(overload) -> tuple:
     """Indices of the arguments ``overload``'s schema marks as written (``Tensor(a!)``)."""
     return tuple(i for i, a in enumerate(overload._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)

@@ -19,7 +19,10 @@ class OpDef:
     data_arg: int = 0  # the argument whose dtype a kernel's KernelSpec.dtypes refers to
     backward: Optional[Callable[..., Any]] = None  # torch.library.register_autograd formula
     setup_context: Optional[Callable[..., Any]] = None
-    no_grad_reason: Optional[str] = None  # ops that refuse autograd say why
+    no_grad_reason: Optional[str] = "it has no backward formula"  # ops without `backward` refuse autograd, saying why
+    # compare(got, want, dtype): a backend's outputs against the reference's (as
+    # testing.outputs_of returns them); raises AssertionError. None: testing.assert_close per output.
+    compare: Optional[Callable[..., None]] = None
 
     @property
     def name(self) -> str:
@@ -30,7 +33,8 @@ class OpDef:
         return f"{NAMESPACE}::{self.name}"
 
 
-from . import norm  # noqa: E402  (families import OpDef from here)
+# Families import OpDef from here, hence the late import.
+from . import activation, attention, moe, norm, quant, rope, sampling  # noqa: E402
 
-ALL: Tuple[OpDef, ...] = (*norm.OPS,)
+ALL: Tuple[OpDef, ...] = (*norm.OPS, *activation.OPS, *rope.OPS, *quant.OPS, *moe.OPS, *attention.OPS, *sampling.OPS)
 BY_NAME = {d.name: d for d in ALL}

@@ -1,0 +1,3 @@
+"""The activation family (being written)."""
+
+OPS = ()

@@ -1,0 +1,3 @@
+"""The attention family (being written)."""
+
+OPS = ()

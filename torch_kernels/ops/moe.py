@@ -1,0 +1,3 @@
+"""The moe family (being written)."""
+
+OPS = ()

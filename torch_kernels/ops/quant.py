@@ -1,0 +1,3 @@
+"""The quant family (being written)."""
+
+OPS = ()

@@ -1,0 +1,3 @@
+"""The rope family (being written)."""
+
+OPS = ()

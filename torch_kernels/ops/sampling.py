@@ -1,0 +1,3 @@
+"""The sampling family (being written)."""
+
+OPS = ()
