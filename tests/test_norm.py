@@ -172,3 +172,55 @@ def test_cuda_default_selection_is_a_kernel():
     from torch_kernels import dispatch
     chain, notice = dispatch.plan("rmsnorm")
     assert chain[0].backend is not Backend.TORCH and notice is None
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+def _bad_cases(op, device):
+    x, w = torch.randn(4, 64, device=device), torch.randn(64, device=device)
+    fused = op in FUSED
+    r = torch.randn(4, 64, device=device)
+
+    def args(x=x, w=w, r=r, eps=1e-6):
+        return (x, r, w, eps) if fused else (x, w, eps)
+    cases = [
+        ("integer input", args(x=torch.ones(4, 64, dtype=torch.int32, device=device)), TypeError, "input"),
+        ("weight of the wrong size", args(w=torch.randn(63, device=device)), ValueError, "weight"),
+        ("2-D weight", args(w=torch.randn(1, 64, device=device)), ValueError, "weight"),
+        ("integer weight", args(w=torch.ones(64, dtype=torch.int64, device=device)), TypeError, "weight"),
+        ("non-contiguous last dim", args(x=torch.randn(64, 4, device=device).t(),
+                                         r=torch.randn(64, 4, device=device).t()), ValueError, "input"),
+        ("zero hidden size", args(x=torch.randn(4, 0, device=device), w=torch.randn(0, device=device),
+                                  r=torch.randn(4, 0, device=device)), ValueError, "input"),
+        ("negative eps", args(eps=-1.0), ValueError, "eps"),
+        ("weight on another device", args(w=torch.randn(64, device="meta")), ValueError, "weight"),
+    ]
+    if fused:
+        cases += [
+            ("residual of another shape", args(r=torch.randn(5, 64, device=device)), ValueError, "residual"),
+            ("residual of another dtype", args(r=r.half()), TypeError, "residual"),
+            ("residual that is the input", args(r=x), ValueError, "residual"),
+        ]
+    return cases
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", NORM + FUSED)
+def test_bad_input_names_the_op_and_the_argument(op, device):
+    for what, args, exc, arg in _bad_cases(op, device):
+        before = [a.clone() for a in args if isinstance(a, torch.Tensor) and a.device.type != "meta"]
+        with pytest.raises(exc, match=rf"^deepinfer::{op}: argument '{arg}' ") as e:
+            getattr(torch.ops.deepinfer, op).default(*args)
+        after = [a for a in args if isinstance(a, torch.Tensor) and a.device.type != "meta"]
+        assert all(torch.equal(b.nan_to_num(), a.nan_to_num()) for b, a in zip(before, after)), f"{what}: clobbered"
+        assert e.value is not None, what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", NORM + FUSED)
+def test_tensors_on_cuda_and_cpu_raise_before_any_kernel(op):
+    x, w = torch.randn(4, 64, device="cuda"), torch.randn(64)
+    args = (x, torch.randn(4, 64, device="cuda"), w, 1e-6) if op in FUSED else (x, w, 1e-6)
+    with pytest.raises(ValueError, match=rf"deepinfer::{op}: argument 'weight' is on cpu but 'input' is on cuda"):
+        getattr(torch.ops.deepinfer, op).default(*args)
+    torch.cuda.synchronize()  # the CUDA context is intact

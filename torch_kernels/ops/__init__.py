@@ -15,7 +15,10 @@ class OpDef:
     validate: Callable[..., None]  # raises ValueError/TypeError naming the op and the argument
     fake: Callable[..., Any]  # output metadata from input metadata (meta and fake tensors)
     wrapper: Callable[..., Any]  # the typed public function; its docstring is the op's reference
-    samples: Callable[..., Iterator[tuple]]  # samples(device, dtype): fresh random arguments
+    samples: Callable[..., Iterator[tuple]]  # samples(device, dtype): fresh random arguments, awkward shapes
+    # tokens(n, device) -> (args, token_args): arguments for a batch of n tokens (n may be 0 or 1),
+    # and the indices of the arguments whose first dimension is that token count (for recompile tests)
+    tokens: Callable[..., Tuple[tuple, Tuple[int, ...]]]
     data_arg: int = 0  # the argument whose dtype a kernel's KernelSpec.dtypes refers to
     backward: Optional[Callable[..., Any]] = None  # torch.library.register_autograd formula
     setup_context: Optional[Callable[..., Any]] = None

@@ -209,15 +209,23 @@ def _samples_fused(device, dtype) -> Iterator[tuple]:
                torch.randn(n, device=device, dtype=dtype), 1e-5)
 
 
+def _tokens_norm(n: int, device) -> tuple:
+    return (torch.randn(n, 64, device=device), torch.randn(64, device=device), 1e-6), (0,)
+
+
+def _tokens_fused(n: int, device) -> tuple:
+    return (torch.randn(n, 64, device=device), torch.randn(n, 64, device=device), torch.randn(64, device=device), 1e-6), (0, 1)
+
+
 def _norm_op(name: str, wrapper, gemma: bool) -> OpDef:
     return OpDef(f"{name}(Tensor input, Tensor weight, float eps={_DEFAULT_EPS}) -> Tensor",
-                 _validator_norm(name), _fake_norm(name), wrapper, _samples_norm,
+                 _validator_norm(name), _fake_norm(name), wrapper, _samples_norm, _tokens_norm,
                  backward=_rms_backward(gemma), setup_context=_setup_context)
 
 
 def _fused_op(name: str, wrapper) -> OpDef:
     return OpDef(f"{name}(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps={_DEFAULT_EPS}) -> ()",
-                 _validator_fused(name), _fake_fused(name), wrapper, _samples_fused,
+                 _validator_fused(name), _fake_fused(name), wrapper, _samples_fused, _tokens_fused,
                  no_grad_reason="it overwrites input and residual in place; use rmsnorm(input + residual, weight) to differentiate")
 
 
