@@ -94,10 +94,9 @@ def bench_host() -> list:
     }
     if flashinfer is not None:
         cases["flashinfer.norm.rmsnorm"] = lambda: flashinfer.norm.rmsnorm(x, w, EPS)
-    rows = [{"case": name, "host us": harness.host_us(fn), "mode": "grad enabled"} for name, fn in cases.items()]
+    rows = [{"case": name, "host us": us, "mode": "grad enabled"} for name, us in harness.host_us_interleaved(cases).items()]
     with torch.inference_mode():
-        for name in ("triton launcher (direct)", "torch.ops.deepinfer.rmsnorm", "F.rms_norm"):
-            rows.append({"case": name, "host us": harness.host_us(cases[name]), "mode": "inference_mode"})
+        rows += [{"case": name, "host us": us, "mode": "inference_mode"} for name, us in harness.host_us_interleaved(cases).items()]
     rows.append({"case": "rmsnorm 1x4096 device time (graph replay)", "host us": harness.graph_us(cases["torch.ops.deepinfer.rmsnorm"]),
                  "mode": "device us"})
     return rows

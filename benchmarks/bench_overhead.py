@@ -41,10 +41,17 @@ def layers() -> list:
     rows = []
     for mode, ctx in (("grad enabled", torch.enable_grad), ("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode)):
         with ctx():
-            for name, fn in cases:
-                rows.append({"case": name, "mode": mode, "host us": harness.host_us(fn)})
+            times = harness.host_us_interleaved(dict(cases))
+        launcher = times["triton launcher (direct)"]
+        rows += [{"case": name, "mode": mode, "host us": us, "over launcher": us - launcher} for name, us in times.items()]
     return rows
 
 
 if __name__ == "__main__":
-    print(harness.markdown(layers(), ["case", "mode", "host us"]))
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    rows = layers()
+    if parser.parse_args().out:
+        harness.write_json(parser.parse_args().out, {**harness.header(), "host_1x4096_bf16": rows})
+    print(harness.markdown(rows, ["case", "mode", "host us", "over launcher"]))

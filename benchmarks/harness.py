@@ -39,6 +39,24 @@ def host_us(fn, loops: int = 5, calls: int = 5000) -> float:
     return best
 
 
+def host_us_interleaved(cases: dict, rounds: int = 9, calls: int = 3000) -> dict:
+    """Host µs per eager call of each case, measured in interleaved rounds (A B C A B C ...) and
+    keeping each case's best round, so that drift in the host's clock or load hits every case alike."""
+    for fn in cases.values():
+        for _ in range(100):
+            fn()
+    best = {name: float("inf") for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
 def copy_ceiling_gbps(sizes_mb=(64, 256, 1024)) -> float:
     """Device-to-device copy bandwidth, bytes read + written, the best over a few sizes (bf16
     buffers of the benchmark's order of size): the ceiling for memory-bound kernels."""
