@@ -202,10 +202,6 @@ class _Impl:
                 self.dtypes = frozenset(getattr(torch, d) for d in self.spec.dtypes) or None
                 self.fn = self.spec.load()
 
-    @property
-    def restricted(self) -> bool:
-        return bool(self.spec.dtypes) or self.spec.check is not None
-
     def refuses(self, args: tuple) -> Optional[str]:
         """Why this implementation cannot take these arguments, or ``None``."""
         if self.fn is None:
@@ -241,10 +237,13 @@ class OpSlot:
         with _lock:
             if self.call == self._resolve_and_call:
                 chain, notice = plan(self.op)
+                # backends after the first one that refuses nothing are never reached
+                unrestricted = [i for i, k in enumerate(chain) if not k.restricted]
+                chain = chain[:unrestricted[0] + 1] if unrestricted else chain
                 self.impls = [_Impl(k, self.data_arg, notice if i == 0 else None) for i, k in enumerate(chain)]
                 if not chain:
                     self.call = self._unavailable(notice)
-                elif len(chain) == 1 and not self.impls[0].restricted:
+                elif len(chain) == 1 and not chain[0].restricted:
                     self.call = self._single
                 else:
                     self.call = self._fast_chain()

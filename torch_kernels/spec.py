@@ -147,6 +147,11 @@ class KernelSpec:
             if t is not None and (":" not in t or not all(t.split(":", 1))):
                 raise ValueError(f"KernelSpec({self.op!r}, {self.backend.value!r}): target must be 'module:attr', got {t!r}")
 
+    @property
+    def restricted(self) -> bool:
+        """Whether some calls the op accepts are refused (a dtype list or a per-call check)."""
+        return bool(self.dtypes) or self.check is not None
+
     def unavailable_reason(self, platform: Platform) -> Optional[str]:
         """Why this implementation cannot run on ``platform`` (metadata only), or ``None``."""
         return self.capability.unmet(platform)

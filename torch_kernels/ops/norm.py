@@ -49,9 +49,9 @@ def _validate_fused(op: str, input: Tensor, residual: Tensor, weight: Tensor, ep
 def _validator_norm(op: str):
     def validate(input: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS) -> None:
         try:
-            if (input.dtype in check.FLOATING and weight.dtype in check.FLOATING and weight.shape == input.shape[-1:]
-                    and input.stride(-1) == 1 and weight.stride(0) == 1 and input.device == weight.device
-                    and input.shape[-1] and eps >= 0.0):
+            if (input.dtype in check.FLOATING and weight.dtype in check.FLOATING and weight.dim() == 1
+                    and 0 != input.shape[-1] == weight.shape[0] and input.stride(-1) == 1 and weight.is_contiguous()
+                    and input.device == weight.device and eps >= 0.0):
                 return
         except (IndexError, RuntimeError):  # 0-d tensors: the full checks say what is wrong
             pass
@@ -63,9 +63,9 @@ def _validator_fused(op: str):
     def validate(input: Tensor, residual: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS) -> None:
         try:
             if (input.dtype in check.FLOATING and residual.dtype == input.dtype and weight.dtype in check.FLOATING
-                    and residual.shape == input.shape and weight.shape == input.shape[-1:] and residual is not input
-                    and input.stride(-1) == 1 and residual.stride(-1) == 1 and weight.stride(0) == 1
-                    and input.device == residual.device == weight.device and input.shape[-1] and eps >= 0.0):
+                    and weight.dim() == 1 and 0 != input.shape[-1] == weight.shape[0] and residual.shape == input.shape
+                    and residual is not input and input.stride(-1) == 1 and residual.stride(-1) == 1
+                    and weight.is_contiguous() and input.device == residual.device == weight.device and eps >= 0.0):
                 return
         except (IndexError, RuntimeError):
             pass
