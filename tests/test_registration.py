@@ -57,7 +57,8 @@ def _block(op):
     def fn(*args):
         args = tuple(a.clone() if i == data_arg else a for i, a in enumerate(args))
         out = overload(*args)
-        return [t + 1 for t in ([out] if out is not None else [args[i] for i in mutated])]
+        outs = [out] if isinstance(out, torch.Tensor) else list(out) if out is not None else [args[i] for i in mutated]
+        return [(t.float() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t) + 1 for t in outs]
     return fn
 
 

@@ -1,0 +1,166 @@
+"""Triton ``per_token_group_quant_fp8``: one pass, each program a ``BLOCK_M x BLOCK_G`` block of
+(row, group) pairs, loaded as a ``[BLOCK_M, BLOCK_G, GROUP]`` tile and reduced along its last axis.
+
+Arguments arrive validated (``torch_kernels.ops.quant``): fp16/bf16/fp32 input, last dim contiguous
+(rows may be strided), ``group_size`` a power of two dividing the hidden size.
+
+Numerics against the reference (``impl/torch/quant.py``):
+* the scale is ``div_rn(amax, 448)`` (Triton's ``/`` is ``div.full.f32``, up to 2 ulp off; ``div_rn`` is
+  the correctly rounded division torch does), so scales are bit-equal to the reference's;
+* each element is multiplied by ``div_rn(1, scale)`` rather than divided by ``scale``: at most one
+  fp32 ulp from ``x / scale``, which moves ``q`` by one fp8 step only where ``x / scale`` lies within
+  that ulp of a rounding tie (the op's ``compare`` allows one step); exact with UE8M0 scales, whose
+  reciprocal is exact. With ``eps < 2**-100`` the reciprocal could overflow (scale below 2**-128), so
+  those calls divide each element with ``div_rn`` and are bit-equal;
+* fp8 rounding is done in fp32 by :func:`_round_to_e4m3` before the cast, so the cast only ever sees
+  values float8_e4m3fn represents exactly. Why: Triton's interpreter (the CPU test path) converts
+  fp32 to fp8 by truncation with a broken carry (measured, triton 3.9: 3218 of 20,700 values near the
+  fp8 grid wrong, e.g. 124 -> 64, NaN -> 384), while on the GPU ``cvt.rn.satfinite`` rounds to
+  nearest even. Rounding first makes both paths produce the same bits as
+  ``torch.Tensor.to(float8_e4m3fn)``, so the interpreter tests the GPU arithmetic.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from torch_kernels.impl.torch.quant import FP8_MAX as _FP8_MAX_FLOAT, empty_outputs
+
+FP8_MAX = tl.constexpr(_FP8_MAX_FLOAT)  # 448.0, the largest float8_e4m3fn
+
+# Elements per program (BLOCK_M * BLOCK_G * GROUP) and warps per 1024 of them: 4096 bf16 elements
+# over 4 warps is 32 per thread, four 16-byte loads in flight; not yet swept on the H200
+# (benchmarks/bench_quant.py --sweep times the alternatives).
+_TILE = 4096
+_ELEMENTS_PER_WARP = 1024
+# Below this eps the reciprocal of the scale may overflow: divide every element instead.
+_EXACT_DIV_EPS = 2.0 ** -100
+# In Triton's interpreter a reduction with a custom combine function is a Python loop per element
+# (measured: 0.5 s for one 4096-element program), while tl.max and tl.sum are numpy's nanmax and sum;
+# so the interpreter takes tl.max and adds a sum that is NaN when the group holds a NaN (which the
+# GPU's max.NaN.f32 combine propagates by itself). The result is the same.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _max_propagate_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _pow2_ceil(s):
+    """The smallest power of two >= s (fp32, s >= 0), exactly, from the bits; NaN stays NaN."""
+    bits = s.to(tl.int32, bitcast=True)
+    up = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(s != s, s, up)
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """``clamp(y, -448, 448)`` rounded to the nearest float8_e4m3fn value (ties to even), as an fp32
+    holding that value exactly; NaN stays NaN (re-encoded so that the interpreter's cast keeps it).
+
+    Adding ``magic = 1.5 * 2**(e + 20)`` (``e`` the exponent of ``|y|``, floored at e4m3's smallest
+    normal exponent -6) puts the sum in a binade whose fp32 ulp is e4m3's spacing ``2**(e - 3)`` at
+    ``|y|``, so the fp32 add rounds ``|y|`` to that spacing, ties to even; subtracting ``magic``
+    is exact. ``|y| <= 448`` keeps the result <= 448, the largest finite e4m3 value."""
+    a = tl.minimum(tl.abs(y), FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    exponent = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)  # biased; 121 = 127 - 6
+    magic = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (a + magic) - magic
+    r = tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign of y, -0.0 included
+    # A NaN whose top three mantissa bits are set: the interpreter's cast keeps it NaN (0x7F);
+    # the GPU's cast maps every NaN to NaN.
+    nan = tl.full(r.shape, 0x7FF00000, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(a != a, nan, r)
+
+
+@triton.jit
+def _per_token_group_quant_fp8(
+    x_ptr, x_row_stride,  # input (T, H) rows, read; last dim contiguous, row stride in elements
+    q_ptr,  # q (T, H) float8_e4m3fn, contiguous, written
+    s_ptr, s_row_stride, s_group_stride,  # scales (T, G) fp32, written: strides (G, 1) or column-major (1, T)
+    T,  # rows (tokens)
+    H,  # hidden size, G * GROUP
+    num_group_blocks,  # G // BLOCK_G: programs along one row
+    eps,  # floor of the group max (fp32)
+    GROUP: tl.constexpr,  # group size, a power of two
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_G: tl.constexpr,  # groups per program, a power of two dividing G (no column mask)
+    UE8M0: tl.constexpr,  # round each scale up to a power of two
+    EXACT_DIV: tl.constexpr,  # divide each element by the scale (div_rn) instead of multiplying by 1/scale
+    NUMPY_MAX: tl.constexpr,  # running in Triton's interpreter: reduce with tl.max + tl.sum (see _INTERPRETED)
+):
+    # Group blocks vary fastest so that consecutive programs walk along the same rows.
+    pid = tl.program_id(0)
+    pid_m = pid // num_group_blocks
+    pid_g = pid - pid_m * num_group_blocks
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    groups = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)  # [BLOCK_G]
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)  # T * row stride may pass 2**31
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BLOCK_G, GROUP], < H
+    mask = row_ok[:, None, None]
+
+    x = tl.load(x_ptr + rows64[:, None, None] * x_row_stride + cols[None, :, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if NUMPY_MAX:  # the interpreter: numpy's nanmax, plus a sum that is NaN where the group holds a NaN
+        amax = tl.max(tl.abs(x), 2) + tl.sum(tl.where(x != x, x, 0.0), 2)
+    else:  # max.NaN.f32: a group holding a NaN gets a NaN max (tl.max would skip it)
+        amax = tl.reduce(tl.abs(x), 2, _max_propagate_nan)  # [BLOCK_M, BLOCK_G]
+    amax = tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL)
+    scale = tl.math.div_rn(amax, FP8_MAX)
+    if UE8M0:
+        scale = _pow2_ceil(scale)
+    if EXACT_DIV:
+        y = tl.math.div_rn(x, scale[:, :, None])
+    else:
+        y = x * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, :, None]
+    q = _round_to_e4m3(y)
+
+    tl.store(q_ptr + rows64[:, None, None] * H + cols[None, :, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    s_offsets = rows64[:, None] * s_row_stride + groups[None, :].to(tl.int64) * s_group_stride
+    tl.store(s_ptr + s_offsets, scale, mask=row_ok[:, None])
+
+
+def _config(tokens: int, groups: int, group_size: int, tile: int = _TILE):
+    """(BLOCK_M, BLOCK_G, num_warps): about ``tile`` elements a program; BLOCK_G the largest power of
+    two dividing the group count (so no column is masked) that fits; BLOCK_M no larger than the
+    token count needs."""
+    block_g = min(groups & -groups, max(tile // group_size, 1))
+    block_m = min(max(tile // (block_g * group_size), 1), triton.next_power_of_2(tokens))
+    num_warps = min(max(block_m * block_g * group_size // _ELEMENTS_PER_WARP, 1), 16)
+    return block_m, block_g, num_warps
+
+
+def launch(x: Tensor, q: Tensor, s: Tensor, group_size: int, eps: float, scale_ue8m0: bool,
+           tile: int = _TILE, num_warps=None, exact_div=None) -> None:
+    """``x (T, H)``, ``q (T, H)`` contiguous, ``s (T, G)`` with any strides. ``tile``, ``num_warps``
+    and ``exact_div`` override the heuristics (the benchmark's sweep)."""
+    T, H = x.shape
+    if T == 0:
+        return
+    groups = H // group_size
+    block_m, block_g, warps = _config(T, groups, group_size, tile)
+    num_group_blocks = groups // block_g
+    grid = (triton.cdiv(T, block_m) * num_group_blocks,)
+    _per_token_group_quant_fp8[grid](
+        x, x.stride(0), q, s, s.stride(0), s.stride(1), T, H, num_group_blocks, eps,
+        GROUP=group_size, BLOCK_M=block_m, BLOCK_G=block_g, UE8M0=scale_ue8m0,
+        EXACT_DIV=eps < _EXACT_DIV_EPS if exact_div is None else exact_div, NUMPY_MAX=_INTERPRETED,
+        num_warps=num_warps or warps,
+    )
+
+
+def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10,
+                              column_major_scales: bool = False, scale_ue8m0: bool = False):
+    q, s = empty_outputs(input, group_size, column_major_scales)
+    H = input.shape[-1]
+    x = input if input.dim() == 2 else input.reshape(-1, H)  # a view unless the leading dims do not collapse
+    if x.shape[0] == 0:
+        return q, s
+    # The (T, G) views share the outputs' storage: leading dims are contiguous in both layouts.
+    launch(x, q.view(-1, H), s.view(-1, H // group_size), group_size, eps, scale_ue8m0)
+    return q, s
