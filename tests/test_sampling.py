@@ -1,0 +1,419 @@
+"""The sampling family: the reference against an independent fp64 formula; every backend against the
+reference, exactly (kept sets and sampled ids) over awkward shapes (Triton in its interpreter on CPU,
+with a small launch configuration as well, so that the buffer compaction, its overflow and the
+full-pass route all run on small rows); the sample distribution (chi-square); determinism; CUDA
+graphs; bad input."""
+
+import math
+import os
+
+import pytest
+import torch
+
+import torch_kernels
+from torch_kernels import registry
+from torch_kernels.impl.torch import sampling as reference
+from torch_kernels.ops import sampling as sampling_ops
+from torch_kernels.spec import Backend
+from torch_kernels.testing import assert_close
+
+from conftest import DEVICES
+
+RENORM = ["top_k_renorm_probs", "top_p_renorm_probs"]
+SAMPLING = "top_k_top_p_sampling_from_probs"
+OPS = RENORM + [SAMPLING]
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def _softmax(rows, vocab, device, scale=3.0, stride=None):
+    return torch.softmax(torch.randn(rows, stride or vocab, device=device) * scale, -1)[:, :vocab]
+
+
+def _ties(rows, vocab, device, levels=4):
+    return torch.softmax(torch.randint(0, levels, (rows, vocab), device=device).float(), -1)
+
+
+def _odd_values(rows, vocab, device):
+    """NaN, negative, -0.0, +inf, zero and subnormal entries; an all-zero row; a row whose only mass
+    is +inf; a row of subnormals."""
+    p = _softmax(rows, vocab, device)
+    p[0, :6] = torch.tensor([float("nan"), -0.5, -0.0, 0.0, 1e-30, 1e-40])
+    p[1] = 0.0
+    p[2, 7] = float("inf")
+    p[3] = torch.rand(vocab, device=device) * 1e-39
+    return p
+
+
+# ------------------------------------------------------------------------------------------------
+# The independent formula: fp64, rank- and pairwise-mass based (no sort, no fixed point).
+
+
+def _formula(probs, top_k, top_p):
+    """(kept mask, renormalised rows, margin): top-k by rank (fewer than k strictly larger values),
+    top-p by the fp64 mass of strictly larger survivors; ``margin``: the least distance of a positive
+    value's mass-above from the top-p limit, relative to the row's largest value. The fixed-point
+    reference rounds each value down by less than 2^-(Q-1) of the largest, so the two agree wherever
+    the margin exceeds :func:`_margin_needed`."""
+    p = probs.double().nan_to_num(nan=0.0, posinf=FLT_MAX).clamp(min=0.0)
+    B, V = p.shape
+    larger = p[:, None, :] > p[:, :, None]  # [b, i, j]: p_j > p_i
+    kept = torch.ones_like(p, dtype=torch.bool)
+    if top_k is not None:
+        k = top_k.long().cpu()
+        k = torch.where((k > 0) & (k < V), k, V).to(p.device)
+        kept = larger.sum(-1) < k[:, None]
+    margin = math.inf
+    if top_p is not None:
+        pk = torch.where(kept, p, 0.0)
+        total = pk.sum(-1, keepdim=True)
+        above = (larger * pk[:, None, :]).sum(-1)
+        limit = top_p.double()[:, None] * total
+        positive = kept & (p > 0) & (above > 0)  # above == 0: kept whatever the limit
+        if positive.any():
+            margin = ((above - limit).abs() / p.amax(-1, keepdim=True))[positive].min().item()
+        kept = kept & ((above == 0) | (above < limit))
+    kp = torch.where(kept, p, 0.0)
+    s = kp.sum(-1, keepdim=True)
+    return kept, torch.where(s > 0, kp / s.clamp(min=1e-300), 0.0), margin
+
+
+def _margin_needed(vocab: int) -> float:
+    return 2 * vocab * 2.0 ** (1 - reference.fixed_point_bits(vocab))
+
+
+FORMULA_CASES = [
+    # (probs maker, top_k, top_p)
+    (lambda d: _softmax(8, 1000, d), [1, 5, 50, 0, -3, 1000, 999, 2000], [0.9, 0.5, 0.99, 0.1, 1.0, 0.0, 0.7, 1.5]),
+    (lambda d: _softmax(4, 257, d, scale=1.0), [7, 0, 200, 3], [0.95, 0.8, 0.3, 1.0]),
+    (lambda d: _ties(4, 300, d), [10, 80, 0, 299], [0.5, 0.9, 0.35, 0.6]),
+    (lambda d: _odd_values(4, 200, d), [3, 4, 0, 10], [0.9, 0.9, 0.5, 0.6]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(FORMULA_CASES)))
+def test_reference_matches_independent_formula(case):
+    torch.manual_seed(case)
+    make, ks, ps = FORMULA_CASES[case]
+    probs = make("cpu")
+    top_k, top_p = torch.tensor(ks), torch.tensor(ps, dtype=torch.float32)
+    bits = reference.value_bits(probs)
+    q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(probs.shape[1]))
+    for k, p in [(top_k, None), (None, top_p), (top_k, top_p)]:
+        want_kept, want_renorm, margin = _formula(probs, k, p)
+        assert margin > _margin_needed(probs.shape[1]), f"test data too close to a top-p boundary ({margin}): change the seed"
+        kept, _ = reference.kept_mask(bits, q, k, p)
+        rows = (kept != want_kept).any(-1).nonzero().flatten().tolist()
+        assert not rows, f"kept sets differ in rows {rows}"
+        if p is None:
+            assert_close(reference.top_k_renorm_probs(probs, k), want_renorm.float())
+        elif k is None:
+            assert_close(reference.top_p_renorm_probs(probs, p), want_renorm.float())
+    assert torch.isfinite(reference.top_k_renorm_probs(probs, top_k)).all()
+
+
+def test_reference_top_k_keeps_ties_and_top_p_keeps_the_crossing_token():
+    probs = torch.tensor([[0.375, 0.1875, 0.1875, 0.125, 0.125], [0.5, 0.25, 0.125, 0.0625, 0.0625]])  # exact sums
+    k = reference.top_k_renorm_probs(probs, torch.tensor([2, 4]))
+    assert torch.equal(k > 0, torch.tensor([[True, True, True, False, False], [True, True, True, True, True]]))
+    assert_close(k[0], torch.tensor([0.5, 0.25, 0.25, 0.0, 0.0]))
+    # row 0: 0.375 < 0.5, 0.375 + 0.1875 (+ its tie) crosses it: keep both; row 1: 0.5 reaches 0.5 alone
+    p = reference.top_p_renorm_probs(probs, torch.tensor([0.5, 0.5]))
+    assert torch.equal(p > 0, torch.tensor([[True, True, True, False, False], [True, False, False, False, False]]))
+    zero = reference.top_p_renorm_probs(probs, torch.tensor([0.0, 0.0]))  # top_p 0: the largest value only
+    assert torch.equal(zero > 0, torch.tensor([[True] + [False] * 4] * 2))
+
+
+def test_philox_known_answers():
+    """Philox4x32-10 known-answer vectors of Random123 (kat_vectors)."""
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, want in cases:
+        got = reference.philox4x32_10(*(torch.tensor([v]) for v in counter + key))
+        assert [g.item() for g in got] == list(want)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backends against the reference, exactly.
+
+
+def _small_config():
+    from torch_kernels.impl.triton import sampling as triton_sampling
+    return triton_sampling.Config(cap=64, chunk=64, k_small=16, chunk_g=512, np_count=16, np_mass=16, num_warps=4)
+
+
+def _backends(op, device, small=False):
+    """(name, callable) for every implementation that runs on ``device`` here; with ``small``, the
+    Triton kernel with a small buffer as well."""
+    out = [("registered", getattr(torch.ops.deepinfer, op).default)]
+    for spec in registry.implementations(op):
+        runs = (spec.backend is Backend.TORCH
+                or (device == "cuda" and spec.is_available(torch_kernels.Platform.detect()))
+                or (device == "cpu" and spec.backend is Backend.TRITON and INTERPRET))
+        if runs:
+            out.append((spec.backend.value, spec.load()))
+            if small and spec.backend is Backend.TRITON:
+                from torch_kernels.impl.triton import sampling as triton_sampling
+                cfg = _small_config()
+                launch = {
+                    "top_k_renorm_probs": lambda p, k: triton_sampling._launch(p, k, None, None, None, False, cfg),
+                    "top_p_renorm_probs": lambda p, t: triton_sampling._launch(p, None, t, None, None, False, cfg),
+                    SAMPLING: lambda p, k, t, s, o: triton_sampling._launch(p, k, t, s, o, True, cfg),
+                }[op]
+                out.append(("triton-small-buffer", launch))
+    return out
+
+
+def _args(op, probs, top_k, top_p, seed=1234, offset=5):
+    device = probs.device
+    if op == "top_k_renorm_probs":
+        return probs, top_k
+    if op == "top_p_renorm_probs":
+        return probs, top_p
+    return (probs, top_k, top_p, torch.tensor(seed, device=device), torch.tensor([offset], device=device))
+
+
+def _check(op, name, got, want):
+    if op == SAMPLING:
+        assert got.dtype == torch.int32, f"{name}: {got.dtype}"
+        assert torch.equal(got.cpu(), want.cpu()), f"{name}: {got.tolist()[:16]} vs {want.tolist()[:16]}"
+    else:
+        assert got.dtype == torch.float32 and got.is_contiguous()
+        assert torch.equal(got != 0, want != 0), f"{name}: kept sets differ"
+        assert_close(got, want, msg=name)
+
+
+def _cases(device):
+    """(probs, top_k, top_p): one token, a full top-k, disabled filters, zero rows, strided rows,
+    ties, odd values; on CUDA the benchmark shape and the full-pass route at the Llama-3 vocabulary."""
+    t = lambda v, dtype=None: torch.tensor(v, device=device, dtype=dtype)  # noqa: E731
+    cases = [
+        (_softmax(1, 1, device), t([1]), t([0.5])),
+        (_softmax(3, 1000, device), t([5, 0, 1000], torch.int32), t([0.9, 0.3, 1.0])),
+        (_softmax(0, 64, device), t([], torch.int64), t([], torch.float32)),
+        (_softmax(4, 301, device, stride=384), t([-1, 1, 17, 301]), t([0.5, 0.99, 0.0, 0.75])),
+        (_ties(2, 129, device), t([3, 40], torch.int32), t([0.6, 0.95])),
+        (_odd_values(4, 200, device), t([3, 4, 0, 10]), t([0.9, 0.9, 0.5, 0.6])),
+    ]
+    if device == "cuda":
+        V = 128256
+        cases += [
+            (_softmax(64, V, device), torch.full((64,), 50, device=device), torch.full((64,), 0.9, device=device)),
+            (_softmax(8, V, device, scale=1.0), t([0, 2000, 1024, 1, V, -1, 100000, 7]),
+             t([0.9, 0.9, 0.5, 1.0, 0.2, 1.0, 0.95, 0.0])),
+            (_ties(4, V, device, levels=8), t([50, 5000, 0, 1], torch.int32), t([0.9, 0.5, 0.9, 0.9])),
+            (_softmax(5, 32000, device, stride=32768), t([40, 0, 600, 3, 31999]), t([0.8, 0.95, 0.99, 0.1, 0.999])),
+        ]
+    return cases
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_backends_match_reference(op, device):
+    torch.manual_seed(1)
+    ref = registry.BY_OP[op][Backend.TORCH].load()
+    for probs, top_k, top_p in _cases(device):
+        args = _args(op, probs, top_k, top_p)
+        before = [a.clone() for a in args]
+        want = ref(*args)
+        for name, fn in _backends(op, device):
+            _check(op, f"{name} {tuple(probs.shape)}", fn(*args), want)
+        assert all(torch.equal(b.nan_to_num(), a.nan_to_num()) for b, a in zip(before, args)), "an input was clobbered"
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a GPU or Triton's interpreter")
+@pytest.mark.parametrize("op", OPS)
+def test_triton_small_buffer_routes_match_reference(op):
+    """With a 64-slot buffer and top_k <= 16 on the candidate route, rows of 1000 exercise the buffer
+    compaction (k = 5, 16), ties that overflow it (the tie row) and the full-pass route (top_k 0, 100)."""
+    torch.manual_seed(2)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    probs = torch.cat([_softmax(4, 1000, device, scale=2.0), _ties(1, 1000, device, levels=3)])
+    top_k = torch.tensor([5, 16, 0, 100, 10], device=device)
+    top_p = torch.tensor([0.9, 0.5, 0.7, 0.95, 0.95], device=device)
+    args = _args(op, probs, top_k, top_p)
+    want = registry.BY_OP[op][Backend.TORCH].load()(*args)
+    (name, fn), = [(n, f) for n, f in _backends(op, device, small=True) if n == "triton-small-buffer"]
+    _check(op, name, fn(*args), want)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling: the kept set, the distribution, determinism.
+
+
+def _kept_of(probs, top_k, top_p):
+    bits = reference.value_bits(probs)
+    q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(probs.shape[1]))
+    return reference.kept_mask(bits, q, top_k, top_p)[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampled_ids_are_always_kept(device):
+    """Never a token outside the kept set, over 8 offsets x 256 rows per distribution (2048 draws
+    each, every row its own stream), checked against the reference's kept mask and the formula's."""
+    torch.manual_seed(3)
+    base = torch.cat([_softmax(2, 300, device, scale=2.0), _ties(1, 300, device), _odd_values(4, 300, device)[[0, 2, 3]]])
+    top_k = torch.tensor([20, 0, 25, 3, 300, 40], device=device)
+    top_p = torch.tensor([0.8, 0.6, 0.5, 0.9, 0.3, 0.7], device=device)
+    kept = _kept_of(base, top_k, top_p)
+    formula_kept, _, margin = _formula(base, top_k, top_p)
+    assert margin > _margin_needed(300) and torch.equal(kept, formula_kept)
+    reps = 256
+    probs, k, p = base.repeat(reps, 1), top_k.repeat(reps), top_p.repeat(reps)
+    row_kept = kept.repeat(reps, 1)
+    for offset in range(8):
+        ids = sampling_ops.top_k_top_p_sampling_from_probs(probs, k, p, torch.tensor(99, device=device),
+                                                            torch.tensor(offset, device=device))
+        assert row_kept.gather(1, ids.long()[:, None]).all(), f"offset {offset}: a token outside the kept set"
+
+
+def _chi_square_critical(dof: int, z: float = 4.265) -> float:
+    """The upper 1e-5 quantile of chi-square(dof), Wilson-Hilferty: a correct sampler fails once in 10^5."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_distribution_chi_square(device):
+    """100k draws (fixed seed) of one row: the counts match the renormalised kept distribution."""
+    torch.manual_seed(4)
+    V = 40
+    row = _softmax(1, V, device, scale=1.0)
+    top_k, top_p = torch.tensor([25], device=device), torch.tensor([0.7], device=device)
+    kept, expected, _ = _formula(row, top_k, top_p)
+    n_kept = int(kept.sum())
+    assert 5 <= n_kept < 25, n_kept  # both filters bite
+    reps, draws = 10000, 10
+    probs = row.repeat(reps, 1)
+    counts = torch.zeros(V, dtype=torch.float64, device=device)
+    for offset in range(draws):
+        ids = sampling_ops.top_k_top_p_sampling_from_probs(probs, top_k.repeat(reps), top_p.repeat(reps),
+                                                            torch.tensor(7, device=device), torch.tensor(offset, device=device))
+        counts += torch.bincount(ids.long(), minlength=V).double()
+    n = reps * draws
+    assert counts[~kept[0]].sum() == 0
+    exp = expected[0][kept[0]] * n
+    chi2 = (((counts[kept[0]] - exp) ** 2) / exp).sum().item()
+    assert chi2 < _chi_square_critical(n_kept - 1), f"chi-square {chi2:.1f} with {n_kept - 1} degrees of freedom"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_is_deterministic_per_seed_and_offset(device):
+    torch.manual_seed(5)
+    probs = _softmax(64, 500, device, scale=0.5)
+    top_k, top_p = torch.full((64,), 200, device=device), torch.full((64,), 0.95, device=device)
+
+    def draw(seed, offset, rows=64, shape=()):
+        return sampling_ops.top_k_top_p_sampling_from_probs(
+            probs[:rows], top_k[:rows], top_p[:rows], torch.full(shape, seed, dtype=torch.int64, device=device),
+            torch.full(shape, offset, dtype=torch.int64, device=device))
+    a = draw(1, 0)
+    assert torch.equal(a, draw(1, 0)) and torch.equal(a, draw(1, 0, shape=(1,)))
+    assert torch.equal(a[:5], draw(1, 0, rows=5)), "a row's stream depends on the batch size"
+    for other in (draw(1, 1), draw(2, 0), draw(1, 2**32), draw(-1, 0)):
+        assert (other != a).sum() > 32, "another seed or offset gave (nearly) the same draws"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_autograd(device):
+    probs = _softmax(2, 10, device).requires_grad_()
+    with pytest.raises(RuntimeError, match=r"deepinfer::top_k_renorm_probs does not support autograd"):
+        sampling_ops.top_k_renorm_probs(probs, torch.tensor([2, 3], device=device))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay_with_new_offset():
+    torch.manual_seed(6)
+    probs = _softmax(64, 128256, "cuda")
+    top_k, top_p = torch.full((64,), 50, device="cuda"), torch.full((64,), 0.9, device="cuda")
+    seed, offset = torch.tensor(11, device="cuda"), torch.tensor(0, device="cuda")
+    op = torch.ops.deepinfer.top_k_top_p_sampling_from_probs.default
+    op(probs, top_k, top_p, seed, offset)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(probs, top_k, top_p, seed, offset)
+    seen = []
+    for step in (3, 4, 1000):
+        offset.fill_(step)
+        graph.replay()
+        want = reference.top_k_top_p_sampling_from_probs(probs, top_k, top_p, seed, offset)
+        assert torch.equal(out, op(probs, top_k, top_p, seed, offset)) and torch.equal(out, want)
+        seen.append(out.clone())
+    assert not torch.equal(seen[0], seen[1])
+
+
+@pytest.mark.gpu
+def test_cuda_default_selection_is_a_kernel():
+    from torch_kernels import dispatch
+    for op in OPS:
+        chain, notice = dispatch.plan(op)
+        assert chain[0].backend is not Backend.TORCH and notice is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input.
+
+
+def _bad_cases(op, device):
+    probs = _softmax(4, 64, device)
+    good = {"probs": probs, "top_k": torch.tensor([1, 2, 3, 4], device=device),
+            "top_p": torch.full((4,), 0.9, device=device), "seed": torch.tensor(1, device=device),
+            "offset": torch.tensor([0], device=device)}
+    names = {"top_k_renorm_probs": ("probs", "top_k"), "top_p_renorm_probs": ("probs", "top_p"),
+             SAMPLING: ("probs", "top_k", "top_p", "seed", "offset")}[op]
+
+    def args(**change):
+        return tuple({**good, **change}[n] for n in names)
+    cases = [
+        ("1-D probs", args(probs=probs[0]), ValueError, "probs"),
+        ("3-D probs", args(probs=probs[None]), ValueError, "probs"),
+        ("fp16 probs", args(probs=probs.half()), TypeError, "probs"),
+        ("fp64 probs", args(probs=probs.double()), TypeError, "probs"),
+        ("non-contiguous vocabulary", args(probs=_softmax(64, 4, device).t()), ValueError, "probs"),
+        ("empty vocabulary", args(probs=probs[:, :0]), ValueError, "probs"),
+    ]
+    if "top_k" in names:
+        cases += [
+            ("top_k of the wrong length", args(top_k=torch.tensor([1, 2, 3], device=device)), ValueError, "top_k"),
+            ("2-D top_k", args(top_k=torch.ones(4, 1, dtype=torch.int64, device=device)), ValueError, "top_k"),
+            ("float top_k", args(top_k=torch.full((4,), 5.0, device=device)), TypeError, "top_k"),
+            ("top_k on another device", args(top_k=torch.ones(4, dtype=torch.int64, device="meta")), ValueError, "top_k"),
+        ]
+    if "top_p" in names:
+        cases += [
+            ("top_p of the wrong length", args(top_p=torch.full((5,), 0.9, device=device)), ValueError, "top_p"),
+            ("int top_p", args(top_p=torch.ones(4, dtype=torch.int32, device=device)), TypeError, "top_p"),
+            ("fp64 top_p", args(top_p=torch.full((4,), 0.9, dtype=torch.float64, device=device)), TypeError, "top_p"),
+        ]
+    if op == SAMPLING:
+        cases += [
+            ("int32 seed", args(seed=torch.tensor(1, dtype=torch.int32, device=device)), TypeError, "seed"),
+            ("two seeds", args(seed=torch.tensor([1, 2], device=device)), ValueError, "seed"),
+            ("float offset", args(offset=torch.tensor(1.0, device=device)), TypeError, "offset"),
+            ("(1, 1) offset", args(offset=torch.zeros(1, 1, dtype=torch.int64, device=device)), ValueError, "offset"),
+            ("offset on another device", args(offset=torch.tensor(0, device="meta")), ValueError, "offset"),
+        ]
+    return cases
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_bad_input_names_the_op_and_the_argument(op, device):
+    for what, args, exc, arg in _bad_cases(op, device):
+        before = [a.clone() for a in args if a.device.type != "meta"]
+        with pytest.raises(exc, match=rf"^deepinfer::{op}: argument '{arg}' "):
+            getattr(torch.ops.deepinfer, op).default(*args)
+        after = [a for a in args if a.device.type != "meta"]
+        assert all(torch.equal(b, a) for b, a in zip(before, after)), f"{what}: clobbered"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_tensors_on_cuda_and_cpu_raise_before_any_kernel(op):
+    probs = _softmax(4, 64, "cuda")
+    args = _args(op, probs, torch.tensor([1, 2, 3, 4]), torch.full((4,), 0.9))
+    with pytest.raises(ValueError, match=rf"^deepinfer::{op}: argument 'top_[kp]' is on cpu but 'probs' is on cuda"):
+        getattr(torch.ops.deepinfer, op).default(*args)
+    torch.cuda.synchronize()

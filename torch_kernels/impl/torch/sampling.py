@@ -1,0 +1,162 @@
+"""Reference sampling family: ``top_k_renorm_probs``, ``top_p_renorm_probs``, ``top_k_top_p_sampling_from_probs``.
+
+The semantics every backend reproduces EXACTLY (the kept sets and the sampled ids are bit-identical;
+only the renormalised values differ, by rounding):
+
+* **Values.** ``p = probs`` as fp32, with NaN, negatives and ``-0.0`` read as ``0`` and ``+inf`` as
+  the largest finite fp32. Non-negative fp32 values order like their bit patterns, so every
+  threshold below is an exact comparison of int32 bit patterns ``bits(p)``.
+* **Mass.** Masses are summed in 64-bit fixed point, so that they do not depend on summation order:
+  ``q = floor(p * 2^s)`` with ``s`` chosen per row so that the row's largest value lands in
+  ``[2^(Q-1), 2^Q)``, ``Q = min(44, 62 - bit_length(V - 1))``: a row of ``V`` values sums below
+  ``2^62``. (``q`` is exact for the larger values; values below ``2^-Q`` of the row's largest have no
+  mass at all, far below fp32 resolution of the row's sum.)
+* **top-k.** ``k = top_k`` if ``0 < top_k < V``, else ``V`` (keep all). ``t_k`` = the k-th largest
+  value; kept: ``p >= t_k`` (ties at the threshold are all kept, as FlashInfer's pivot does).
+* **top-p**, on the top-k survivors: ``M_k`` = their mass, ``G(i)`` = the mass of the survivors
+  strictly larger than ``p_i``; survivor ``i`` is kept iff ``G(i) == 0`` (the largest value is always
+  kept) or ``double(G(i)) < double(top_p) * double(M_k)`` (IEEE fp64, the same in every backend):
+  the smallest set of largest probabilities whose mass reaches ``top_p``, the token crossing the
+  threshold included, ties included. ``top_p >= 1`` keeps every survivor with mass.
+* **Sampling.** ``r = philox4x32_10(counter=(row, offset_lo, offset_hi, 0), key=(seed_lo, seed_hi))[0] >> 1``
+  (31 random bits; the row's own stream, independent of the batch size); ``M`` = the kept mass;
+  ``target = floor(r * M / 2^31)``, computed exactly in int64; the result is the first token, in
+  index order, whose inclusive cumulative kept mass exceeds ``target``. It always has mass, so it is
+  always kept; each kept token ``i`` is drawn with probability ``q_i / M`` up to 2^-31. A row with no
+  mass at all (all zero) returns 0.
+
+The renormalising ops return ``where(kept, p / sum(p[kept]), 0)`` in fp32 (the sum in fp64; a row
+whose kept sum is 0 returns zeros).
+"""
+
+import torch
+from torch import Tensor
+
+FLT_MAX = 3.4028234663852886e38
+_U32 = 0xFFFFFFFF
+# Philox4x32-10 (Salmon et al., SC'11; the constants of Random123 and triton.language.random).
+PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+
+
+def fixed_point_bits(vocab: int) -> int:
+    """``Q``: the bits of the row's largest value in the fixed point, so a row sums below ``2^62``."""
+    return min(44, 62 - (vocab - 1).bit_length())
+
+
+def value_bits(probs: Tensor) -> Tensor:
+    """``bits(p)`` (int32, >= 0) of the sanitised fp32 values: NaN/negative -> 0, +inf -> FLT_MAX."""
+    p = probs.float()
+    return torch.where(p > 0, p.clamp(max=FLT_MAX), 0.0).view(torch.int32)
+
+
+def fixed_point(bits: Tensor, max_bits: Tensor, q_bits: int) -> Tensor:
+    """``floor(p * 2^s)`` as int64 from the bit patterns: ``p = m * 2^(e-150)`` with the 24-bit
+    significand ``m``; the row's largest value (``max_bits``, ``(B, 1)``) maps to ``[2^(Q-1), 2^Q)``."""
+    b = bits.long()
+    exp = b >> 23
+    m = (b & 0x7FFFFF) | torch.where(exp > 0, 0x800000, 0)
+    e_max = (max_bits.long() >> 23).clamp(min=1)
+    shift = exp.clamp(min=1) - e_max + (q_bits - 24)
+    left = m << shift.clamp(min=0)
+    right = m >> (-shift).clamp(min=0, max=31)
+    return torch.where(b > 0, torch.where(shift >= 0, left, right), 0)
+
+
+def _mulhilo(a: int, b: Tensor):
+    """``(hi, lo)`` 32-bit halves of ``a * b`` for a 32-bit constant ``a`` and int64 ``b`` holding
+    unsigned 32-bit values; in 16-bit pieces so nothing overflows int64."""
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    x, y = a * b_hi, a * b_lo  # < 2^48 each
+    hi = (x + (y >> 16)) >> 16
+    lo = (((x & 0xFFFF) << 16) + y) & _U32
+    return hi, lo
+
+
+def philox4x32_10(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: Tensor, k1: Tensor):
+    """Philox4x32 with 10 rounds on int64 tensors holding uint32 values (broadcasting); returns the
+    four output words. The same rounds as ``triton.language.random.philox_impl``."""
+    for _ in range(10):
+        hi_b, lo_b = _mulhilo(PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mulhilo(PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + PHILOX_KEY_A) & _U32, (k1 + PHILOX_KEY_B) & _U32
+    return c0, c1, c2, c3
+
+
+def random_bits31(rows: int, seed: Tensor, offset: Tensor, device) -> Tensor:
+    """``(rows,)`` int64: 31 random bits per row, from counter ``(row, offset_lo, offset_hi, 0)`` and
+    key ``(seed_lo, seed_hi)``."""
+    seed, offset = seed.reshape(()).to(device=device, dtype=torch.int64), offset.reshape(()).to(device=device, dtype=torch.int64)
+    row = torch.arange(rows, device=device, dtype=torch.int64)
+    zero = torch.zeros_like(row)
+    c0, _, _, _ = philox4x32_10(row, zero + (offset & _U32), zero + ((offset >> 32) & _U32), zero,
+                                zero + (seed & _U32), zero + ((seed >> 32) & _U32))
+    return c0 >> 1
+
+
+def kept_mask(bits: Tensor, q: Tensor, top_k, top_p):
+    """``(kept (B, V) bool, mass of the kept set (B,) int64)``; ``top_k``/``top_p`` ``None``: no filter."""
+    B, V = bits.shape
+    if top_k is None:
+        kept = torch.ones_like(bits, dtype=torch.bool)
+    else:
+        k = top_k.long()
+        k = torch.where((k > 0) & (k < V), k, V)
+        t_k = bits.sort(-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))  # the k-th largest
+        kept = bits >= t_k
+    qk = torch.where(kept, q, 0)
+    m_k = qk.sum(-1)
+    if top_p is None:
+        return kept, m_k
+    # G(i): the kept mass strictly above p_i = M_k - (kept mass <= p_i), from an ascending sort.
+    asc, order = bits.sort(-1)
+    cum = qk.gather(-1, order).cumsum(-1)
+    last_le = torch.searchsorted(asc, bits, right=True) - 1  # >= 0: bits itself is in the row
+    above = m_k.unsqueeze(-1) - cum.gather(-1, last_le)
+    limit = top_p.double().unsqueeze(-1) * m_k.double().unsqueeze(-1)
+    kept = kept & ((above == 0) | (above.double() < limit))
+    return kept, torch.where(kept, q, 0).sum(-1)
+
+
+def _filtered(probs: Tensor, top_k, top_p):
+    bits = value_bits(probs)
+    q = fixed_point(bits, bits.amax(-1, keepdim=True), fixed_point_bits(probs.shape[-1]))
+    kept, mass = kept_mask(bits, q, top_k, top_p)
+    return bits, q, kept, mass
+
+
+def _renorm(probs: Tensor, kept: Tensor, bits: Tensor) -> Tensor:
+    p = torch.where(kept, bits.view(torch.float32).double(), 0.0)
+    total = p.sum(-1, keepdim=True)
+    return torch.where(total > 0, p / total.clamp(min=1e-300), 0.0).float().contiguous()
+
+
+def top_k_renorm_probs(probs: Tensor, top_k: Tensor) -> Tensor:
+    if probs.shape[0] == 0:
+        return probs.new_empty(probs.shape)
+    bits, _, kept, _ = _filtered(probs, top_k, None)
+    return _renorm(probs, kept, bits)
+
+
+def top_p_renorm_probs(probs: Tensor, top_p: Tensor) -> Tensor:
+    if probs.shape[0] == 0:
+        return probs.new_empty(probs.shape)
+    bits, _, kept, _ = _filtered(probs, None, top_p)
+    return _renorm(probs, kept, bits)
+
+
+def sample_kept(q: Tensor, kept: Tensor, mass: Tensor, r31: Tensor) -> Tensor:
+    """The first token whose inclusive cumulative kept mass exceeds ``floor(r31 * mass / 2^31)``."""
+    hi, lo = mass >> 31, mass & 0x7FFFFFFF  # mass < 2^62: both below 2^31, no product overflows
+    target = r31 * hi + ((r31 * lo) >> 31)
+    cum = torch.where(kept, q, 0).cumsum(-1)
+    return (cum > target.unsqueeze(-1)).int().argmax(-1).int()  # no hit (no mass): 0
+
+
+def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+    B = probs.shape[0]
+    if B == 0:
+        return torch.empty(0, dtype=torch.int32, device=probs.device)
+    _, q, kept, mass = _filtered(probs, top_k, top_p)
+    return sample_kept(q, kept, mass, random_bits31(B, seed, offset, probs.device))

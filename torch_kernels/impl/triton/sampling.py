@@ -1,0 +1,401 @@
+"""Triton sampling family: one program per row, bit-identical to the reference.
+
+The semantics (``torch_kernels/impl/torch/sampling.py``) reduce every op to one threshold ``T`` on the
+row's fp32 bit patterns (kept: ``bits(p) >= T``) and the kept mass ``M`` in 64-bit fixed point; the
+kernel finds ``T`` and ``M`` with integer arithmetic only, so it agrees with the reference exactly,
+whatever the summation order. Two routes per row:
+
+* **Candidates** (``0 < top_k <= K_SMALL``, or the whole row fits in ``CAP``): one streaming pass over
+  the row collects, in index order, every value ``>= tau`` into a per-row scratch buffer of ``CAP``
+  slots, where ``tau`` is a lower bound of the k-th largest value. When a chunk would overflow the
+  buffer, ``tau`` is raised to the k-th largest of buffer + chunk (a bisection on the bit pattern in
+  registers) and the buffer is compacted. At the end the buffer holds every value ``>= t_k``, and the
+  top-k threshold, the top-p threshold (bisection on the fixed-point mass) and the sample (a prefix
+  sum) are computed in registers. One read of the row: this is the path of ``top_k=50``.
+* **Full passes** (no or large top-k, or ties that overflow the buffer): each threshold is found by
+  a multi-pivot search over the bit pattern, one read of the row (from L2 at the benchmark's 33 MB)
+  per round of pivots, until the bracket left holds at most ``CAP`` values; those are compacted into
+  the buffer (one more read) and the search ends in registers. Then a sampling scan that stops at
+  the sampled token (or the renormalised row is written).
+
+Exactness does not depend on the launch parameters: ``tests/test_sampling.py`` runs every route with
+a 64-slot buffer on rows of 1000 against the reference.
+
+Arguments arrive validated (``torch_kernels.ops.sampling``): probs ``(B, V)`` fp32 with a contiguous
+last dim, ``top_k`` int32/int64 ``(B,)``, ``top_p`` fp32 ``(B,)``, seed and offset int64 one-element
+tensors, all on one device.
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..torch.sampling import fixed_point_bits
+
+
+class Config(NamedTuple):
+    """Launch parameters (powers of two; ``k_small <= cap``). Chosen by register budget, not yet by
+    measurement (108 registers a thread at 16 warps for sm_90, no spills): ``benchmarks/bench_sampling.py
+    --sweep`` times the alternatives on the H200."""
+    cap: int = 4096  # candidate buffer slots per row (int32 bits + int32 index)
+    chunk: int = 4096  # elements per step of the streaming candidate pass
+    k_small: int = 1024  # the candidate route takes 0 < top_k <= k_small
+    chunk_g: int = 2048  # elements per step of the full-pass searches
+    np_count: int = 16  # pivots per pass of the top-k count search (log2(17) = 4.1 bits a pass)
+    np_mass: int = 8  # pivots per pass of the top-p mass search (int64 sums: fewer, 3.2 bits a pass)
+    num_warps: int = 16  # one program per row: 64 rows fill half the H200's SMs, so wide programs
+
+
+DEFAULT = Config()
+
+
+
+@triton.jit
+def _value_bits(row_ptr, cols, mask):
+    """int32 bit patterns of the sanitised values (NaN/negative -> 0, +inf -> FLT_MAX); -1 where masked."""
+    p = tl.load(row_ptr + cols, mask=mask, other=0.0)
+    p = tl.where(p > 0, tl.minimum(p, 3.4028234663852886e38), 0.0)
+    return tl.where(mask, p.to(tl.int32, bitcast=True), -1)
+
+
+@triton.jit
+def _fixed(bits, e_max, q_bits):
+    """int64 ``floor(p * 2^s)``: the row's largest value (exponent field ``e_max``) maps to
+    ``[2^(q_bits-1), 2^q_bits)``; 0 for bits <= 0 (zero or masked)."""
+    exp = bits >> 23
+    m = ((bits & 0x7FFFFF) | tl.where(exp > 0, 0x800000, 0)).to(tl.int64)
+    shift = tl.maximum(exp, 1) - e_max + (q_bits - 24)
+    left = m << tl.maximum(shift, 0).to(tl.int64)
+    right = m >> tl.minimum(tl.maximum(-shift, 0), 31).to(tl.int64)
+    return tl.where(bits > 0, tl.where(shift >= 0, left, right), 0)
+
+
+@triton.jit
+def _random_bits31(seed_ptr, offset_ptr, row):
+    """31 random bits: Philox4x32-10, counter (row, offset_lo, offset_hi, 0), key (seed_lo, seed_hi).
+    Written out (not ``tl.randint``) so the stream cannot change with the Triton version."""
+    seed = tl.load(seed_ptr)
+    offset = tl.load(offset_ptr)
+    c0 = row.to(tl.uint32)
+    c1 = (offset & 0xFFFFFFFF).to(tl.uint32)
+    c2 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c3 = c0 * 0
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    for _ in tl.static_range(10):
+        _c0, _c2 = c0, c2
+        c0 = tl.umulhi(_c2, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.umulhi(_c0, 0xD2511F53) ^ c3 ^ k1
+        c1 = _c2 * 0xCD9E8D57
+        c3 = _c0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return (c0 >> 1).to(tl.int64)
+
+
+@triton.jit
+def _target(r31, mass):
+    """``floor(r31 * mass / 2^31)`` exactly, for mass < 2^62."""
+    return r31 * (mass >> 31) + ((r31 * (mass & 0x7FFFFFFF)) >> 31)
+
+
+@triton.jit
+def _top_p_pred(g, limit):
+    """The top-p test of a value whose larger survivors have mass ``g``: kept iff this is true."""
+    return (g == 0) | (g.to(tl.float64) < limit)
+
+
+@triton.jit
+def _kth_in_registers(vb, k, lo, hi, c_above):
+    """The largest pattern in ``[lo, hi)`` with ``count(vb >= it) + c_above >= k`` (bisection; ``lo``
+    qualifies). ``vb``: the candidate patterns (-1 in unused slots), ``c_above``: values >= hi not in ``vb``."""
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        c = tl.sum((vb >= mid).to(tl.int32), axis=0) + c_above
+        lo = tl.where(c >= k, mid, lo)
+        hi = tl.where(c >= k, hi, mid)
+    return lo
+
+
+@triton.jit
+def _top_p_in_registers(vb, q, limit, lo, hi, g_lo, g_above):
+    """The smallest pattern in ``(lo, hi]`` that passes the top-p test (``lo`` fails, ``hi`` passes),
+    and the mass above the pattern just below it (the kept mass). ``vb``/``q``: the patterns in
+    ``(lo, hi]`` and their masses; ``g_lo``/``g_above``: the mass above ``lo``/``hi``."""
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        g = tl.sum(tl.where(vb > mid, q, 0), axis=0) + g_above
+        ok = _top_p_pred(g, limit)
+        hi = tl.where(ok, mid, hi)
+        lo = tl.where(ok, lo, mid)
+        g_lo = tl.where(ok, g_lo, g)
+    return hi, g_lo
+
+
+@triton.jit
+def _compact(row_ptr, V, lo, hi, dst, CHUNK_G: tl.constexpr, CAP: tl.constexpr):
+    """Store the row's patterns ``lo < b <= hi`` at ``dst`` in index order (the caller has counted at
+    most ``CAP``); returns how many."""
+    offs = tl.arange(0, CHUNK_G)
+    n = 0
+    for start in range(0, V, CHUNK_G):
+        cols = start + offs
+        b = _value_bits(row_ptr, cols, cols < V)
+        sel = (b > lo) & (b <= hi)
+        cnt = tl.sum(sel.to(tl.int32), axis=0)
+        if cnt > 0:
+            pos = n + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(dst + pos, b, mask=sel & (pos < CAP))
+            n += cnt
+    tl.debug_barrier()
+    return tl.minimum(n, CAP)
+
+
+@triton.jit
+def _filter_kernel(
+    probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
+    top_k_ptr, top_k_stride,  # (B,) int32/int64; <= 0 or >= V keeps all (read when HAS_K)
+    top_p_ptr, top_p_stride,  # (B,) fp32 (read when HAS_P)
+    seed_ptr, offset_ptr,  # one int64 each (read when SAMPLE)
+    out_ptr, out_row_stride,  # SAMPLE: (B,) int32 ids; else (B, V) fp32 renormalised rows
+    buf_bits_ptr, buf_idx_ptr,  # (B, CAP) int32 scratch: candidate bit patterns and token ids
+    V,  # vocabulary size (elements per row)
+    q_bits,  # fixed-point bits Q of the row's largest value (fixed_point_bits(V))
+    HAS_K: tl.constexpr,  # apply top-k
+    HAS_P: tl.constexpr,  # apply top-p (to the top-k survivors)
+    SAMPLE: tl.constexpr,  # write one sampled id per row, else the renormalised row
+    CAP: tl.constexpr,  # candidate buffer slots per row
+    CHUNK: tl.constexpr,  # elements per step of the streaming pass
+    K_SMALL: tl.constexpr,  # the candidate route takes top_k <= K_SMALL
+    CHUNK_G: tl.constexpr,  # elements per step of a full pass
+    NP_COUNT: tl.constexpr,  # pivots per top-k search pass
+    NP_MASS: tl.constexpr,  # pivots per top-p search pass
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = probs_ptr + row * probs_row_stride
+    buf_bits = buf_bits_ptr + row * CAP
+    buf_idx = buf_idx_ptr + row * CAP
+    offs = tl.arange(0, CHUNK)
+    slots = tl.arange(0, CAP)
+
+    k = V
+    if HAS_K:
+        k64 = tl.load(top_k_ptr + row * top_k_stride).to(tl.int64)
+        k = tl.where((k64 > 0) & (k64 < V), k64, V).to(tl.int32)
+
+    # ---- pass 1: the row's largest bit pattern; candidates >= tau into the buffer -------------------
+    # overflow == 1: the row takes the full-pass route (not a candidate row, or ties beyond CAP).
+    overflow = tl.where((k <= K_SMALL) | (V <= CAP), 0, 1)
+    tau = 0  # a lower bound of the k-th largest bit pattern
+    n = 0  # valid buffer slots
+    mxv = tl.full([CHUNK], -1, tl.int32)  # elementwise running max: reduced only when needed
+    b_next = _value_bits(row_ptr, offs, offs < V)
+    for start in range(0, V, CHUNK):
+        # the next chunk is requested before this one is processed: its latency hides behind the work
+        b = b_next
+        cols = start + offs
+        nxt = cols + CHUNK
+        b_next = _value_bits(row_ptr, nxt, nxt < V)
+        mxv = tl.maximum(mxv, b)
+        if overflow == 0:
+            sel = b >= tau
+            cnt = tl.sum(sel.to(tl.int32), axis=0)
+            if n + cnt > CAP:
+                # raise tau to the k-th largest of buffer + chunk (bisection on the bit pattern), compact
+                tl.debug_barrier()
+                vb = tl.load(buf_bits + slots, mask=slots < n, other=-1)
+                vi = tl.load(buf_idx + slots, mask=slots < n, other=0)
+                lo = tau
+                hi = tl.max(mxv, axis=0) + 1
+                while hi - lo > 1:
+                    mid = lo + (hi - lo) // 2
+                    c = tl.sum((vb >= mid).to(tl.int32), axis=0) + tl.sum((b >= mid).to(tl.int32), axis=0)
+                    lo = tl.where(c >= k, mid, lo)
+                    hi = tl.where(c >= k, hi, mid)
+                tau = lo
+                keep = vb >= tau
+                nb = tl.sum(keep.to(tl.int32), axis=0)
+                sel = b >= tau
+                cnt = tl.sum(sel.to(tl.int32), axis=0)
+                if nb + cnt > CAP:
+                    overflow = 1
+                else:
+                    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+                    tl.debug_barrier()
+                    tl.store(buf_bits + pos, vb, mask=keep)
+                    tl.store(buf_idx + pos, vi, mask=keep)
+                    n = nb
+            if (overflow == 0) & (cnt > 0):
+                pos = n + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+                tl.store(buf_bits + pos, b, mask=sel)
+                tl.store(buf_idx + pos, cols, mask=sel)
+                n += cnt
+    mx = tl.max(mxv, axis=0)  # the row's largest bit pattern
+    e_max = tl.maximum(mx >> 23, 1)
+
+    limit_scale = 0.0
+    if HAS_P:
+        limit_scale = tl.load(top_p_ptr + row * top_p_stride).to(tl.float64)
+    token = 0
+    if overflow == 0:
+        # ---- candidate route: everything >= t_k is in the buffer, in index order -----------------
+        tl.debug_barrier()
+        vb = tl.load(buf_bits + slots, mask=slots < n, other=-1)
+        vi = tl.load(buf_idx + slots, mask=slots < n, other=0)
+        thr = _kth_in_registers(vb, k, tau, mx + 1, 0)
+        q = _fixed(vb, e_max, q_bits)
+        mass = tl.sum(tl.where(vb >= thr, q, 0), axis=0)
+        if HAS_P:
+            # the smallest pattern >= t_k whose larger survivors weigh < top_p * M_k; below t_k
+            # "fails" (mass above it: M_k), the largest value passes (nothing above it)
+            thr, mass = _top_p_in_registers(vb, q, limit_scale * mass.to(tl.float64), thr - 1, mx, mass, 0)
+        if SAMPLE:
+            target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
+            cum = tl.cumsum(tl.where(vb >= thr, q, 0), axis=0)
+            first = tl.min(tl.where(cum > target, slots, CAP), axis=0)
+            token = tl.max(tl.where(slots == first, vi, 0), axis=0)  # no hit (no mass): 0
+    else:
+        # ---- full-pass route: multi-pivot searches over the row until the bracket of candidate
+        # patterns holds at most CAP values, then those are compacted into the buffer and the search
+        # ends in registers -------------------------------------------------------------------------
+        offs_g = tl.arange(0, CHUNK_G)
+        thr = 0
+        if k < V:
+            # t_k: the largest pattern with k values >= it. c_lo = count(>= lo) >= k > c_hi = count(>= hi)
+            lo = tau
+            hi = mx + 1
+            c_lo = V  # an upper bound until a pivot measures it
+            c_hi = 0
+            jc = tl.arange(0, NP_COUNT).to(tl.int64) + 1
+            while (hi - lo > 1) & (c_lo - c_hi > CAP):
+                piv = lo + ((hi - lo).to(tl.int64) * jc // (NP_COUNT + 1)).to(tl.int32)
+                counts = tl.zeros([NP_COUNT], dtype=tl.int32)
+                for start in range(0, V, CHUNK_G):
+                    cols = start + offs_g
+                    b = _value_bits(row_ptr, cols, cols < V)
+                    counts += tl.sum((b[:, None] >= piv[None, :]).to(tl.int32), axis=0)
+                ok = counts >= k
+                # counts fall as the pivot rises: the largest passing pivot has the least count
+                lo = tl.max(tl.where(ok, piv, lo), axis=0)
+                c_lo = tl.min(tl.where(ok, counts, c_lo), axis=0)
+                hi = tl.min(tl.where(ok, hi, piv), axis=0)
+                c_hi = tl.max(tl.where(ok, c_hi, counts), axis=0)
+            if hi - lo > 1:
+                nb = _compact(row_ptr, V, lo, hi - 1, buf_bits, CHUNK_G, CAP)
+                vb = tl.load(buf_bits + slots, mask=slots < nb, other=-1)
+                lo = _kth_in_registers(vb, k, lo, hi, c_hi)
+            thr = lo
+        mass = tl.zeros([], dtype=tl.int64)
+        kept = 0
+        for start in range(0, V, CHUNK_G):
+            cols = start + offs_g
+            b = _value_bits(row_ptr, cols, cols < V)
+            mass += tl.sum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
+            kept += tl.sum((b >= thr).to(tl.int32), axis=0)
+        if HAS_P:
+            limit = limit_scale * mass.to(tl.float64)
+            # lo fails the top-p test, hi passes; g_*/c_*: mass and count of the values above them
+            lo = thr - 1
+            hi = mx
+            g_lo = mass
+            c_lo = kept
+            g_hi = tl.zeros([], dtype=tl.int64)
+            c_hi = 0
+            jm = tl.arange(0, NP_MASS).to(tl.int64) + 1
+            while (hi - lo > 1) & (c_lo - c_hi > CAP):
+                piv = lo + ((hi - lo).to(tl.int64) * jm // (NP_MASS + 1)).to(tl.int32)
+                g = tl.zeros([NP_MASS], dtype=tl.int64)
+                c = tl.zeros([NP_MASS], dtype=tl.int32)
+                for start in range(0, V, CHUNK_G):
+                    cols = start + offs_g
+                    b = _value_bits(row_ptr, cols, cols < V)
+                    above = b[:, None] > piv[None, :]
+                    g += tl.sum(tl.where(above, _fixed(b, e_max, q_bits)[:, None], 0), axis=0)
+                    c += tl.sum(above.to(tl.int32), axis=0)
+                ok = _top_p_pred(g, limit)
+                # mass and count fall as the pivot rises: the largest failing pivot has the least,
+                # the smallest passing one the most
+                lo = tl.max(tl.where(ok, lo, piv), axis=0)
+                g_lo = tl.min(tl.where(ok, g_lo, g), axis=0)
+                c_lo = tl.min(tl.where(ok, c_lo, c), axis=0)
+                hi = tl.min(tl.where(ok, piv, hi), axis=0)
+                g_hi = tl.max(tl.where(ok, g, g_hi), axis=0)
+                c_hi = tl.max(tl.where(ok, c, c_hi), axis=0)
+            if hi - lo > 1:
+                nb = _compact(row_ptr, V, lo, hi, buf_bits, CHUNK_G, CAP)
+                vb = tl.load(buf_bits + slots, mask=slots < nb, other=-1)
+                hi, g_lo = _top_p_in_registers(vb, _fixed(vb, e_max, q_bits), limit, lo, hi, g_lo, g_hi)
+            thr = hi
+            mass = g_lo
+        if SAMPLE:
+            target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
+            run = tl.zeros([], dtype=tl.int64)
+            found = 0
+            for start in range(0, V, CHUNK_G):
+                if found == 0:  # stops reading once the token is found
+                    cols = start + offs_g
+                    b = _value_bits(row_ptr, cols, cols < V)
+                    kq = tl.where(b >= thr, _fixed(b, e_max, q_bits), 0)
+                    cum = run + tl.cumsum(kq, axis=0)
+                    first = tl.min(tl.where(cum > target, cols, V), axis=0)
+                    found = tl.where(first < V, 1, 0)
+                    token = tl.where(first < V, first, token)
+                    run += tl.sum(kq, axis=0)
+
+    if SAMPLE:
+        tl.store(out_ptr + row, token)
+    else:
+        # ---- renormalised row: p / S, S = sum of the kept values, from the fixed-point mass ---------
+        # (exact to 2^-26 relative: each q loses < 1 unit of 2^-(Q-1) of the largest value)
+        scale = ((e_max - 126 - q_bits + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # 2^-s
+        total = mass.to(tl.float64) * scale
+        inv = tl.where(total > 0, 1.0 / tl.maximum(total, 1e-300), 0.0).to(tl.float32)
+        out_row = out_ptr + row * out_row_stride
+        for start in range(0, V, CHUNK_G):
+            cols = start + tl.arange(0, CHUNK_G)
+            b = _value_bits(row_ptr, cols, cols < V)
+            p = b.to(tl.float32, bitcast=True)
+            tl.store(out_row + cols, tl.where(b >= thr, p * inv, 0.0), mask=cols < V)
+
+
+def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Config = DEFAULT) -> Tensor:
+    B, V = probs.shape
+    if sample:
+        out = torch.empty(B, dtype=torch.int32, device=probs.device)
+    else:
+        out = torch.empty((B, V), dtype=torch.float32, device=probs.device)
+    if B == 0:
+        return out
+    cap = config.cap
+    buf_bits = torch.empty((B, cap), dtype=torch.int32, device=probs.device)
+    buf_idx = torch.empty((B, cap), dtype=torch.int32, device=probs.device)
+    dummy = out  # stands in for the pointers a mode does not read
+    _filter_kernel[(B,)](
+        probs, probs.stride(0),
+        top_k if top_k is not None else dummy, top_k.stride(0) if top_k is not None else 0,
+        top_p if top_p is not None else dummy, top_p.stride(0) if top_p is not None else 0,
+        seed if seed is not None else dummy, offset if offset is not None else dummy,
+        out, out.stride(0) if not sample else 1,
+        buf_bits, buf_idx,
+        V, fixed_point_bits(V),
+        HAS_K=top_k is not None, HAS_P=top_p is not None, SAMPLE=sample,
+        CAP=cap, CHUNK=config.chunk, K_SMALL=config.k_small, CHUNK_G=config.chunk_g,
+        NP_COUNT=config.np_count, NP_MASS=config.np_mass,
+        num_warps=config.num_warps,
+    )
+    return out
+
+
+def top_k_renorm_probs(probs: Tensor, top_k: Tensor) -> Tensor:
+    return _launch(probs, top_k, None, None, None, sample=False)
+
+
+def top_p_renorm_probs(probs: Tensor, top_p: Tensor) -> Tensor:
+    return _launch(probs, None, top_p, None, None, sample=False)
+
+
+def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+    return _launch(probs, top_k, top_p, seed, offset, sample=True)
