@@ -1,0 +1,43 @@
+"""Reference rotary embedding (vLLM's ``RotaryEmbedding.forward_native``), computed in fp32 (or in
+the input's dtype where wider) and rounded once into ``query`` and ``key``.
+
+Takes already-validated arguments (``torch_kernels.ops.rope`` validates): ``positions`` ``(T,)``
+int32/int64 within the cache, ``query`` ``(T, Hq*head_size)`` or ``(T, Hq, head_size)`` and the same
+for ``key`` (or ``None``), last dimension contiguous; ``cos_sin_cache`` ``(max_position, rot_dim)``
+holding ``rot_dim/2`` cosines then ``rot_dim/2`` sines per position.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def _heads(x: Tensor, head_size: int) -> Tensor:
+    """``(T, H*head_size)`` or ``(T, H, head_size)`` as a ``(T, H, head_size)`` view."""
+    return x if x.dim() == 3 else x.unflatten(-1, (-1, head_size))
+
+
+def _rotate(x: Tensor, head_size: int, cos: Tensor, sin: Tensor, is_neox: bool) -> None:
+    """Rotate the first ``rot_dim`` dims of every head of ``x`` in place; ``cos``/``sin`` are
+    ``(T, 1, rot_dim/2)`` in the compute dtype."""
+    heads = _heads(x, head_size)
+    rot = heads[..., :2 * cos.shape[-1]]
+    r = rot.to(cos.dtype)
+    if is_neox:  # pairs (i, i + rot_dim/2)
+        x1, x2 = r.chunk(2, dim=-1)
+    else:  # GPT-J: pairs (2i, 2i + 1)
+        x1, x2 = r[..., 0::2], r[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    out = torch.cat((o1, o2), dim=-1) if is_neox else torch.stack((o1, o2), dim=-1).flatten(-2)
+    rot.copy_(out)  # dims rot_dim..head_size are left as they are
+
+
+def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
+                     cos_sin_cache: Tensor, is_neox: bool) -> None:
+    cd = torch.promote_types(query.dtype, torch.float32)
+    cos, sin = cos_sin_cache.index_select(0, positions.reshape(-1)).to(cd).unsqueeze(-2).chunk(2, dim=-1)
+    _rotate(query, head_size, cos, sin, is_neox)
+    if key is not None:
+        _rotate(key, head_size, cos, sin, is_neox)
