@@ -6,7 +6,13 @@ imports no kernel framework; backends load on the first CUDA call of each op.
 
 from . import library  # noqa: F401  (registers the ops)
 from .dispatch import KernelUnavailableError, Selection, configure, selection
+from .ops.activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
+from .ops.attention import merge_attn_states
+from .ops.moe import grouped_topk, topk_softmax
 from .ops.norm import fused_add_rmsnorm, gemma_fused_add_rmsnorm, gemma_rmsnorm, rmsnorm
+from .ops.quant import per_token_group_quant_fp8
+from .ops.rope import rotary_embedding
+from .ops.sampling import top_k_renorm_probs, top_k_top_p_sampling_from_probs, top_p_renorm_probs
 from .spec import Backend, Platform
 
 __version__ = "0.1.0"
@@ -14,4 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend", "KernelUnavailableError", "Platform", "Selection", "configure", "selection",
     "rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm",
+    "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul", "rotary_embedding", "per_token_group_quant_fp8",
+    "topk_softmax", "grouped_topk", "merge_attn_states",
+    "top_k_renorm_probs", "top_p_renorm_probs", "top_k_top_p_sampling_from_probs",
 ]

@@ -18,13 +18,16 @@ _TRITON = Capability(device_types=("cuda",), min_compute_capability=(7, 0), pack
 _FLOATS = ("float16", "bfloat16", "float32")
 
 
-def _family(family: str, ops: Tuple[str, ...], triton_dtypes: Tuple[str, ...] = _FLOATS, triton: str = "") -> Tuple[KernelSpec, ...]:
+def _family(family: str, ops: Tuple[str, ...], triton_dtypes: Tuple[str, ...] = _FLOATS, triton: str = "",
+            triton_checks: bool = False) -> Tuple[KernelSpec, ...]:
     """The torch reference and the Triton kernel of each op of ``family`` (``impl/<backend>/<family>.py``).
-    Dtypes the ops accept but the kernels do not (fp64) go to the next backend, the reference."""
+    Dtypes the ops accept but the kernels do not (fp64) go to the next backend, the reference; with
+    ``triton_checks``, ``<op>_refuses`` in the Triton module turns away calls beyond its limits."""
     return tuple(spec for op in ops for spec in (
         KernelSpec(op, Backend.TORCH, f"torch_kernels.impl.torch.{family}:{op}", _TORCH,
                    description="torch-native reference (fp32 compute)"),
         KernelSpec(op, Backend.TRITON, f"torch_kernels.impl.triton.{family}:{op}", _TRITON, triton_dtypes,
+                   check=f"torch_kernels.impl.triton.{family}:{op}_refuses" if triton_checks else None,
                    description=triton),
     ))
 
@@ -32,13 +35,17 @@ def _family(family: str, ops: Tuple[str, ...], triton_dtypes: Tuple[str, ...] = 
 KERNELS: Tuple[KernelSpec, ...] = (
     *_family("norm", ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm"),
              triton="one program per row; rows wider than 16384 in two passes"),
-    *_family("activation", ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")),
-    *_family("rope", ("rotary_embedding",)),
-    *_family("quant", ("per_token_group_quant_fp8",)),
-    *_family("moe", ("topk_softmax", "grouped_topk")),
-    *_family("attention", ("merge_attn_states",)),
-    *_family("sampling", ("top_k_top_p_sampling_from_probs", "top_k_renorm_probs", "top_p_renorm_probs"),
-             triton_dtypes=("float32",)),
+    *_family("activation", ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"),
+             triton="flat grid of 1024-element tiles, short rows packed several to a tile"),
+    *_family("rope", ("rotary_embedding",), triton="one program per (token, chunk of heads); cos/sin loaded once per program"),
+    *_family("quant", ("per_token_group_quant_fp8",),
+             triton="one pass, a program per block of rows x groups; fp8 rounding done in fp32, exact in the interpreter too"),
+    *_family("moe", ("topk_softmax", "grouped_topk"), triton_checks=True,
+             triton="one kernel for both routers: 8-16 tokens a program, topk rounds of argmax; up to 8192 padded experts"),
+    *_family("attention", ("merge_attn_states",), triton="whole heads of one token per program, fp32 merge"),
+    *_family("sampling", ("top_k_renorm_probs", "top_p_renorm_probs", "top_k_top_p_sampling_from_probs"),
+             triton_dtypes=("float32",),
+             triton="one program per row: candidate buffer in one read (top_k <= 1024), else multi-pivot passes; bit-exact with the reference"),
 )
 
 #: The order in which the CUDA platform default tries backends, per op; the first one whose

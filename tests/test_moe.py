@@ -1,0 +1,373 @@
+"""Numerics of the MoE routers: the reference against an independent per-row formula (Python
+floats, fp64), explicit ties, non-finite logits, every backend against the reference over dtypes
+and awkward shapes (Triton in its interpreter on CPU), and bad input."""
+
+import math
+import os
+
+import pytest
+import torch
+
+import torch_kernels
+from torch_kernels import ops, registry
+from torch_kernels.ops.moe import compare_routing, grouped_topk, grouped_topk_args, near_ties, topk_softmax
+from torch_kernels.spec import Backend
+from torch_kernels.testing import assert_close
+
+from conftest import DEVICES
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+OPS = ["topk_softmax", "grouped_topk"]
+
+
+def _backends(op, device):
+    """(name, callable) for every implementation that runs on ``device`` here."""
+    out = [("registered", getattr(torch.ops.deepinfer, op).default)]
+    for spec in registry.implementations(op):
+        if spec.backend is Backend.TORCH:
+            out.append(("torch", spec.load()))
+        elif device == "cuda" and spec.is_available(torch_kernels.Platform.detect()):
+            out.append((spec.backend.value, spec.load()))
+        elif device == "cpu" and spec.backend is Backend.TRITON and os.environ.get("TRITON_INTERPRET") == "1":
+            out.append(("triton-interpreted", spec.load()))
+    return out
+
+
+def _reference(op):
+    return registry.BY_OP[op][Backend.TORCH].load()
+
+
+# --- the definition, one row at a time in Python floats ---------------------------------------------
+
+def _softmax(row):
+    m = max(row)
+    if math.isinf(m):
+        return [math.nan] * len(row)
+    e = [math.exp(v - m) for v in row]
+    return [v / sum(e) for v in e]
+
+
+def _sigmoid(v):
+    return 1.0 / (1.0 + math.exp(-v)) if v >= 0 else math.exp(v) / (1.0 + math.exp(v))
+
+
+def _best(keys, candidates, n):
+    """The n candidates of largest key, ties to the lower index (NaN ranks as +inf)."""
+    rank = lambda i: math.inf if math.isnan(keys[i]) else keys[i]  # noqa: E731
+    return sorted(candidates, key=lambda i: (-rank(i), i))[:n]
+
+
+def _finish(weights, renormalize, factor=1.0):
+    if renormalize:
+        total = sum(weights)
+        weights = [w / total for w in weights]
+    return [w * factor for w in weights]
+
+
+def _formula_topk_softmax(x, topk, renormalize=False):
+    out = []
+    for row in x.double().tolist():
+        p = _softmax(row)
+        ids = _best(p, range(len(p)), topk)
+        out.append((_finish([p[i] for i in ids], renormalize), ids))
+    return _tensors(out, topk)
+
+
+def _formula_grouped_topk(x, topk, renormalize, groups, topk_group, scoring="softmax", bias=None, factor=1.0):
+    out = []
+    b = None if bias is None else bias.double().tolist()
+    for row in x.double().tolist():
+        s = _softmax(row) if scoring == "softmax" else [_sigmoid(v) for v in row]
+        key = s if b is None else [a + c for a, c in zip(s, b)]
+        size = len(row) // groups
+        members = [range(g * size, (g + 1) * size) for g in range(groups)]
+        if b is None:
+            group_key = [max(key[i] for i in m) for m in members]
+        else:
+            group_key = [sum(key[i] for i in _best(key, m, 2)) for m in members]
+        kept = _best(group_key, range(groups), topk_group)
+        ids = _best(key, [i for g in kept for i in members[g]], topk)
+        out.append((_finish([s[i] for i in ids], renormalize, factor), ids))
+    return _tensors(out, topk)
+
+
+def _tensors(rows, topk):
+    w = torch.tensor([r[0] for r in rows], dtype=torch.float32).reshape(-1, topk)
+    ids = torch.tensor([r[1] for r in rows], dtype=torch.int32).reshape(-1, topk)
+    return w, ids
+
+
+FORMULA = {"topk_softmax": _formula_topk_softmax, "grouped_topk": _formula_grouped_topk}
+
+
+def _cpu(args):
+    return tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_reference_matches_formula(op, dtype):
+    for args in ops.BY_NAME[op].samples("cpu", dtype):
+        compare_routing(list(_reference(op)(*args)), list(FORMULA[op](*args)), dtype)
+
+
+def test_grouped_topk_applies_the_scaling_factor_after_renormalising():
+    """vLLM's order: weights / sum(weights) * routed_scaling_factor, so the weights sum to it."""
+    x, bias = torch.randn(6, 64), torch.randn(64) * 0.1
+    w, _ = grouped_topk(x, 6, True, 8, 4, "sigmoid", bias, 2.5)
+    assert_close(w.sum(-1), torch.full((6,), 2.5))
+    w1, ids1 = grouped_topk(x, 6, False, 8, 4, "sigmoid", bias, 2.5)
+    assert_close(w1, torch.sigmoid(x).gather(1, ids1.long()) * 2.5)  # the unbiased scores, scaled
+
+
+def test_topk_softmax_is_grouped_topk_with_one_group():
+    x = torch.randn(5, 40)
+    for renormalize in (False, True):
+        want = topk_softmax(x, 7, renormalize)
+        compare_routing(list(grouped_topk(x, 7, renormalize, 1, 1)), list(want), torch.float32)
+
+
+# --- every backend against the reference --------------------------------------------------------------
+
+#: extra shapes beyond the op samples: wide routers, topk = E, one expert, group counts and sizes
+#: that are not powers of two, many tokens (several programs).
+EXTRA = {
+    "topk_softmax": [(37, 128, None, 8, False), (1, 1, None, 1, True), (9, 384, 400, 16, True), (3, 7, None, 7, False)],
+    "grouped_topk": [(37, 128, None, 8, True, 8, 4, "sigmoid", torch.float32, 2.5),
+                     (2, 160, None, 6, True, 8, 3, "sigmoid", torch.float32, 2.5),
+                     (5, 30, 32, 12, False, 3, 3, "softmax", None, 1.0), (4, 12, None, 6, True, 6, 3, "sigmoid", "same", 1.0)],
+}
+GPU_EXTRA = {
+    "topk_softmax": [(8192, 256, None, 8, False), (4096, 128, None, 8, True), (1000, 512, None, 4, True),
+                     (3, 8192, None, 8, True)],
+    "grouped_topk": [(8192, 256, None, 8, True, 8, 4, "sigmoid", torch.float32, 2.5),
+                     (4096, 160, None, 6, True, 8, 3, "softmax", None, 16.0)],
+}
+
+
+def _args(op, row, device, dtype):
+    if op == "topk_softmax":
+        tokens, experts, stride, topk, renormalize = row
+        x = torch.randn(tokens, stride or experts, device=device, dtype=dtype)[:, :experts] * 2
+        return x, topk, renormalize
+    return grouped_topk_args(*row, device=device, dtype=dtype)
+
+
+def _check_backends(op, args, dtype, skip_rows=None):
+    want = _reference(op)(*args)
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    for name, fn in _backends(op, args[0].device.type):
+        try:
+            compare_routing(list(fn(*args)), list(want), dtype, skip_rows)
+        except AssertionError as e:
+            raise AssertionError(f"backend {name}, {op} {tuple(args[0].shape)} {args[1:]}: {e}") from None
+        for b, a in zip(before, args):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"{name} clobbered its input"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_backends_match_reference(op, dtype, device):
+    for args in ops.BY_NAME[op].samples(device, dtype):
+        _check_backends(op, args, dtype)
+    for row in EXTRA[op]:
+        _check_backends(op, _args(op, row, device, dtype), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_backends_match_reference_large(op, dtype):
+    torch.manual_seed(0)
+    for row in GPU_EXTRA[op]:
+        args = _args(op, row, "cuda", dtype)
+        skip = near_ties(op, args)  # ~10 rows in 8192 for DeepSeek-V3 keys
+        assert skip.sum() <= max(3, args[0].shape[0] // 200), f"{int(skip.sum())} near ties in {args[0].shape[0]} rows"
+        _check_backends(op, args, dtype, skip)
+
+
+# --- ties, and non-finite logits ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_topk_softmax_ties_go_to_the_lower_index(device):
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 0.0], [5.0] * 6], device=device)
+    for name, fn in _backends("topk_softmax", device):
+        w, ids = fn(x, 4, False)
+        assert ids.tolist() == [[1, 2, 4, 3], [0, 1, 2, 3]], name
+        assert w[0, 0] == w[0, 1] == w[0, 2] and w[1].eq(w[1, 0]).all(), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_topk_ties_go_to_the_lower_group_and_expert(device):
+    # groups {0,1} {2,3} {4,5} {6,7}: group 3 is best, groups 1 and 2 tie (the same logits, so the
+    # same top-2 sum and the same max); keeping two groups keeps 3 and 1, never 2
+    g = torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0]], device=device)
+    zero = torch.zeros(8, device=device)
+    for name, fn in _backends("grouped_topk", device):
+        _, ids = fn(g, 4, True, 4, 2, "sigmoid", zero, 1.0)
+        assert ids.tolist() == [[6, 7, 2, 3]], name
+        _, ids = fn(g, 3, True, 4, 2, "softmax", None, 1.0)
+        assert ids.tolist() == [[6, 7, 2]], name
+
+
+def _tie_cases(op, device, dtype):
+    """Integer logits (and a bias of two values): ties everywhere, among experts and groups. The
+    bias is constant over each group (of 6 or 12), so that keys tie only when their logits do: a
+    bias that differs within a group makes sums such as (s(2) + 0.25) + s(1) and s(2) + (s(1) +
+    0.25) tie in real arithmetic but not in every rounding."""
+    x = torch.randint(-3, 4, (7, 48), device=device).to(dtype)
+    if op == "topk_softmax":
+        return [(x, 8, True), (x, 48, False)]
+    bias = 0.25 * (torch.arange(48, device=device) // 12 % 2).float()
+    return [(x, 8, True, 8, 4, "sigmoid", bias, 2.5), (x, 5, False, 6, 2, "softmax", None, 1.0),
+            (x, 12, True, 4, 2, "softmax", bias, 1.0)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_many_ties_match_the_formula(op, dtype, device):
+    for args in _tie_cases(op, device, dtype):
+        want = FORMULA[op](*_cpu(args))
+        for name, fn in _backends(op, device):
+            got = [t.cpu() for t in fn(*args)]
+            try:
+                compare_routing(got, list(want), dtype)
+            except AssertionError as e:
+                raise AssertionError(f"{name} {op} {args[1:]}: {e}") from None
+
+
+def _nonfinite_logits(device):
+    x = torch.randn(4, 32, device=device)
+    x[0, 5] = float("nan")
+    x[1, 9] = float("inf")
+    x[2, :20] = float("-inf")
+    x[3, 3] = float("nan")  # sigmoid: only expert 3 is NaN, and ranks first
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_nonfinite_logits(op, device):
+    """A NaN or +inf logit makes a softmax row NaN (its weights NaN, its ids still the first
+    experts: NaN ranks as +inf, ties to the lower index); -inf logits are probability 0."""
+    x = _nonfinite_logits(device)
+    bias = torch.randn(32, device=device) * 0.1
+    cases = {"topk_softmax": [(x, 6, True), (x, 3, False)],
+             "grouped_topk": [(x, 6, True, 4, 2, "sigmoid", bias, 2.5), (x, 4, False, 8, 2, "softmax", None, 1.0)]}
+    for args in cases[op]:
+        want = _reference(op)(*args)
+        for name, fn in _backends(op, device):
+            got = fn(*args)
+            try:
+                compare_routing(list(got), list(want), torch.float32)
+            except AssertionError as e:
+                raise AssertionError(f"{name} {op} {args[1:]}: {e}") from None
+            ids = got[1]
+            assert ((ids >= 0) & (ids < 32)).all(), f"{name}: ids outside the experts"
+    if op == "topk_softmax":
+        w, ids = topk_softmax(x, 6, True)
+        assert w[:2].isnan().all() and ids[:2].tolist() == [list(range(6))] * 2
+        assert w[2].isfinite().all() and (ids[2] >= 20).all()
+    else:
+        _, ids = grouped_topk(x, 6, True, 4, 2, "sigmoid", bias, 2.5)
+        assert ids[3, 0] == 3
+
+
+# --- registration details that the generic tests do not see ----------------------------------------
+
+@pytest.mark.parametrize("op", OPS)
+def test_fake_outputs_and_trace(op):
+    args = next(iter(ops.BY_NAME[op].samples("meta", torch.bfloat16)))
+    w, ids = getattr(torch.ops.deepinfer, op).default(*args)
+    assert (w.dtype, ids.dtype, tuple(w.shape)) == (torch.float32, torch.int32, (args[0].shape[0], args[1]))
+    assert w.is_contiguous() and ids.is_contiguous()
+    compiled = torch.compile(lambda *a: ops.BY_NAME[op].wrapper(*a), backend="eager", fullgraph=True)
+    bad = (args[0].new_empty(4, 16, device="cpu").normal_(), 17) + ((True, 4, 2) if op == "grouped_topk" else ())
+    with pytest.raises(Exception, match=rf"deepinfer::{op}: argument 'topk' must be at most"):
+        compiled(*bad)
+
+
+def test_topk_softmax_and_grouped_topk_refuse_autograd():
+    x = torch.randn(3, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="deepinfer::topk_softmax does not support autograd"):
+        topk_softmax(x, 2)
+    with pytest.raises(RuntimeError, match="deepinfer::grouped_topk does not support autograd"):
+        grouped_topk(x, 2, True, 4, 2)
+    with torch.no_grad():
+        topk_softmax(x, 2)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(), reason="needs Triton")
+def test_triton_topk_softmax_and_grouped_topk_refuse_rows_wider_than_the_tile():
+    """The Triton kernel holds a token's experts in registers, up to MAX_TILE padded; its
+    KernelSpec.check sends wider routers to the reference, and the launcher itself refuses them."""
+    from torch_kernels.impl.triton import moe as triton_moe
+    wide, ok = torch.empty(2, triton_moe.MAX_TILE + 1), torch.empty(2, triton_moe.MAX_TILE)
+    assert triton_moe.topk_softmax_refuses(ok, 8) is None and triton_moe.grouped_topk_refuses(ok, 8, True, 8, 4) is None
+    assert "experts" in triton_moe.topk_softmax_refuses(wide, 8)
+    assert "experts" in triton_moe.grouped_topk_refuses(torch.empty(2, 5 * 2000), 8, True, 5, 2, "sigmoid", None, 1.0)
+    with pytest.raises(ValueError, match="exceed"):
+        triton_moe.topk_softmax(wide, 8)
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+def _bad_cases(op, device):
+    x = torch.randn(4, 64, device=device)
+    if op == "topk_softmax":
+        def args(x=x, topk=4):
+            return (x, topk, False)
+        return [
+            ("topk larger than the experts", args(topk=65), ValueError, "topk"),
+            ("topk 0", args(topk=0), ValueError, "topk"),
+            ("1-D logits", args(x=torch.randn(64, device=device)), ValueError, "gating_output"),
+            ("3-D logits", args(x=torch.randn(2, 4, 64, device=device)), ValueError, "gating_output"),
+            ("integer logits", args(x=torch.ones(4, 64, dtype=torch.int32, device=device)), TypeError, "gating_output"),
+            ("non-contiguous experts", args(x=torch.randn(64, 4, device=device).t()), ValueError, "gating_output"),
+            ("no experts", args(x=torch.randn(4, 0, device=device), topk=1), ValueError, "gating_output"),
+        ]
+    bias = torch.randn(64, device=device)
+
+    def args(x=x, topk=4, groups=8, topk_group=2, scoring="sigmoid", bias=bias):
+        return (x, topk, True, groups, topk_group, scoring, bias, 2.5)
+    return [
+        ("topk larger than the kept experts", args(topk=17), ValueError, "topk"),
+        ("topk 0", args(topk=0), ValueError, "topk"),
+        ("groups not dividing the experts", args(groups=5), ValueError, "num_expert_group"),
+        ("no groups", args(groups=0), ValueError, "num_expert_group"),
+        ("groups of one expert with a bias", args(groups=64, topk_group=4, topk=2), ValueError, "num_expert_group"),
+        ("topk_group above the groups", args(topk_group=9), ValueError, "topk_group"),
+        ("topk_group 0", args(topk_group=0), ValueError, "topk_group"),
+        ("unknown scoring", args(scoring="relu"), ValueError, "scoring_func"),
+        ("bias of the wrong size", args(bias=torch.randn(63, device=device)), ValueError, "e_score_correction_bias"),
+        ("2-D bias", args(bias=torch.randn(1, 64, device=device)), ValueError, "e_score_correction_bias"),
+        ("integer bias", args(bias=torch.ones(64, dtype=torch.int64, device=device)), TypeError, "e_score_correction_bias"),
+        ("strided bias", args(bias=torch.randn(128, device=device)[::2]), ValueError, "e_score_correction_bias"),
+        ("bias on another device", args(bias=torch.randn(64, device="meta")), ValueError, "e_score_correction_bias"),
+        ("1-D logits", args(x=torch.randn(64, device=device)), ValueError, "gating_output"),
+        ("integer logits", args(x=torch.ones(4, 64, dtype=torch.int32, device=device)), TypeError, "gating_output"),
+        ("non-contiguous experts", args(x=torch.randn(64, 4, device=device).t()), ValueError, "gating_output"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_bad_input_names_the_op_and_the_argument(op, device):
+    for what, args, exc, arg in _bad_cases(op, device):
+        before = [a.clone() for a in args if isinstance(a, torch.Tensor) and a.device.type != "meta"]
+        with pytest.raises(exc, match=rf"^deepinfer::{op}: argument '{arg}' ") as e:
+            getattr(torch.ops.deepinfer, op).default(*args)
+        after = [a for a in args if isinstance(a, torch.Tensor) and a.device.type != "meta"]
+        assert all(torch.equal(b, a) for b, a in zip(before, after)), f"{what}: clobbered"
+        assert e.value is not None, what
+
+
+@pytest.mark.gpu
+def test_grouped_topk_bias_on_cpu_raises_before_any_kernel():
+    x = torch.randn(4, 64, device="cuda")
+    with pytest.raises(ValueError, match=r"deepinfer::grouped_topk: argument 'e_score_correction_bias' is on cpu"):
+        grouped_topk(x, 4, True, 8, 2, "sigmoid", torch.randn(64), 1.0)
+    torch.cuda.synchronize()
