@@ -121,10 +121,12 @@ def bench_host() -> list:
 
 
 def sweep(ceiling: float) -> list:
-    """GB/s of the Triton kernel over its launch parameters, at the benchmark shape and at 256 tokens."""
+    """GB/s of the Triton kernel over its launch parameters, both pairings, at the benchmark shape and
+    at 256 tokens."""
     rows = []
-    for tokens in (TOKENS, 256):
-        args = _args(True, "2d", tokens)
+    for tokens, is_neox in itertools.product((TOKENS, 256), (True, False)):
+        pairing = "neox" if is_neox else "gptj"
+        args = _args(is_neox, "2d", tokens)
         want = _copy(args)
         reference.rotary_embedding(*want)
         for hpp, bh, nw in itertools.product((8, 16, HQ + HK), (4, 8, 16, 32), (1, 2, 4, 8)):
@@ -133,12 +135,12 @@ def sweep(ceiling: float) -> list:
             got = _copy(args)
             fn = lambda: triton_rope.launch(*got, heads_per_program=hpp, block_h=bh, num_warps=nw)  # noqa: E731
             fn()
-            assert_close(got[1], want[1], msg=f"sweep {hpp} {bh} {nw}")
+            assert_close(got[1], want[1], msg=f"sweep {pairing} {hpp} {bh} {nw}")
             us = harness.graph_us(fn)
-            rows.append({"tokens": tokens, "heads/program": hpp, "BLOCK_H": bh, "warps": nw, "us": us,
+            rows.append({"tokens": tokens, "pairing": pairing, "heads/program": hpp, "BLOCK_H": bh, "warps": nw, "us": us,
                          "GB/s": _bytes(args) / us / 1e3, "of copy": _bytes(args) / us / 1e3 / ceiling})
         hpp, bh, _, nw = triton_rope.config(tokens, HQ + HK, HEAD // 2)
-        print(f"heuristic at {tokens} tokens: heads/program {hpp}, BLOCK_H {bh}, warps {nw}")
+        print(f"heuristic at {tokens} tokens ({pairing}): heads/program {hpp}, BLOCK_H {bh}, warps {nw}")
     return rows
 
 
@@ -162,8 +164,9 @@ def main() -> None:
     print(f"\n{result['gpu']}  torch {result['versions']['torch']}  copy ceiling {ceiling:.0f} GB/s  "
           f"CUDA key: {' > '.join(result['cuda_key_serves'])}\n{result['shape']}\n")
     if swept:
-        best = [r for t in (TOKENS, 256) for r in sorted((r for r in swept if r["tokens"] == t), key=lambda r: r["us"])[:8]]
-        print(harness.markdown(best, ["tokens", "heads/program", "BLOCK_H", "warps", "us", "GB/s", "of copy"]))
+        best = [r for t, pr in itertools.product((TOKENS, 256), ("neox", "gptj"))
+                for r in sorted((r for r in swept if r["tokens"] == t and r["pairing"] == pr), key=lambda r: r["us"])[:6]]
+        print(harness.markdown(best, ["tokens", "pairing", "heads/program", "BLOCK_H", "warps", "us", "GB/s", "of copy"]))
         print()
     print(harness.markdown(host, ["case", "positions check", "host us"]))
     print()
