@@ -26,7 +26,7 @@ from conftest import DEVICES
 try:  # after conftest, which switches the interpreter on without a GPU
     import triton
     import triton.language as tl
-    from torch_kernels.impl.triton.quant import _round_to_e4m3
+    from torch_kernels.impl.triton.quant import _to_e4m3
 except ImportError:
     triton = None
 
@@ -186,7 +186,10 @@ def test_backends_nonfinite_and_extreme_values(op, device):
     want_q, want_s = _reference()(x, 128, 1e-10, False, False)
     assert want_s[0, 0].isnan() and want_q[0, :128].float().isnan().all()
     assert want_s[1, 1].isinf() and want_q[1, 130].float().isnan() and (want_q[1, 128:130].float() == 0).all()
-    assert want_s[3, 0] == torch.tensor(1e-10, dtype=torch.float32) / 448 and (want_q[3, :128].float() == 0).all()
+    # fp32(1e-10) / 448 correctly rounded (the CPU divides; on CUDA, torch's ``tensor / python_scalar``
+    # multiplies by fp32(1 / 448) instead, which gives 2.2321430e-13 here: one ulp above)
+    assert want_s[3, 0].item() == (torch.tensor(1e-10, dtype=torch.float32) / 448).item() == 2.2321428288629014e-13
+    assert (want_q[3, :128].float() == 0).all()
     for column_major, ue8m0 in [(False, False), (True, True)]:
         _check_backends(device, x, 128, 1e-10, column_major, ue8m0, "non-finite")
     # eps = 0: an all-zero group has scale 0 and q = 0/0 = NaN, as in vLLM
@@ -206,55 +209,89 @@ def test_backends_nonfinite_and_extreme_values(op, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reference_matches_fp64_formula_on_device(op, dtype, device):
+    """The reference's divisions are IEEE fp32 divisions on every device (on CUDA, ``tensor / 448``
+    with a Python scalar would multiply by the fp32 reciprocal: 55% of random scales one ulp off)."""
+    for shape, stride, group, column_major, ue8m0 in CASES[:4] + (GPU_CASES[:2] if device == "cuda" else []):
+        x = _rows(shape, stride, dtype, device)
+        q, s = _reference()(x, group, 1e-10, column_major, ue8m0)
+        q_want, s_want = _formula(x.cpu(), group, 1e-10, ue8m0)
+        assert torch.equal(s.cpu(), s_want), f"{shape} {dtype}: scales are max|x| / 448 correctly rounded"
+        assert torch.equal(q.float().cpu(), q_want), f"{shape} {dtype}: q is x / scale rounded twice"
+
+
+def _emulations(device):
+    """The Triton fp8 roundings to test: the GPU runs the hardware cast (the kernel's choice there)
+    and the fp32 emulation (the interpreter's, so the GPU checks the arithmetic the CPU tests run);
+    the interpreter runs only the emulation (its own cast is wrong, see impl/triton/quant.py)."""
+    return (False, True) if device == "cuda" else (True,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_triton_division_paths(op, device):
-    """The Triton kernel multiplies by 1/scale (one fp8 step at most from x / scale, and rarely) or,
-    forced, divides (bit-equal to the reference)."""
+    """The Triton kernel's scales are bit-equal to the fp64 formula (``div_rn`` is ``div.rn.f32``);
+    it multiplies by 1/scale (one fp8 step at most from x / scale, and rarely) or, forced, divides
+    (``div_rn``: q bit-equal to the formula), with either fp8 rounding."""
     if triton is None or device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton runs on CPU only in its interpreter")
     from torch_kernels.impl.triton import quant as tq
     x = _rows((16, 1024), None, torch.float32, device)
+    q_want, s_want = _formula(x.cpu(), 128, 1e-10, False)
     q_ref, s_ref = _reference()(x, 128, 1e-10)
-    for exact in (True, False):
-        q, s = torch.empty_like(q_ref), torch.empty_like(s_ref)
-        tq.launch(x, q, s, 128, 1e-10, False, exact_div=exact)
-        assert torch.equal(s, s_ref), "scales are bit-equal (div_rn)"
-        differ = int((q.view(torch.uint8) != q_ref.view(torch.uint8)).sum())
-        if exact:
-            assert differ == 0
-        else:
-            compare([q, s], [q_ref, s_ref])
-            assert differ <= x.numel() // 1000, f"{differ} of {x.numel()} values one step off"
+    for emulate in _emulations(device):
+        for exact in (True, False):
+            q, s = torch.empty_like(q_ref), torch.empty_like(s_ref)
+            tq.launch(x, q, s, 128, 1e-10, False, exact_div=exact, emulate_cast=emulate)
+            what = f"exact_div={exact} emulate_cast={emulate}"
+            assert torch.equal(s.cpu(), s_want), f"{what}: scales are bit-equal (div_rn)"
+            want_bytes = q_want.to(FP8).view(torch.uint8)
+            differ = int((q.cpu().view(torch.uint8) != want_bytes).sum())
+            if exact:
+                assert differ == 0, f"{what}: {differ} bytes differ"
+            else:
+                compare([q, s], [q_ref, s_ref])
+                assert differ <= x.numel() // 1000, f"{what}: {differ} of {x.numel()} values one step off"
 
 
 if triton is not None:
     @triton.jit
-    def _round_kernel(x_ptr, q_ptr, n, BLOCK: tl.constexpr):
+    def _round_kernel(x_ptr, q_ptr, n, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
         c = tl.arange(0, BLOCK)
         y = tl.load(x_ptr + c, mask=c < n, other=0.0)
-        tl.store(q_ptr + c, _round_to_e4m3(y).to(q_ptr.dtype.element_ty), mask=c < n)
+        tl.store(q_ptr + c, _to_e4m3(y, q_ptr.dtype.element_ty, EMULATE), mask=c < n)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_fp8_rounding_is_torchs(op, device):
-    """The kernel's rounding to e4m3 gives the bits ``Tensor.to(float8_e4m3fn)`` gives, on every
-    value of the fp8 grid, every midpoint and its neighbours, saturation, subnormals, signed zero and
-    NaN: in the interpreter (whose own fp32 -> fp8 cast is wrong) as on the GPU."""
+    """The kernel's rounding to e4m3 gives the bits ``Tensor.to(float8_e4m3fn)`` gives (after the
+    clamp at +-448), on every value of the fp8 grid, every midpoint and its neighbours, saturation,
+    subnormals, signed zero (-0.0 and negatives that round to zero) and NaN: the emulation in the
+    interpreter (whose own fp32 -> fp8 cast is wrong) and on the GPU, and the GPU's own cast."""
     if triton is None or device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton runs on CPU only in its interpreter")
     grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
     grid = grid[grid.isfinite()].sort().values
     mid = (grid[1:] + grid[:-1]) / 2
     big, small = torch.full_like(mid, 1e9), torch.full_like(mid, -1e9)
-    special = [0.0, -0.0, 448.0, -448.0, 463.9, 464.0, 465.0, 1e30, -float("inf"), float("inf"), float("nan"),
-               1e-40, -1e-40, 2.0 ** -10, -(2.0 ** -10), 3 * 2.0 ** -11, 2.0 ** -6, 2.0 ** -7]
+    special = [0.0, -0.0, 448.0, -448.0, 463.9, 464.0, 465.0, 1e30, -1e30, -float("inf"), float("inf"),
+               float("nan"), 1e-40, -1e-40, 2.0 ** -10, -(2.0 ** -10), 3 * 2.0 ** -11, 2.0 ** -6, 2.0 ** -7,
+               -(2.0 ** -11), -1e-5]
     x = torch.cat([grid, mid, torch.nextafter(mid, big), torch.nextafter(mid, small), torch.randn(3000) * 64,
-                   torch.randn(1000) * 1e-2, torch.tensor(special)]).to(device)
-    q = torch.empty(x.shape, dtype=FP8, device=device)
-    _round_kernel[(1,)](x, q, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
-    want = x.clamp(-448, 448).to(FP8)
+                   torch.randn(1000) * 1e-2, torch.tensor(special)])
+    want = x.clamp(-448, 448).to(FP8)  # on the CPU: the device's cast is what is tested
     nan = want.float().isnan()
-    assert torch.equal(q.float().isnan(), nan)
-    assert torch.equal(q.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
+    assert int((want.view(torch.uint8) == 0x80).sum()) > 10, "negative zeros are in the test"
+    for emulate in _emulations(device):
+        q = torch.empty(x.shape, dtype=FP8, device=device)
+        _round_kernel[(1,)](x.to(device), q, x.numel(), BLOCK=triton.next_power_of_2(x.numel()), EMULATE=emulate)
+        q = q.cpu()
+        assert torch.equal(q.float().isnan(), nan), f"emulate={emulate}: NaN placement"
+        bad = (q.view(torch.uint8) != want.view(torch.uint8)) & ~nan
+        assert not bad.any(), f"emulate={emulate}: {x[bad][:8].tolist()} -> {q.view(torch.uint8)[bad][:8].tolist()}, " \
+                              f"torch {want.view(torch.uint8)[bad][:8].tolist()}"
+    if device == "cuda":  # and the device's own cast agrees with the CPU's
+        assert torch.equal(x.cuda().clamp(-448, 448).to(FP8).cpu().view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
 
 
 @pytest.mark.parametrize("device", DEVICES)

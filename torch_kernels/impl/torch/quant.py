@@ -50,7 +50,10 @@ def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10
                               column_major_scales: bool = False, scale_ue8m0: bool = False) -> Tuple[Tensor, Tensor]:
     x = input.to(torch.float32).unflatten(-1, (-1, group_size))  # (..., G, group_size)
     # amax propagates NaN and clamp keeps it: a group holding a NaN gets a NaN scale and NaN q.
-    scale = x.abs().amax(-1).clamp(min=eps) / FP8_MAX  # (..., G)
+    amax = x.abs().amax(-1).clamp(min=eps)  # (..., G)
+    # Divide by a tensor, not a Python scalar: on CUDA `t / 448` multiplies by fp32(1/448), which is
+    # not correctly rounded (one ulp off for about half of all scales).
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if scale_ue8m0:
         scale = pow2_ceil(scale)
     q = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).flatten(-2).to(FP8)

@@ -12,12 +12,15 @@ Numerics against the reference (``impl/torch/quant.py``):
   that ulp of a rounding tie (the op's ``compare`` allows one step); exact with UE8M0 scales, whose
   reciprocal is exact. With ``eps < 2**-100`` the reciprocal could overflow (scale below 2**-128), so
   those calls divide each element with ``div_rn`` and are bit-equal;
-* fp8 rounding is done in fp32 by :func:`_round_to_e4m3` before the cast, so the cast only ever sees
-  values float8_e4m3fn represents exactly. Why: Triton's interpreter (the CPU test path) converts
-  fp32 to fp8 by truncation with a broken carry (measured, triton 3.9: 3218 of 20,700 values near the
-  fp8 grid wrong, e.g. 124 -> 64, NaN -> 384), while on the GPU ``cvt.rn.satfinite`` rounds to
-  nearest even. Rounding first makes both paths produce the same bits as
-  ``torch.Tensor.to(float8_e4m3fn)``, so the interpreter tests the GPU arithmetic.
+* the fp8 conversion: on the GPU ``y.to(float8e4nv)``, one ``cvt.rn.satfinite.e4m3x2.f32`` per two
+  values: round to nearest even, +-inf and |y| > 448 saturate to +-448, NaN -> NaN, -0 kept: exactly
+  ``clamp(y, -448, 448).to(float8_e4m3fn)``. Triton's interpreter (the CPU test path) converts fp32
+  to fp8 by truncation with a broken carry (measured, triton 3.9: 3218 of 20,700 values near the
+  fp8 grid wrong, e.g. 124 -> 64, NaN -> 384), so there (``EMULATE_CAST``) :func:`_round_to_e4m3`
+  first rounds in fp32 to a value float8_e4m3fn represents exactly, and the cast only copies it.
+  The emulation costs about ten integer/fp32 operations per element, which is why the GPU does not
+  use it (the kernel should be bound by memory, not issue slots); ``tests/test_quant.py`` checks both
+  roundings bit for bit against torch's conversion on the GPU, and the emulation in the interpreter.
 """
 
 import os
@@ -69,12 +72,24 @@ def _round_to_e4m3(y):
     a = tl.minimum(tl.abs(y), FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     exponent = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)  # biased; 121 = 127 - 6
     magic = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    r = (a + magic) - magic
-    r = tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign of y, -0.0 included
+    r = (a + magic) - magic  # >= 0
+    # The sign of y, -0.0 included, by the bit: Triton lowers ``-r`` to ``0 - r`` (sub.f32), which
+    # turns -0.0 into +0.0 on the GPU (numpy's negation in the interpreter keeps it).
+    sign = y.to(tl.int32, bitcast=True) & -2147483648  # 0x80000000
+    r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     # A NaN whose top three mantissa bits are set: the interpreter's cast keeps it NaN (0x7F);
     # the GPU's cast maps every NaN to NaN.
     nan = tl.full(r.shape, 0x7FF00000, tl.int32).to(tl.float32, bitcast=True)
     return tl.where(a != a, nan, r)
+
+
+@triton.jit
+def _to_e4m3(y, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 ``y`` as float8_e4m3fn (``dtype``), ``clamp(y, -448, 448).to(float8_e4m3fn)`` bit for bit."""
+    if EMULATE:  # the interpreter, whose own cast is wrong: round in fp32 first
+        return _round_to_e4m3(y).to(dtype)
+    else:  # cvt.rn.satfinite.e4m3x2.f32: nearest even, saturating at +-448, NaN -> NaN
+        return y.to(dtype)
 
 
 @triton.jit
@@ -92,6 +107,7 @@ def _per_token_group_quant_fp8(
     UE8M0: tl.constexpr,  # round each scale up to a power of two
     EXACT_DIV: tl.constexpr,  # divide each element by the scale (div_rn) instead of multiplying by 1/scale
     NUMPY_MAX: tl.constexpr,  # running in Triton's interpreter: reduce with tl.max + tl.sum (see _INTERPRETED)
+    EMULATE_CAST: tl.constexpr,  # running in Triton's interpreter: round to e4m3 in fp32 before the cast
 ):
     # Group blocks vary fastest so that consecutive programs walk along the same rows.
     pid = tl.program_id(0)
@@ -118,9 +134,9 @@ def _per_token_group_quant_fp8(
         y = tl.math.div_rn(x, scale[:, :, None])
     else:
         y = x * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, :, None]
-    q = _round_to_e4m3(y)
+    q = _to_e4m3(y, q_ptr.dtype.element_ty, EMULATE_CAST)
 
-    tl.store(q_ptr + rows64[:, None, None] * H + cols[None, :, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + rows64[:, None, None] * H + cols[None, :, :], q, mask=mask)
     s_offsets = rows64[:, None] * s_row_stride + groups[None, :].to(tl.int64) * s_group_stride
     tl.store(s_ptr + s_offsets, scale, mask=row_ok[:, None])
 
@@ -136,9 +152,9 @@ def _config(tokens: int, groups: int, group_size: int, tile: int = _TILE):
 
 
 def launch(x: Tensor, q: Tensor, s: Tensor, group_size: int, eps: float, scale_ue8m0: bool,
-           tile: int = _TILE, num_warps=None, exact_div=None) -> None:
-    """``x (T, H)``, ``q (T, H)`` contiguous, ``s (T, G)`` with any strides. ``tile``, ``num_warps``
-    and ``exact_div`` override the heuristics (the benchmark's sweep)."""
+           tile: int = _TILE, num_warps=None, exact_div=None, emulate_cast=None) -> None:
+    """``x (T, H)``, ``q (T, H)`` contiguous, ``s (T, G)`` with any strides. ``tile``, ``num_warps``,
+    ``exact_div`` and ``emulate_cast`` override the heuristics (the benchmark's sweep, the tests)."""
     T, H = x.shape
     if T == 0:
         return
@@ -150,6 +166,7 @@ def launch(x: Tensor, q: Tensor, s: Tensor, group_size: int, eps: float, scale_u
         x, x.stride(0), q, s, s.stride(0), s.stride(1), T, H, num_group_blocks, eps,
         GROUP=group_size, BLOCK_M=block_m, BLOCK_G=block_g, UE8M0=scale_ue8m0,
         EXACT_DIV=eps < _EXACT_DIV_EPS if exact_div is None else exact_div, NUMPY_MAX=_INTERPRETED,
+        EMULATE_CAST=_INTERPRETED if emulate_cast is None else emulate_cast,
         num_warps=num_warps or warps,
     )
 

@@ -155,6 +155,128 @@ def _compact(row_ptr, V, lo, hi, dst, CHUNK_G: tl.constexpr, CAP: tl.constexpr):
 
 
 @triton.jit
+def _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, limit_scale, seed_ptr, offset_ptr, row,
+                     HAS_P: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr):
+    """(threshold pattern, kept mass, sampled token) of a row whose buffer holds every value ``>= t_k``
+    (the ``n`` slots at ``buf_bits``/``buf_idx``, in index order): everything in registers."""
+    token = tl.full([], 0, tl.int32)
+    # ---- candidate route: everything >= t_k is in the buffer, in index order -----------------
+    tl.debug_barrier()
+    vb = tl.load(buf_bits + slots, mask=slots < n, other=-1)
+    vi = tl.load(buf_idx + slots, mask=slots < n, other=0)
+    thr = _kth_in_registers(vb, k, tau, mx + 1, 0)
+    q = _fixed(vb, e_max, q_bits)
+    mass = tl.sum(tl.where(vb >= thr, q, 0), axis=0)
+    if HAS_P:
+        # the smallest pattern >= t_k whose larger survivors weigh < top_p * M_k; below t_k
+        # "fails" (mass above it: M_k), the largest value passes (nothing above it)
+        thr, mass = _top_p_in_registers(vb, q, limit_scale * mass.to(tl.float64), thr - 1, mx, mass, 0)
+    if SAMPLE:
+        target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
+        cum = tl.cumsum(tl.where(vb >= thr, q, 0), axis=0)
+        first = tl.min(tl.where(cum > target, slots, CAP), axis=0)
+        token = tl.max(tl.where(slots == first, vi, 0), axis=0)  # no hit (no mass): 0
+    return thr, mass, token
+
+
+@triton.jit
+def _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bits, slots, seed_ptr, offset_ptr, row,
+                     HAS_P: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr, CHUNK_G: tl.constexpr,
+                     NP_COUNT: tl.constexpr, NP_MASS: tl.constexpr):
+    """(threshold pattern, kept mass, sampled token) of a row whose top-k survivors may not fit in the
+    buffer: multi-pivot searches over the row (``tau``: a lower bound of ``t_k``)."""
+    token = tl.full([], 0, tl.int32)
+    # ---- full-pass route: multi-pivot searches over the row until the bracket of candidate
+    # patterns holds at most CAP values, then those are compacted into the buffer and the search
+    # ends in registers -------------------------------------------------------------------------
+    offs_g = tl.arange(0, CHUNK_G)
+    thr = 0
+    if k < V:
+        # t_k: the largest pattern with k values >= it. c_lo = count(>= lo) >= k > c_hi = count(>= hi)
+        lo = tau
+        hi = mx + 1
+        c_lo = V  # an upper bound until a pivot measures it
+        c_hi = 0
+        jc = tl.arange(0, NP_COUNT).to(tl.int64) + 1
+        while (hi - lo > 1) & (c_lo - c_hi > CAP):
+            piv = lo + ((hi - lo).to(tl.int64) * jc // (NP_COUNT + 1)).to(tl.int32)
+            counts = tl.zeros([NP_COUNT], dtype=tl.int32)
+            for start in range(0, V, CHUNK_G):
+                cols = start + offs_g
+                b = _value_bits(row_ptr, cols, cols < V)
+                counts += tl.sum((b[:, None] >= piv[None, :]).to(tl.int32), axis=0)
+            ok = counts >= k
+            # counts fall as the pivot rises: the largest passing pivot has the least count
+            lo = tl.max(tl.where(ok, piv, lo), axis=0)
+            c_lo = tl.min(tl.where(ok, counts, c_lo), axis=0)
+            hi = tl.min(tl.where(ok, hi, piv), axis=0)
+            c_hi = tl.max(tl.where(ok, c_hi, counts), axis=0)
+        if hi - lo > 1:
+            nb = _compact(row_ptr, V, lo, hi - 1, buf_bits, CHUNK_G, CAP)
+            vb = tl.load(buf_bits + slots, mask=slots < nb, other=-1)
+            lo = _kth_in_registers(vb, k, lo, hi, c_hi)
+        thr = lo
+    mass = tl.zeros([], dtype=tl.int64)
+    kept = 0
+    for start in range(0, V, CHUNK_G):
+        cols = start + offs_g
+        b = _value_bits(row_ptr, cols, cols < V)
+        mass += tl.sum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
+        kept += tl.sum((b >= thr).to(tl.int32), axis=0)
+    if HAS_P:
+        limit = limit_scale * mass.to(tl.float64)
+        # lo fails the top-p test, hi passes; g_*/c_*: mass and count of the values above them
+        lo = thr - 1
+        hi = mx
+        g_lo = mass
+        c_lo = kept
+        g_hi = tl.zeros([], dtype=tl.int64)
+        c_hi = 0
+        jm = tl.arange(0, NP_MASS).to(tl.int64) + 1
+        while (hi - lo > 1) & (c_lo - c_hi > CAP):
+            piv = lo + ((hi - lo).to(tl.int64) * jm // (NP_MASS + 1)).to(tl.int32)
+            g = tl.zeros([NP_MASS], dtype=tl.int64)
+            c = tl.zeros([NP_MASS], dtype=tl.int32)
+            for start in range(0, V, CHUNK_G):
+                cols = start + offs_g
+                b = _value_bits(row_ptr, cols, cols < V)
+                above = b[:, None] > piv[None, :]
+                g += tl.sum(tl.where(above, _fixed(b, e_max, q_bits)[:, None], 0), axis=0)
+                c += tl.sum(above.to(tl.int32), axis=0)
+            ok = _top_p_pred(g, limit)
+            # mass and count fall as the pivot rises: the largest failing pivot has the least,
+            # the smallest passing one the most
+            lo = tl.max(tl.where(ok, lo, piv), axis=0)
+            g_lo = tl.min(tl.where(ok, g_lo, g), axis=0)
+            c_lo = tl.min(tl.where(ok, c_lo, c), axis=0)
+            hi = tl.min(tl.where(ok, piv, hi), axis=0)
+            g_hi = tl.max(tl.where(ok, g, g_hi), axis=0)
+            c_hi = tl.max(tl.where(ok, c, c_hi), axis=0)
+        if hi - lo > 1:
+            nb = _compact(row_ptr, V, lo, hi, buf_bits, CHUNK_G, CAP)
+            vb = tl.load(buf_bits + slots, mask=slots < nb, other=-1)
+            hi, g_lo = _top_p_in_registers(vb, _fixed(vb, e_max, q_bits), limit, lo, hi, g_lo, g_hi)
+        thr = hi
+        mass = g_lo
+    if SAMPLE:
+        target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
+        run = tl.zeros([], dtype=tl.int64)
+        found = 0
+        for start in range(0, V, CHUNK_G):
+            if found == 0:  # stops reading once the token is found
+                cols = start + offs_g
+                b = _value_bits(row_ptr, cols, cols < V)
+                kq = tl.where(b >= thr, _fixed(b, e_max, q_bits), 0)
+                cum = run + tl.cumsum(kq, axis=0)
+                first = tl.min(tl.where(cum > target, cols, V), axis=0)
+                found = tl.where(first < V, 1, 0)
+                token = tl.where(first < V, first, token)
+                run += tl.sum(kq, axis=0)
+
+    return thr, mass, token
+
+
+@triton.jit
 def _filter_kernel(
     probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
     top_k_ptr, top_k_stride,  # (B,) int32/int64; <= 0 or >= V keeps all (read when HAS_K)
@@ -173,6 +295,7 @@ def _filter_kernel(
     CHUNK_G: tl.constexpr,  # elements per step of a full pass
     NP_COUNT: tl.constexpr,  # pivots per top-k search pass
     NP_MASS: tl.constexpr,  # pivots per top-p search pass
+    FITS: tl.constexpr,  # V <= CAP: the buffer holds a whole row, the candidate route is the only one
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = probs_ptr + row * probs_row_stride
@@ -203,31 +326,32 @@ def _filter_kernel(
         if overflow == 0:
             sel = b >= tau
             cnt = tl.sum(sel.to(tl.int32), axis=0)
-            if n + cnt > CAP:
-                # raise tau to the k-th largest of buffer + chunk (bisection on the bit pattern), compact
-                tl.debug_barrier()
-                vb = tl.load(buf_bits + slots, mask=slots < n, other=-1)
-                vi = tl.load(buf_idx + slots, mask=slots < n, other=0)
-                lo = tau
-                hi = tl.max(mxv, axis=0) + 1
-                while hi - lo > 1:
-                    mid = lo + (hi - lo) // 2
-                    c = tl.sum((vb >= mid).to(tl.int32), axis=0) + tl.sum((b >= mid).to(tl.int32), axis=0)
-                    lo = tl.where(c >= k, mid, lo)
-                    hi = tl.where(c >= k, hi, mid)
-                tau = lo
-                keep = vb >= tau
-                nb = tl.sum(keep.to(tl.int32), axis=0)
-                sel = b >= tau
-                cnt = tl.sum(sel.to(tl.int32), axis=0)
-                if nb + cnt > CAP:
-                    overflow = 1
-                else:
-                    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            if not FITS:  # n + cnt <= V <= CAP otherwise
+                if n + cnt > CAP:
+                    # raise tau to the k-th largest of buffer + chunk (bisection on the bit pattern), compact
                     tl.debug_barrier()
-                    tl.store(buf_bits + pos, vb, mask=keep)
-                    tl.store(buf_idx + pos, vi, mask=keep)
-                    n = nb
+                    vb = tl.load(buf_bits + slots, mask=slots < n, other=-1)
+                    vi = tl.load(buf_idx + slots, mask=slots < n, other=0)
+                    lo = tau
+                    hi = tl.max(mxv, axis=0) + 1
+                    while hi - lo > 1:
+                        mid = lo + (hi - lo) // 2
+                        c = tl.sum((vb >= mid).to(tl.int32), axis=0) + tl.sum((b >= mid).to(tl.int32), axis=0)
+                        lo = tl.where(c >= k, mid, lo)
+                        hi = tl.where(c >= k, hi, mid)
+                    tau = lo
+                    keep = vb >= tau
+                    nb = tl.sum(keep.to(tl.int32), axis=0)
+                    sel = b >= tau
+                    cnt = tl.sum(sel.to(tl.int32), axis=0)
+                    if nb + cnt > CAP:
+                        overflow = 1
+                    else:
+                        pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+                        tl.debug_barrier()
+                        tl.store(buf_bits + pos, vb, mask=keep)
+                        tl.store(buf_idx + pos, vi, mask=keep)
+                        n = nb
             if (overflow == 0) & (cnt > 0):
                 pos = n + tl.cumsum(sel.to(tl.int32), axis=0) - 1
                 tl.store(buf_bits + pos, b, mask=sel)
@@ -239,111 +363,20 @@ def _filter_kernel(
     limit_scale = 0.0
     if HAS_P:
         limit_scale = tl.load(top_p_ptr + row * top_p_stride).to(tl.float64)
-    token = 0
-    if overflow == 0:
-        # ---- candidate route: everything >= t_k is in the buffer, in index order -----------------
-        tl.debug_barrier()
-        vb = tl.load(buf_bits + slots, mask=slots < n, other=-1)
-        vi = tl.load(buf_idx + slots, mask=slots < n, other=0)
-        thr = _kth_in_registers(vb, k, tau, mx + 1, 0)
-        q = _fixed(vb, e_max, q_bits)
-        mass = tl.sum(tl.where(vb >= thr, q, 0), axis=0)
-        if HAS_P:
-            # the smallest pattern >= t_k whose larger survivors weigh < top_p * M_k; below t_k
-            # "fails" (mass above it: M_k), the largest value passes (nothing above it)
-            thr, mass = _top_p_in_registers(vb, q, limit_scale * mass.to(tl.float64), thr - 1, mx, mass, 0)
-        if SAMPLE:
-            target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
-            cum = tl.cumsum(tl.where(vb >= thr, q, 0), axis=0)
-            first = tl.min(tl.where(cum > target, slots, CAP), axis=0)
-            token = tl.max(tl.where(slots == first, vi, 0), axis=0)  # no hit (no mass): 0
+    if FITS:
+        # the whole row fits in the buffer: the candidate route always suffices. The full-pass route is
+        # not even compiled then: with V == 1 (Triton makes it a constant) its search loops are provably
+        # never entered, and Triton 3.6's coalescing pass asserts on memory ops in unreachable code.
+        thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, limit_scale,
+                                            seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
     else:
-        # ---- full-pass route: multi-pivot searches over the row until the bracket of candidate
-        # patterns holds at most CAP values, then those are compacted into the buffer and the search
-        # ends in registers -------------------------------------------------------------------------
-        offs_g = tl.arange(0, CHUNK_G)
-        thr = 0
-        if k < V:
-            # t_k: the largest pattern with k values >= it. c_lo = count(>= lo) >= k > c_hi = count(>= hi)
-            lo = tau
-            hi = mx + 1
-            c_lo = V  # an upper bound until a pivot measures it
-            c_hi = 0
-            jc = tl.arange(0, NP_COUNT).to(tl.int64) + 1
-            while (hi - lo > 1) & (c_lo - c_hi > CAP):
-                piv = lo + ((hi - lo).to(tl.int64) * jc // (NP_COUNT + 1)).to(tl.int32)
-                counts = tl.zeros([NP_COUNT], dtype=tl.int32)
-                for start in range(0, V, CHUNK_G):
-                    cols = start + offs_g
-                    b = _value_bits(row_ptr, cols, cols < V)
-                    counts += tl.sum((b[:, None] >= piv[None, :]).to(tl.int32), axis=0)
-                ok = counts >= k
-                # counts fall as the pivot rises: the largest passing pivot has the least count
-                lo = tl.max(tl.where(ok, piv, lo), axis=0)
-                c_lo = tl.min(tl.where(ok, counts, c_lo), axis=0)
-                hi = tl.min(tl.where(ok, hi, piv), axis=0)
-                c_hi = tl.max(tl.where(ok, c_hi, counts), axis=0)
-            if hi - lo > 1:
-                nb = _compact(row_ptr, V, lo, hi - 1, buf_bits, CHUNK_G, CAP)
-                vb = tl.load(buf_bits + slots, mask=slots < nb, other=-1)
-                lo = _kth_in_registers(vb, k, lo, hi, c_hi)
-            thr = lo
-        mass = tl.zeros([], dtype=tl.int64)
-        kept = 0
-        for start in range(0, V, CHUNK_G):
-            cols = start + offs_g
-            b = _value_bits(row_ptr, cols, cols < V)
-            mass += tl.sum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
-            kept += tl.sum((b >= thr).to(tl.int32), axis=0)
-        if HAS_P:
-            limit = limit_scale * mass.to(tl.float64)
-            # lo fails the top-p test, hi passes; g_*/c_*: mass and count of the values above them
-            lo = thr - 1
-            hi = mx
-            g_lo = mass
-            c_lo = kept
-            g_hi = tl.zeros([], dtype=tl.int64)
-            c_hi = 0
-            jm = tl.arange(0, NP_MASS).to(tl.int64) + 1
-            while (hi - lo > 1) & (c_lo - c_hi > CAP):
-                piv = lo + ((hi - lo).to(tl.int64) * jm // (NP_MASS + 1)).to(tl.int32)
-                g = tl.zeros([NP_MASS], dtype=tl.int64)
-                c = tl.zeros([NP_MASS], dtype=tl.int32)
-                for start in range(0, V, CHUNK_G):
-                    cols = start + offs_g
-                    b = _value_bits(row_ptr, cols, cols < V)
-                    above = b[:, None] > piv[None, :]
-                    g += tl.sum(tl.where(above, _fixed(b, e_max, q_bits)[:, None], 0), axis=0)
-                    c += tl.sum(above.to(tl.int32), axis=0)
-                ok = _top_p_pred(g, limit)
-                # mass and count fall as the pivot rises: the largest failing pivot has the least,
-                # the smallest passing one the most
-                lo = tl.max(tl.where(ok, lo, piv), axis=0)
-                g_lo = tl.min(tl.where(ok, g_lo, g), axis=0)
-                c_lo = tl.min(tl.where(ok, c_lo, c), axis=0)
-                hi = tl.min(tl.where(ok, piv, hi), axis=0)
-                g_hi = tl.max(tl.where(ok, g, g_hi), axis=0)
-                c_hi = tl.max(tl.where(ok, c, c_hi), axis=0)
-            if hi - lo > 1:
-                nb = _compact(row_ptr, V, lo, hi, buf_bits, CHUNK_G, CAP)
-                vb = tl.load(buf_bits + slots, mask=slots < nb, other=-1)
-                hi, g_lo = _top_p_in_registers(vb, _fixed(vb, e_max, q_bits), limit, lo, hi, g_lo, g_hi)
-            thr = hi
-            mass = g_lo
-        if SAMPLE:
-            target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
-            run = tl.zeros([], dtype=tl.int64)
-            found = 0
-            for start in range(0, V, CHUNK_G):
-                if found == 0:  # stops reading once the token is found
-                    cols = start + offs_g
-                    b = _value_bits(row_ptr, cols, cols < V)
-                    kq = tl.where(b >= thr, _fixed(b, e_max, q_bits), 0)
-                    cum = run + tl.cumsum(kq, axis=0)
-                    first = tl.min(tl.where(cum > target, cols, V), axis=0)
-                    found = tl.where(first < V, 1, 0)
-                    token = tl.where(first < V, first, token)
-                    run += tl.sum(kq, axis=0)
+        if overflow == 0:
+            thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, limit_scale,
+                                                seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+        else:
+            thr, mass, token = _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bits, slots,
+                                                seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK_G,
+                                                NP_COUNT, NP_MASS)
 
     if SAMPLE:
         tl.store(out_ptr + row, token)
@@ -383,7 +416,7 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
         V, fixed_point_bits(V),
         HAS_K=top_k is not None, HAS_P=top_p is not None, SAMPLE=sample,
         CAP=cap, CHUNK=config.chunk, K_SMALL=config.k_small, CHUNK_G=config.chunk_g,
-        NP_COUNT=config.np_count, NP_MASS=config.np_mass,
+        NP_COUNT=config.np_count, NP_MASS=config.np_mass, FITS=V <= cap,
         num_warps=config.num_warps,
     )
     return out
