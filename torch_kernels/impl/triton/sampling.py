@@ -11,7 +11,8 @@ whatever the summation order. Two routes per row:
   buffer, ``tau`` is raised to the k-th largest of buffer + chunk (a bisection on the bit pattern in
   registers) and the buffer is compacted. At the end the buffer holds every value ``>= t_k``, and the
   top-k threshold, the top-p threshold (bisection on the fixed-point mass) and the sample (a prefix
-  sum) are computed in registers. One read of the row: this is the path of ``top_k=50``.
+  sum) are computed in registers. One read of the row: this is the path of ``top_k=50``. When
+  ``V <= CAP`` every row takes it, and the kernel is compiled without the full-pass route (``FITS``).
 * **Full passes** (no or large top-k, or ties that overflow the buffer): each threshold is found by
   a multi-pivot search over the bit pattern, one read of the row (from L2 at the benchmark's 33 MB)
   per round of pivots, until the bracket left holds at most ``CAP`` values; those are compacted into
