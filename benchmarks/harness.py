@@ -65,7 +65,6 @@ def copy_ceiling_gbps(sizes_mb=(64, 256, 1024)) -> float:
         src = torch.randn(mb << 19, device="cuda", dtype=torch.bfloat16)
         dst = torch.empty_like(src)
         best = max(best, 2 * (mb << 20) / graph_us(lambda: dst.copy_(src)) / 1e3)
-        del src, dst
     return best
 
 

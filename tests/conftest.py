@@ -43,6 +43,23 @@ def pytest_runtest_call(item):
         pytest.skip(f"kernel unavailable: {e}")
 
 
+def implementations_on(op, device):
+    """(name, callable): the registered op, then every implementation of ``op`` that runs on
+    ``device`` here (Triton on CPU tensors only in its interpreter)."""
+    from torch_kernels import registry
+    from torch_kernels.spec import Backend
+
+    out = [("registered", getattr(torch.ops.deepinfer, op).default)]
+    for spec in registry.implementations(op):
+        if spec.backend is Backend.TORCH:
+            out.append(("torch", spec.load()))
+        elif device == "cuda" and spec.is_available(torch_kernels.Platform.detect()):
+            out.append((spec.backend.value, spec.load()))
+        elif device == "cpu" and spec.backend is Backend.TRITON and os.environ.get("TRITON_INTERPRET") == "1":
+            out.append(("triton-interpreted", spec.load()))
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _restore_selection():
     """Every test starts from the selection of the environment and the detected platform."""

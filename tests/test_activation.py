@@ -7,13 +7,12 @@ import os
 import pytest
 import torch
 
-import torch_kernels
 from torch_kernels import registry
 from torch_kernels.ops import activation as activation_ops
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES
+from conftest import DEVICES, implementations_on
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (input shape, row stride or None): d = 1, one token, d not a power of two (masked column tail),
@@ -52,17 +51,7 @@ def _formula(x, op, approximate):
     return act * u
 
 
-def _backends(op, device):
-    """(name, callable) for every implementation that runs on ``device`` here."""
-    out = [("registered", getattr(torch.ops.deepinfer, op).default)]
-    for spec in registry.implementations(op):
-        if spec.backend is Backend.TORCH:
-            out.append(("torch", spec.load()))
-        elif device == "cuda" and spec.is_available(torch_kernels.Platform.detect()):
-            out.append((spec.backend.value, spec.load()))
-        elif device == "cpu" and spec.backend is Backend.TRITON and os.environ.get("TRITON_INTERPRET") == "1":
-            out.append(("triton-interpreted", spec.load()))
-    return out
+_backends = implementations_on
 
 
 def _reference(op):

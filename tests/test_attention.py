@@ -8,13 +8,12 @@ import os
 import pytest
 import torch
 
-import torch_kernels
 from torch_kernels import registry
 from torch_kernels.ops import attention as attention_ops
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES
+from conftest import DEVICES, implementations_on
 
 OP = "merge_attn_states"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -30,16 +29,7 @@ def _reference():
 
 
 def _backends(device):
-    """(name, callable) for every implementation that runs on ``device`` here."""
-    out = [("registered", torch.ops.deepinfer.merge_attn_states.default)]
-    for spec in registry.implementations(OP):
-        if spec.backend is Backend.TORCH:
-            out.append(("torch", spec.load()))
-        elif device == "cuda" and spec.is_available(torch_kernels.Platform.detect()):
-            out.append((spec.backend.value, spec.load()))
-        elif device == "cpu" and spec.backend is Backend.TRITON and os.environ.get("TRITON_INTERPRET") == "1":
-            out.append(("triton-interpreted", spec.load()))
-    return out
+    return implementations_on(OP, device)
 
 
 def _inputs(T, H, D, dtype, device, lse_scale=2.0):

@@ -8,29 +8,18 @@ import os
 import pytest
 import torch
 
-import torch_kernels
 from torch_kernels import ops, registry
 from torch_kernels.ops.moe import compare_routing, grouped_topk, grouped_topk_args, near_ties, topk_softmax
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES
+from conftest import DEVICES, implementations_on
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPS = ["topk_softmax", "grouped_topk"]
 
 
-def _backends(op, device):
-    """(name, callable) for every implementation that runs on ``device`` here."""
-    out = [("registered", getattr(torch.ops.deepinfer, op).default)]
-    for spec in registry.implementations(op):
-        if spec.backend is Backend.TORCH:
-            out.append(("torch", spec.load()))
-        elif device == "cuda" and spec.is_available(torch_kernels.Platform.detect()):
-            out.append((spec.backend.value, spec.load()))
-        elif device == "cpu" and spec.backend is Backend.TRITON and os.environ.get("TRITON_INTERPRET") == "1":
-            out.append(("triton-interpreted", spec.load()))
-    return out
+_backends = implementations_on
 
 
 def _reference(op):

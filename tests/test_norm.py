@@ -1,8 +1,6 @@
 """Numerics of the norm family: the reference against an independent fp64 formula, and every
 backend against the reference, over dtypes and awkward shapes (Triton in its interpreter on CPU)."""
 
-import os
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ from torch_kernels import registry
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES
+from conftest import DEVICES, implementations_on
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (shape, row stride or None): one element, one token, hidden sizes that are not powers of two,
@@ -36,17 +34,7 @@ def _formula(x, weight, eps, gemma):
     return x64 / torch.sqrt((x64 * x64).sum(-1, keepdim=True) / x.shape[-1] + eps) * w64
 
 
-def _backends(op, device):
-    """(name, callable) for every implementation that runs on ``device`` here."""
-    out = [("registered", getattr(torch.ops.deepinfer, op).default)]
-    for spec in registry.implementations(op):
-        if spec.backend is Backend.TORCH:
-            out.append(("torch", spec.load()))
-        elif device == "cuda" and spec.is_available(torch_kernels.Platform.detect()):
-            out.append((spec.backend.value, spec.load()))
-        elif device == "cpu" and spec.backend is Backend.TRITON and os.environ.get("TRITON_INTERPRET") == "1":
-            out.append(("triton-interpreted", spec.load()))
-    return out
+_backends = implementations_on
 
 
 def _shape_cases(device):

@@ -21,7 +21,7 @@ from torch_kernels import ops, registry
 from torch_kernels.ops.quant import per_token_group_quant_fp8
 from torch_kernels.spec import Backend
 
-from conftest import DEVICES
+from conftest import DEVICES, implementations_on
 
 try:  # after conftest, which switches the interpreter on without a GPU
     import triton
@@ -57,16 +57,7 @@ def _rows(shape, stride, dtype, device, scale=4.0):
 
 
 def _backends(device):
-    """(name, callable) for every implementation that runs on ``device`` here."""
-    out = [("registered", torch.ops.deepinfer.per_token_group_quant_fp8.default)]
-    for spec in registry.implementations(OP):
-        if spec.backend is Backend.TORCH:
-            out.append(("torch", spec.load()))
-        elif device == "cuda" and spec.is_available(torch_kernels.Platform.detect()):
-            out.append((spec.backend.value, spec.load()))
-        elif device == "cpu" and spec.backend is Backend.TRITON and os.environ.get("TRITON_INTERPRET") == "1":
-            out.append(("triton-interpreted", spec.load()))
-    return out
+    return implementations_on(OP, device)
 
 
 def _reference():

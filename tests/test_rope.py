@@ -14,7 +14,7 @@ from torch_kernels.ops import rope
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES
+from conftest import DEVICES, implementations_on
 
 OP = "rotary_embedding"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -84,16 +84,7 @@ def _roformer(positions, x, head_size, rot_dim, is_neox, base=10000.0):
 
 
 def _backends(device):
-    """(name, callable) for every implementation that runs on ``device`` here."""
-    out = [("registered", torch.ops.deepinfer.rotary_embedding.default)]
-    for spec in registry.implementations(OP):
-        if spec.backend is Backend.TORCH:
-            out.append(("torch", spec.load()))
-        elif device == "cuda" and spec.is_available(torch_kernels.Platform.detect()):
-            out.append((spec.backend.value, spec.load()))
-        elif device == "cpu" and spec.backend is Backend.TRITON and os.environ.get("TRITON_INTERPRET") == "1":
-            out.append(("triton-interpreted", spec.load()))
-    return out
+    return implementations_on(OP, device)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)

@@ -17,7 +17,7 @@ from torch_kernels.ops import sampling as sampling_ops
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES
+from conftest import DEVICES, implementations_on
 
 RENORM = ["top_k_renorm_probs", "top_p_renorm_probs"]
 SAMPLING = "top_k_top_p_sampling_from_probs"
@@ -147,22 +147,15 @@ def _small_config():
 def _backends(op, device, small=False):
     """(name, callable) for every implementation that runs on ``device`` here; with ``small``, the
     Triton kernel with a small buffer as well."""
-    out = [("registered", getattr(torch.ops.deepinfer, op).default)]
-    for spec in registry.implementations(op):
-        runs = (spec.backend is Backend.TORCH
-                or (device == "cuda" and spec.is_available(torch_kernels.Platform.detect()))
-                or (device == "cpu" and spec.backend is Backend.TRITON and INTERPRET))
-        if runs:
-            out.append((spec.backend.value, spec.load()))
-            if small and spec.backend is Backend.TRITON:
-                from torch_kernels.impl.triton import sampling as triton_sampling
-                cfg = _small_config()
-                launch = {
-                    "top_k_renorm_probs": lambda p, k: triton_sampling._launch(p, k, None, None, None, False, cfg),
-                    "top_p_renorm_probs": lambda p, t: triton_sampling._launch(p, None, t, None, None, False, cfg),
-                    SAMPLING: lambda p, k, t, s, o: triton_sampling._launch(p, k, t, s, o, True, cfg),
-                }[op]
-                out.append(("triton-small-buffer", launch))
+    out = implementations_on(op, device)
+    if small and any(name.startswith("triton") for name, _ in out):
+        from torch_kernels.impl.triton import sampling as triton_sampling
+        cfg = _small_config()
+        out.append(("triton-small-buffer", {
+            "top_k_renorm_probs": lambda p, k: triton_sampling._launch(p, k, None, None, None, False, cfg),
+            "top_p_renorm_probs": lambda p, t: triton_sampling._launch(p, None, t, None, None, False, cfg),
+            SAMPLING: lambda p, k, t, s, o: triton_sampling._launch(p, k, t, s, o, True, cfg),
+        }[op]))
     return out
 
 
