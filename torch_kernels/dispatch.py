@@ -276,9 +276,14 @@ class OpSlot:
         return out
 
     def _chained(self, *args: Any) -> Any:
+        refused = []
         for impl in self.impls:
-            if impl.refuses(args) is None:
+            why = impl.refuses(args)
+            if why is None:
+                if refused and impl.run == impl._first_run:  # a fallback's first call: say so, once
+                    _notice(f"op {self.op!r} served by {impl.spec.backend.value!r}: {'; '.join(refused)}")
                 return impl.run(*args)
+            refused.append(f"{impl.spec.backend.value!r} refuses the call ({why})")
         reasons = "; ".join(f"{i.spec.backend.value}: {i.refuses(args)}" for i in self.impls)
         raise KernelUnavailableError(
             f"deepinfer::{self.op}: no selected backend takes this call ({reasons})"
