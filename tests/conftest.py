@@ -60,6 +60,26 @@ def implementations_on(op, device):
     return out
 
 
+def _same(before, after) -> bool:
+    if before.is_floating_point():  # NaN where there was NaN, the same values elsewhere (fp8 via fp64)
+        before, after = before.double(), after.double()
+        return torch.equal(before.isnan(), after.isnan()) and torch.equal(before.nan_to_num(), after.nan_to_num())
+    return torch.equal(before, after)
+
+
+def assert_bad_inputs_raise(op, cases, call=None):
+    """Each ``(what, args, exc, arg)`` case raises ``exc`` with a message that starts
+    ``deepinfer::<op>: argument '<arg>' `` and leaves every tensor argument as it was. ``call``
+    (default: the registered op) takes the arguments."""
+    call = call or getattr(torch.ops.deepinfer, op).default
+    for what, args, exc, arg in cases:
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.device.type != "meta"]
+        before = [a.clone() for a in tensors]
+        with pytest.raises(exc, match=rf"^deepinfer::{op}: argument '{arg}' "):
+            call(*args)
+        assert all(_same(b, a) for b, a in zip(before, tensors)), f"{what}: clobbered"
+
+
 @pytest.fixture(autouse=True)
 def _restore_selection():
     """Every test starts from the selection of the environment and the detected platform."""

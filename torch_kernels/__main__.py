@@ -18,7 +18,7 @@ import torch
 
 import torch_kernels
 from torch_kernels import dispatch, ops, registry
-from torch_kernels.spec import Backend, Capability, Platform
+from torch_kernels.spec import FRAMEWORK_PACKAGE, Backend, Capability, Platform
 from torch_kernels.testing import compare_outputs, mutated_args, outputs_of
 
 DOCS_OPS = Path(__file__).resolve().parent.parent / "docs" / "ops.md"
@@ -50,7 +50,7 @@ def _self_check(platform: Platform) -> int:
     # Without a GPU, Triton kernels still run on CPU tensors in Triton's interpreter, as in CI; it
     # must be switched on before Triton is first imported.
     interpret_triton = (not platform.is_cuda and "triton" not in sys.modules
-                        and Capability(package="triton").missing_package() is None)
+                        and Capability(package=FRAMEWORK_PACKAGE[Backend.TRITON]).missing_package() is None)
     if interpret_triton:
         os.environ["TRITON_INTERPRET"] = "1"
         # the interpreter evaluates masked-off lanes (inf - inf on -inf LSE rows) in numpy

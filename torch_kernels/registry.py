@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Tuple
 
-from .spec import Backend, Capability, KernelSpec
+from .spec import FRAMEWORK_PACKAGE, Backend, Capability, KernelSpec
 
 _TORCH = Capability()  # the reference runs wherever torch does
-_TRITON = Capability(device_types=("cuda",), min_compute_capability=(7, 0), package="triton")
+_TRITON = Capability(device_types=("cuda",), min_compute_capability=(7, 0), package=FRAMEWORK_PACKAGE[Backend.TRITON])
 
 _FLOATS = ("float16", "bfloat16", "float32")
 
