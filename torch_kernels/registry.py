@@ -15,6 +15,9 @@ from .spec import FRAMEWORK_PACKAGE, Backend, Capability, KernelSpec
 _TORCH = Capability()  # the reference runs wherever torch does
 _TRITON = Capability(device_types=("cuda",), min_compute_capability=(7, 0), package=FRAMEWORK_PACKAGE[Backend.TRITON])
 
+_TILELANG = Capability(device_types=("cuda",), min_compute_capability=(8, 0), package=FRAMEWORK_PACKAGE[Backend.TILELANG])
+_FLASHINFER = Capability(device_types=("cuda",), min_compute_capability=(8, 0), package=FRAMEWORK_PACKAGE[Backend.FLASHINFER])
+
 _FLOATS = ("float16", "bfloat16", "float32")
 
 
@@ -32,6 +35,23 @@ def _family(family: str, ops: Tuple[str, ...], triton_dtypes: Tuple[str, ...] = 
     ))
 
 
+def _backend(backend: Backend, capability: Capability, family: str, ops: Tuple[str, ...], description: str,
+             dtypes: Tuple[str, ...] = _FLOATS, checks: bool = False) -> Tuple[KernelSpec, ...]:
+    """``backend``'s implementation of each op of ``family`` (``impl/<backend>/<family>.py``); with
+    ``checks``, ``<op>_refuses`` in that module turns away the calls it cannot take."""
+    module = f"torch_kernels.impl.{backend.value}.{family}"
+    return tuple(KernelSpec(op, backend, f"{module}:{op}", capability, dtypes,
+                            check=f"{module}:{op}_refuses" if checks else None, description=description)
+                 for op in ops)
+
+
+# One line per family a backend implements (``_backend(Backend.TILELANG, _TILELANG, "norm", (...), "...")``).
+TILELANG_KERNELS: Tuple[KernelSpec, ...] = (
+)
+
+FLASHINFER_KERNELS: Tuple[KernelSpec, ...] = (
+)
+
 KERNELS: Tuple[KernelSpec, ...] = (
     *_family("norm", ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm"),
              triton="one program per row; rows wider than 16384 in two passes"),
@@ -46,6 +66,8 @@ KERNELS: Tuple[KernelSpec, ...] = (
     *_family("sampling", ("top_k_renorm_probs", "top_p_renorm_probs", "top_k_top_p_sampling_from_probs"),
              triton_dtypes=("float32",),
              triton="one program per row: candidate buffer in one read (top_k <= 1024), else multi-pivot passes; bit-exact with the reference"),
+    *TILELANG_KERNELS,
+    *FLASHINFER_KERNELS,
 )
 
 #: The order in which the CUDA platform default tries backends, per op; the first one whose
