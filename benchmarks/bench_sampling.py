@@ -5,9 +5,8 @@ cases; torch.compile of the reference for the main case only (each compile costs
 whole run must stay within two minutes); the eager reference. ``--sweep`` also times the Triton
 kernel's launch alternatives.
 
-FlashInfer is called only through its sampling module (``filter_apply_order="joint"``: its default
-``top_k_first`` goes through ``top_k_renorm_probs`` or the radix top-k, other JIT modules), and not for
-the renorm cases, for the same reason.
+FlashInfer is called only through its sampling JIT module (the one saved for the host): see
+``_flashinfer``.
 
 Cases, 64 x 128256 fp32 probabilities (softmax of random logits, the Llama-3 vocabulary):
 ``top_k_top_p_sampling_from_probs`` with top_k 50 and top_p 0.9 per row (target: within 1.5x of
@@ -69,27 +68,29 @@ def cases():
     ]
 
 
-def _flashinfer(op, args):
-    """FlashInfer's ``top_k_top_p_sampling_from_probs`` for a sampling case, or a string saying why there
-    is none. Only the sampling JIT module may be built: ``filter_apply_order="joint"`` is its one-kernel
-    path (the default ``top_k_first`` calls ``top_k_renorm_probs`` or the radix top-k, other modules).
-    Seed and offset are passed explicitly where the API takes them (graph capture then reads no
-    generator state)."""
-    if op != OPS[0]:
-        return "not run (the required FlashInfer peer is the sampling op)"
+def _flashinfer(op, args) -> dict:
+    """FlashInfer's peers of a case: {name: callable, or a string saying why there is none}. Only its
+    sampling JIT module is used (saved on the host): with per-row ``top_k`` tensors its default
+    ``top_k_first`` order is ``top_k_renorm_probs`` then ``top_p_sampling_from_probs``, both in that
+    module, and is our semantics (top-p over the renormalised top-k survivors); ``joint`` (one kernel)
+    is another filter, timed for reference. Seed and offset are passed as ints where the API takes
+    them (graph capture then reads no generator state)."""
     if flashinfer is None:
-        return f"not importable: {FLASHINFER_ERROR}"
-    fn = getattr(flashinfer.sampling, op, None)
-    if fn is None:
-        return f"no flashinfer.sampling.{op}"
+        return {"flashinfer": f"not importable: {FLASHINFER_ERROR}"}
+    fs = flashinfer.sampling
+    if op == OPS[1]:
+        return {"flashinfer": lambda: fs.top_k_renorm_probs(*args)}
+    if op == OPS[2]:
+        return {"flashinfer": lambda: fs.top_p_renorm_probs(*args)}
     probs, k, p, seed, offset = args
-    params = inspect.signature(fn).parameters
-    if "filter_apply_order" not in params:
-        return "no filter_apply_order: would build other JIT modules"
-    kwargs = {"filter_apply_order": "joint"}
-    if "seed" in params and "offset" in params:
-        kwargs.update(seed=int(seed), offset=int(offset))
-    return lambda: fn(probs, k, p, **kwargs)
+    rng = {}
+    if "seed" in inspect.signature(fs.top_p_sampling_from_probs).parameters:
+        rng = dict(seed=int(seed), offset=int(offset))
+    if int(k.max()) <= 0:  # top-k off: FlashInfer's top-p sampling alone
+        return {"flashinfer": lambda: fs.top_p_sampling_from_probs(probs, p, **rng)}
+    return {"flashinfer": lambda: fs.top_k_top_p_sampling_from_probs(probs, k, p, filter_apply_order="top_k_first", **rng),
+            "flashinfer joint (other filter)": lambda: fs.top_k_top_p_sampling_from_probs(
+                probs, k, p, filter_apply_order="joint", **rng)}
 
 
 def torch_sort_multinomial(probs, top_k, top_p):
@@ -120,7 +121,7 @@ def impls(op, args, main: bool) -> dict:
         out["torch.compile(reference)"] = lambda: compiled(*args)
     if op == OPS[0]:
         out["torch sort+multinomial"] = lambda: torch_sort_multinomial(*args[:3])
-    out["flashinfer"] = _flashinfer(op, args)
+    out.update(_flashinfer(op, args))
     return out
 
 
@@ -138,7 +139,7 @@ def _check(op, impl, got, want, args) -> str:
             assert torch.equal(got, want), f"{impl}: ids differ from the reference"
             return "exact"
         return f"{inside:.0%} in the kept set"
-    if impl == "flashinfer":
+    if impl.startswith("flashinfer"):
         err = (got.float() - want).abs().max().item()
         return "yes" if err < 1e-4 else f"max diff {err:.2g}"
     assert_close(got, want, msg=impl)

@@ -220,12 +220,17 @@ def test_backends_match_reference(op, device):
 @pytest.mark.parametrize("op", OPS)
 def test_triton_small_buffer_routes_match_reference(op):
     """With a 64-slot buffer and top_k <= 16 on the candidate route, rows of 1000 exercise the buffer
-    compaction (k = 5, 16), ties that overflow it (the tie row) and the full-pass route (top_k 0, 100)."""
+    compaction (k = 5, 16), ties that overflow it (the tie row) and the full-pass route (top_k 0, 100).
+    The last two rows put the top-p limit inside a cluster of 999 tiny values whose whole mass is below
+    the fp32 search's error bound: it cannot decide there, and the exact search must finish."""
     torch.manual_seed(2)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    probs = torch.cat([_softmax(4, 1000, device, scale=2.0), _ties(1, 1000, device, levels=3)])
-    top_k = torch.tensor([5, 16, 0, 100, 10], device=device)
-    top_p = torch.tensor([0.9, 0.5, 0.7, 0.95, 0.95], device=device)
+    cluster = torch.cat([torch.tensor([0.5]), 1e-9 * (1 + torch.rand(999))]).to(device)
+    limit_inside = ((0.5 + 0.5 * cluster[1:].sum()) / cluster.sum()).item()
+    probs = torch.cat([_softmax(4, 1000, device, scale=2.0), _ties(1, 1000, device, levels=3),
+                       cluster.expand(2, -1)])
+    top_k = torch.tensor([5, 16, 0, 100, 10, 0, 500], device=device)
+    top_p = torch.tensor([0.9, 0.5, 0.7, 0.95, 0.95, limit_inside, limit_inside], device=device)
     args = _args(op, probs, top_k, top_p)
     want = registry.BY_OP[op][Backend.TORCH].load()(*args)
     (name, fn), = [(n, f) for n, f in _backends(op, device, small=True) if n == "triton-small-buffer"]
