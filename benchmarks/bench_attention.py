@@ -72,7 +72,15 @@ def bench_large(ceiling: float) -> list:
         args = _inputs(T, H, D)
         want_v, want_lse = reference.merge_attn_states(*args)
         for name, fn in impls(args).items():
-            v, lse = fn()
+            try:
+                v, lse = fn()
+            except RuntimeError as e:  # a peer that cannot take the shape is reported, not fatal
+                if not name.startswith("flashinfer"):
+                    raise
+                # FlashInfer's MergeState runs one (D / vec, H) thread block per token: H=128, D=512
+                # is 4096 threads, over the 1024 limit ("invalid argument")
+                rows.append({"shape": f"{T}x{H}x{D}", "impl": name, "us": f"failed: {str(e).splitlines()[0][:80]}"})
+                continue
             if name.startswith("flashinfer"):
                 lse = lse / LOG2E
             assert_close(v, want_v, msg=f"{name} {T}x{H}x{D}: v")
