@@ -261,13 +261,16 @@ def _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bit
             vb = tl.load(buf_bits + slots, mask=slots < nb, other=-1)
             lo = _kth_in_registers(vb, k, lo, hi, c_hi)
         thr = lo
-    mass = tl.zeros([], dtype=tl.int64)
-    kept = 0
+    # per-slot sums, reduced once after the pass: a block-wide reduction per chunk waits on barriers
+    mass_acc = tl.zeros([CHUNK_G], dtype=tl.int64)
+    kept_acc = tl.zeros([CHUNK_G], dtype=tl.int32)
     for start in range(0, V, CHUNK_G):
         cols = start + offs_g
         b = _value_bits(row_ptr, cols, cols < V)
-        mass += tl.sum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
-        kept += tl.sum((b >= thr).to(tl.int32), axis=0)
+        mass_acc += tl.where(b >= thr, _fixed(b, e_max, q_bits), 0)
+        kept_acc += (b >= thr).to(tl.int32)
+    mass = tl.sum(mass_acc, axis=0)
+    kept = tl.sum(kept_acc, axis=0)
     if HAS_P:
         limit = limit_scale * mass.to(tl.float64)
         # lo fails the top-p test, hi passes; g_*/c_*: mass and count of the values above them
@@ -280,13 +283,16 @@ def _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bit
         if (e_max >= 63) & (e_max <= 190):  # 2^-64 <= largest value < 2^64: fp32 sums neither overflow nor underflow
             lo, hi, c_lo, c_hi = _coarse_top_p(row_ptr, V, lo, hi, c_lo, c_hi, mass, limit, e_max, q_bits,
                                                CAP, CHUNK_G, NP_FLOAT)
-            g_lo = tl.zeros([], dtype=tl.int64)
+            g_lo_acc = tl.zeros([CHUNK_G], dtype=tl.int64)
+            g_hi_acc = tl.zeros([CHUNK_G], dtype=tl.int64)
             for start in range(0, V, CHUNK_G):  # the exact masses above the bracket's ends
                 cols = start + offs_g
                 b = _value_bits(row_ptr, cols, cols < V)
                 q = _fixed(b, e_max, q_bits)
-                g_lo += tl.sum(tl.where(b > lo, q, 0), axis=0)
-                g_hi += tl.sum(tl.where(b > hi, q, 0), axis=0)
+                g_lo_acc += tl.where(b > lo, q, 0)
+                g_hi_acc += tl.where(b > hi, q, 0)
+            g_lo = tl.sum(g_lo_acc, axis=0)
+            g_hi = tl.sum(g_hi_acc, axis=0)
         jm = tl.arange(0, NP_MASS).to(tl.int64) + 1
         while (hi - lo > 1) & (c_lo - c_hi > CAP):
             piv = lo + ((hi - lo).to(tl.int64) * jm // (NP_MASS + 1)).to(tl.int32)
@@ -322,11 +328,12 @@ def _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bit
                 cols = start + offs_g
                 b = _value_bits(row_ptr, cols, cols < V)
                 kq = tl.where(b >= thr, _fixed(b, e_max, q_bits), 0)
-                cum = run + tl.cumsum(kq, axis=0)
-                first = tl.min(tl.where(cum > target, cols, V), axis=0)
-                found = tl.where(first < V, 1, 0)
-                token = tl.where(first < V, first, token)
-                run += tl.sum(kq, axis=0)
+                total = tl.sum(kq, axis=0)
+                if run + total > target:  # the token is in this chunk: the one prefix sum of the scan
+                    cum = run + tl.cumsum(kq, axis=0)
+                    token = tl.min(tl.where(cum > target, cols, V), axis=0)
+                    found = 1
+                run += total
 
     return thr, mass, token
 
