@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch_kernels  # noqa: E402,F401  (registers the ops)
-from benchmarks import harness  # noqa: E402
+from benchmarks import cases, harness  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402
 from torch_kernels.impl.torch import activation as reference  # noqa: E402
 from torch_kernels.impl.triton import activation as triton_activation  # noqa: E402
@@ -54,8 +54,8 @@ def impls(op: str, approximate, fi_name: str) -> dict:
     return out
 
 
-def _bytes(t: int, d: int, elt: int = 2) -> int:
-    return 3 * t * d * elt  # read (t, 2d), write (t, d)
+def _bytes(t: int, d: int) -> int:
+    return cases.nbytes("silu_and_mul", (torch.empty(t, 2 * d, dtype=torch.bfloat16, device="meta"),))
 
 
 def bench_large(ceiling: float) -> list:

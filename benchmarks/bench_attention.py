@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch_kernels  # noqa: E402,F401  (registers the ops)
-from benchmarks import harness  # noqa: E402
+from benchmarks import cases, harness  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402
 from torch_kernels.impl.torch import attention as reference  # noqa: E402
 from torch_kernels.impl.triton import attention as triton_attention  # noqa: E402
@@ -40,15 +40,7 @@ LARGE = [(8192, 32, 128), (1024, 128, 512)]
 
 
 def _inputs(T, H, D):
-    v_a = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
-    v_b = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
-    lse_a = torch.randn(T, H, device="cuda") * 2 + 3
-    lse_b = torch.randn(T, H, device="cuda") * 2 + 3
-    return v_a, lse_a, v_b, lse_b
-
-
-def _bytes(T, H, D, elt=2):
-    return 3 * T * H * D * elt + 3 * T * H * 4  # read v_a, v_b, write v; read two LSEs, write one
+    return cases.merge_inputs(T, H, D, "cuda")
 
 
 def impls(args) -> dict:
@@ -88,7 +80,7 @@ def bench_large(ceiling: float) -> list:
             assert_close(lse, want_lse, torch.float16 if name.startswith("flashinfer") else torch.float32,
                          msg=f"{name} {T}x{H}x{D}: lse")
             us = harness.graph_us(fn)
-            gbps = _bytes(T, H, D) / us / 1e3
+            gbps = cases.nbytes("merge_attn_states", args) / us / 1e3
             rows.append({"shape": f"{T}x{H}x{D}", "impl": name, "us": us, "GB/s": gbps, "of copy": gbps / ceiling})
     return rows
 
@@ -112,7 +104,7 @@ def bench_sweep(ceiling: float) -> list:
             fn()
             assert_close(out, want_v, msg=f"sweep {block_h}x{block_d} warps {warps} flat {flat}")
             us = harness.graph_us(fn)
-            gbps = _bytes(T, H, D) / us / 1e3
+            gbps = cases.nbytes("merge_attn_states", args) / us / 1e3
             rows.append({"shape": f"{T}x{H}x{D}", "BLOCK_H x BLOCK_D": f"{block_h}x{block_d}", "warps": warps,
                          "per thread": block_h * block_d // (32 * warps), "grid": "flat" if flat else "3-D",
                          "us": us, "GB/s": gbps, "of copy": gbps / ceiling,

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch_kernels  # noqa: E402,F401  (registers the ops)
 from benchmarks import harness  # noqa: E402
+from benchmarks.cases import nbytes  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402
 from torch_kernels.impl.torch import moe as reference  # noqa: E402
 from torch_kernels.impl.triton import moe as triton_moe  # noqa: E402
@@ -54,11 +55,6 @@ def cases():
     return out
 
 
-def _bytes(op, args) -> int:
-    x, topk = args[0], args[1]
-    return x.numel() * x.element_size() + x.shape[0] * topk * 8 + (x.shape[1] * 4 if op == "grouped_topk" else 0)
-
-
 def impls(op, args) -> dict:
     ref = getattr(reference, op)
     compiled = torch.compile(ref)  # one dynamo cache per function: a dtype change recompiles once
@@ -80,7 +76,7 @@ def bench(ceiling: float) -> list:
             t0 = time.perf_counter()
             compare_routing(list(fn()), list(want), args[0].dtype, skip)
             us = harness.graph_us(fn)
-            gbps = _bytes(op, args) / us / 1e3
+            gbps = nbytes(op, args) / us / 1e3
             rows.append({"case": name, "impl": impl, "near-tie rows": int(skip.sum()), "matches": "yes",
                          "us": us, "GB/s": gbps, "of copy": gbps / ceiling,
                          "s to check and time": round(time.perf_counter() - t0, 1)})

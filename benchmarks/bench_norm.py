@@ -14,7 +14,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch_kernels  # noqa: E402
-from benchmarks import harness  # noqa: E402
+from benchmarks import cases, harness  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402
 from torch_kernels.impl.torch import norm as reference  # noqa: E402
 from torch_kernels.impl.triton import norm as triton_norm  # noqa: E402
@@ -63,7 +63,7 @@ def bench_large(ceiling: float) -> list:
         for name, fn in rmsnorm_impls(n).items():
             assert_close(fn(x, w), want, msg=f"rmsnorm {name} {t}x{n}")
             us = harness.graph_us(lambda: fn(x, w))
-            gbps = (2 * x.numel() + n) * 2 / us / 1e3
+            gbps = cases.nbytes("rmsnorm", (x, w, EPS)) / us / 1e3
             rows.append({"op": "rmsnorm", "shape": f"{t}x{n}", "impl": name, "us": us, "GB/s": gbps,
                          "of copy": gbps / ceiling})
         r = torch.randn_like(x)
@@ -75,7 +75,7 @@ def bench_large(ceiling: float) -> list:
             assert_close(ra, want_r, msg=f"fused_add_rmsnorm {name} residual")
             assert_close(xa, want_x, msg=f"fused_add_rmsnorm {name} output")
             us = harness.graph_us(lambda: fn(xa, ra, w))
-            gbps = (4 * x.numel() + n) * 2 / us / 1e3
+            gbps = cases.nbytes("fused_add_rmsnorm", (xa, ra, w, EPS)) / us / 1e3
             rows.append({"op": "fused_add_rmsnorm", "shape": f"{t}x{n}", "impl": name, "us": us, "GB/s": gbps,
                          "of copy": gbps / ceiling})
     return rows

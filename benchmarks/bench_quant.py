@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch_kernels  # noqa: E402,F401
-from benchmarks import harness  # noqa: E402
+from benchmarks import cases, harness  # noqa: E402
 from torch_kernels import dispatch, ops  # noqa: E402
 from torch_kernels.impl.torch import quant as reference  # noqa: E402
 from torch_kernels.impl.triton import quant as triton_quant  # noqa: E402
@@ -34,7 +34,7 @@ compare = ops.BY_NAME[OP].compare
 
 
 def _bytes(t: int, h: int, g: int) -> int:
-    return t * h * (2 + 1) + t * (h // g) * 4
+    return cases.nbytes(OP, (torch.empty(t, h, dtype=torch.bfloat16, device="meta"), g))
 
 
 def impls():

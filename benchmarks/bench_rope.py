@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch_kernels  # noqa: E402,F401  (registers the ops)
-from benchmarks import harness  # noqa: E402
+from benchmarks import cases, harness  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402
 from torch_kernels.impl.torch import rope as reference  # noqa: E402
 from torch_kernels.impl.triton import rope as triton_rope  # noqa: E402
@@ -66,10 +66,7 @@ def _copy(args):
 
 
 def _bytes(args) -> int:
-    positions, q, k, _, cache, _ = args
-    rot = cache.shape[1]
-    return (2 * (q.numel() + k.numel()) * q.element_size() * rot // HEAD + positions.numel() * positions.element_size()
-            + positions.numel() * rot * cache.element_size())
+    return cases.nbytes("rotary_embedding", args)
 
 
 def bench_large(ceiling: float) -> list:

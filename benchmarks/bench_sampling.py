@@ -21,7 +21,6 @@ stream) lie in the reference's kept set; renormalised rows match within fp32 tol
 """
 
 import argparse
-import inspect
 import os
 import sys
 
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch_kernels  # noqa: E402,F401  (registers the ops)
 from benchmarks import harness  # noqa: E402
+from benchmarks.cases import flashinfer_sampling, kept_set  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402
 from torch_kernels.impl.torch import sampling as reference  # noqa: E402
 from torch_kernels.impl.triton import sampling as triton_sampling  # noqa: E402
@@ -69,28 +69,10 @@ def cases():
 
 
 def _flashinfer(op, args) -> dict:
-    """FlashInfer's peers of a case: {name: callable, or a string saying why there is none}. Only its
-    sampling JIT module is used (saved on the host): with per-row ``top_k`` tensors its default
-    ``top_k_first`` order is ``top_k_renorm_probs`` then ``top_p_sampling_from_probs``, both in that
-    module, and is our semantics (top-p over the renormalised top-k survivors); ``joint`` (one kernel)
-    is another filter, timed for reference. Seed and offset are passed as ints where the API takes
-    them (graph capture then reads no generator state)."""
-    if flashinfer is None:
-        return {"flashinfer": f"not importable: {FLASHINFER_ERROR}"}
-    fs = flashinfer.sampling
-    if op == OPS[1]:
-        return {"flashinfer": lambda: fs.top_k_renorm_probs(*args)}
-    if op == OPS[2]:
-        return {"flashinfer": lambda: fs.top_p_renorm_probs(*args)}
-    probs, k, p, seed, offset = args
-    rng = {}
-    if "seed" in inspect.signature(fs.top_p_sampling_from_probs).parameters:
-        rng = dict(seed=int(seed), offset=int(offset))
-    if int(k.max()) <= 0:  # top-k off: FlashInfer's top-p sampling alone
-        return {"flashinfer": lambda: fs.top_p_sampling_from_probs(probs, p, **rng)}
-    return {"flashinfer": lambda: fs.top_k_top_p_sampling_from_probs(probs, k, p, filter_apply_order="top_k_first", **rng),
-            "flashinfer joint (other filter)": lambda: fs.top_k_top_p_sampling_from_probs(
-                probs, k, p, filter_apply_order="joint", **rng)}
+    """FlashInfer's peers of a case (``benchmarks.cases.flashinfer_sampling``): {name: callable, or a string saying
+    why there is none}."""
+    return {name: peer if isinstance(peer, str) else (lambda fn=peer.fn: fn(*args))
+            for name, peer in flashinfer_sampling(op, args).items()}
 
 
 def torch_sort_multinomial(probs, top_k, top_p):
@@ -125,15 +107,9 @@ def impls(op, args, main: bool) -> dict:
     return out
 
 
-def _kept(probs, top_k, top_p):
-    bits = reference.value_bits(probs)
-    q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(probs.shape[1]))
-    return reference.kept_mask(bits, q, top_k, top_p)[0]
-
-
 def _check(op, impl, got, want, args) -> str:
     if op == OPS[0]:
-        kept = _kept(*args[:3])
+        kept = kept_set(*args[:3])
         inside = kept.gather(1, got.long()[:, None]).float().mean().item()
         if impl in ("deepinfer op", "triton launcher", "torch.compile(reference)", "eager reference"):
             assert torch.equal(got, want), f"{impl}: ids differ from the reference"

@@ -1,27 +1,104 @@
 """Timing on the GPU host, the way shared/gpu/README.md prescribes.
 
 Device time: CUDA-graph replay (``triton.testing.do_bench_cudagraph``, median), so that launch cost
-does not hide kernel time. Host time per eager call: the best of 5 loops of 5000 calls followed by
-one synchronise. Bandwidth: bytes read + written over device time; the ceiling is a device-to-device
-copy measured in the same run.
+does not hide kernel time; :func:`replay_us` is the cheaper variant the suite uses, with an optional
+cold L2. Host time per eager call: the best of 5 loops of 5000 calls followed by one synchronise.
+Bandwidth: bytes read + written over device time; the ceiling is a device-to-device copy measured in
+the same run. Triton is imported only by :func:`graph_us`, so the CPU run of the suite needs none.
 """
 
 import datetime
 import json
 import platform as pyplatform
+import statistics
 import time
 from importlib import metadata
 
 import torch
-import triton.testing
 
 
 def graph_us(fn, warmup: int = 3) -> float:
     """Median µs of one call of ``fn``, replayed from a CUDA graph."""
+    import triton.testing
+
     for _ in range(warmup):  # compile/autotune outside the capture
         fn()
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+
+
+def _replay_us(graph, replays: int) -> float:
+    """Median µs of one replay of ``graph`` (after one untimed replay), by CUDA events."""
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _capture(body, calls: int):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            body()
+    return graph
+
+
+def replay_us(fn, flush=None, target_us: float = 1000.0, max_calls: int = 100, replays: int = 5) -> float:
+    """Device µs per call of ``fn`` (already warmed up: compiled, autotuned): one CUDA graph holds ``n``
+    back-to-back calls, ``n`` such that a replay lasts about ``target_us`` (from a one-call graph's
+    time, at most ``max_calls``), and the median of ``replays`` timed replays is divided by ``n``.
+
+    ``flush``: a callable that evicts the L2 cache (a read of a buffer several times its size); the
+    graph then holds ``n`` x (flush, fn), and the same graph of ``n`` flushes alone, timed the same
+    way, is subtracted: ``fn`` starts every call with its inputs in HBM. Raises what the capture
+    raises (a host sync inside ``fn``)."""
+    body = fn if flush is None else (lambda: (flush(), fn()))
+    torch.cuda.synchronize()
+    estimate = _replay_us(_capture(body, 1), 3)
+    calls = max(1, min(max_calls, int(target_us / max(estimate, 1e-3))))
+    us = _replay_us(_capture(body, calls), replays) / calls
+    if flush is not None:
+        us -= _replay_us(_capture(flush, calls), replays) / calls
+    return us
+
+
+def events_us(fn, calls: int = 20, replays: int = 5) -> float:
+    """Median µs per call of ``calls`` back-to-back eager calls of ``fn`` between two CUDA events:
+    device time where the device is the bottleneck, host time otherwise (for what cannot be captured)."""
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def wall_us(fn, min_s: float = 2e-3, repeat: int = 5) -> float:
+    """Median wall-clock µs per call of ``fn`` over ``repeat`` blocks of at least ``min_s`` each (CPU
+    tensors: the host clock is the device clock)."""
+    fn()
+    t0, calls = time.perf_counter(), 0
+    while calls == 0 or time.perf_counter() - t0 < min_s:
+        fn()
+        calls += 1
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
 
 
 def host_us(fn, loops: int = 5, calls: int = 5000) -> float:
@@ -39,21 +116,25 @@ def host_us(fn, loops: int = 5, calls: int = 5000) -> float:
     return best
 
 
-def host_us_interleaved(cases: dict, rounds: int = 9, calls: int = 3000) -> dict:
+def host_us_interleaved(cases: dict, rounds: int = 9, calls=3000, warmup: int = 100, sync=None) -> dict:
     """Host µs per eager call of each case, measured in interleaved rounds (A B C A B C ...) and
-    keeping each case's best round, so that drift in the host's clock or load hits every case alike."""
+    keeping each case's best round, so that drift in the host's clock or load hits every case alike.
+    ``calls``: per round, one number or ``{name: number}``; ``sync``: what waits for the device
+    (``torch.cuda.synchronize``; a no-op for CPU tensors)."""
+    sync = sync or torch.cuda.synchronize
     for fn in cases.values():
-        for _ in range(100):
+        for _ in range(warmup):
             fn()
     best = {name: float("inf") for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
-            torch.cuda.synchronize()
+            n = calls[name] if isinstance(calls, dict) else calls
+            sync()
             t0 = time.perf_counter()
-            for _ in range(calls):
+            for _ in range(n):
                 fn()
-            torch.cuda.synchronize()
-            best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e6)
+            sync()
+            best[name] = min(best[name], (time.perf_counter() - t0) / n * 1e6)
     return best
 
 

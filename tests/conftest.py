@@ -45,16 +45,19 @@ def pytest_runtest_call(item):
 
 def implementations_on(op, device):
     """(name, callable): the registered op, then every implementation of ``op`` that runs on
-    ``device`` here (Triton on CPU tensors only in its interpreter)."""
+    ``device`` here (Triton on CPU tensors only in its interpreter). A call an implementation refuses
+    goes to the reference, as in the dispatcher (``testing.as_dispatched``); the refusal rules have
+    their own tests per backend."""
     from torch_kernels import registry
     from torch_kernels.spec import Backend
+    from torch_kernels.testing import as_dispatched
 
     out = [("registered", getattr(torch.ops.deepinfer, op).default)]
     for spec in registry.implementations(op):
         if spec.backend is Backend.TORCH:
             out.append(("torch", spec.load()))
         elif device == "cuda" and spec.is_available(torch_kernels.Platform.detect()):
-            out.append((spec.backend.value, spec.load()))
+            out.append((spec.backend.value, as_dispatched(spec)))
         elif device == "cpu" and spec.backend is Backend.TRITON and os.environ.get("TRITON_INTERPRET") == "1":
             out.append(("triton-interpreted", spec.load()))
     return out

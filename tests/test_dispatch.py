@@ -30,6 +30,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # interpreted) elsewhere.
 DEV = "cuda" if HAS_CUDA else "cpu"
 
+# The rules are tested in a world of two backends, Triton and the reference, where TileLang and
+# FlashInfer implement nothing: their kernels cannot run on the CPU tensors of CI, and a backend that
+# lacks every op is what the lacking/fallback/strict rules need. In-process, the inventory is filtered
+# (`_triton_world`); in subprocesses, the two packages are hidden, so that they cannot run here.
+_HIDE_OTHER_BACKENDS = "import sys; sys.modules['tilelang'] = sys.modules['flashinfer'] = None\n"
+
+
+@pytest.fixture(autouse=True)
+def _triton_world(monkeypatch):
+    monkeypatch.setattr(registry, "BY_OP", {op: {b: k for b, k in per_op.items() if b in (Backend.TORCH, Backend.TRITON)}
+                                            for op, per_op in registry.BY_OP.items()})
+
 
 def _args():
     return torch.randn(3, 96, device=DEV), torch.randn(96, device=DEV), 1e-6
@@ -51,7 +63,7 @@ def _served_by(op, tmp_path, *args):
 def _run(code, env=None):
     full_env = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=full_env,
+    return subprocess.run([sys.executable, "-c", _HIDE_OTHER_BACKENDS + textwrap.dedent(code)], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -1,10 +1,12 @@
-"""``python -m torch_kernels [check|docs]``
+"""``python -m torch_kernels [check|docs|bench]``
 
 * ``check`` (the default): the platform, the selection, one row per op (the backends that implement
   it, which are usable here and why the others are not, which one the CUDA key selects), then every
   usable backend against the reference on fresh random inputs. Exits 1 on a mismatch.
 * ``docs``: regenerate ``docs/ops.md`` from the registered schemas and the wrappers' docstrings
   (``--check``: exit 1 if the file is out of date instead).
+* ``bench``: every op x every usable backend x the peers over the shape set (``benchmarks/suite.py`` of
+  the source checkout; ``bench --help`` lists its options).
 """
 
 import argparse
@@ -19,13 +21,23 @@ import torch
 import torch_kernels
 from torch_kernels import dispatch, ops, registry
 from torch_kernels.spec import FRAMEWORK_PACKAGE, Backend, Capability, Platform
-from torch_kernels.testing import compare_outputs, mutated_args, outputs_of
+from torch_kernels.testing import TOP_P_SLACK, as_dispatched, assert_ids_kept, compare_outputs, mutated_args, outputs_of
 
 DOCS_OPS = Path(__file__).resolve().parent.parent / "docs" / "ops.md"
 
 
+def _compiled_route(op: str, platform: Platform) -> str:
+    """The op's route under torch.compile on CUDA (docs/compile.md), resolved against ``platform``
+    when it has CUDA; "(forced)" when set by DEEPINFER_OPS_COMPILE_ROUTE or configure()."""
+    forced = dispatch.selection().forced_route(op)
+    asked = forced or registry.COMPILE_ROUTE[op]
+    route, notice = dispatch.compile_route(op, "cuda", platform) if platform.is_cuda else (asked, None)
+    text = asked + (" (forced)" if forced else "")
+    return text if route == asked and notice is None else f"{text} -> {route}  [{notice}]"
+
+
 def _inventory(platform: Platform) -> list:
-    rows = [("op", "implemented by", "usable here", "CUDA key serves")]
+    rows = [("op", "implemented by", "usable here", "CUDA key serves", "compiled route")]
     for op in registry.OPS:
         impls = registry.implementations(op)
         usable = []
@@ -36,7 +48,8 @@ def _inventory(platform: Platform) -> list:
         serves = " > ".join(k.backend.value for k in chain) or f"nothing: {notice}"
         if notice and chain:
             serves += f"  [{notice}]"
-        rows.append((op, ", ".join(k.backend.value for k in impls), "; ".join(usable), serves))
+        rows.append((op, ", ".join(k.backend.value for k in impls), "; ".join(usable), serves,
+                     _compiled_route(op, platform)))
     return rows
 
 
@@ -56,14 +69,16 @@ def _self_check(platform: Platform) -> int:
         # the interpreter evaluates masked-off lanes (inf - inf on -inf LSE rows) in numpy
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
     failures = 0
+    own_stream = {(op, backend.value) for op, backend in registry.OWN_RANDOM_STREAM}
     torch.manual_seed(0)
     print(f"\nself-check on {device}: every usable backend against the reference, fp32/fp16/bf16")
     for op in ops.ALL:
         overload = getattr(torch.ops.deepinfer, op.name).default
         mutated = mutated_args(overload)
         reference = registry.BY_OP[op.name][Backend.TORCH].load()
+        # backends called directly, the calls they refuse going to the reference as in the dispatcher
         candidates = [("registered op", overload)] + [
-            (k.backend.value, k.load()) for k in registry.implementations(op.name)
+            (k.backend.value, as_dispatched(k)) for k in registry.implementations(op.name)
             if k.backend is not Backend.TORCH and k.is_available(platform)]
         if interpret_triton and Backend.TRITON in registry.BY_OP[op.name]:
             candidates.append(("triton (interpreted)", registry.BY_OP[op.name][Backend.TRITON].load()))
@@ -72,6 +87,9 @@ def _self_check(platform: Platform) -> int:
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
                 for args in op.samples(device, dtype):
                     try:
+                        if (op.name, name) in own_stream:  # its own random stream: held to the kept set
+                            assert_ids_kept(*args[:3], fn(*args), TOP_P_SLACK)
+                            continue
                         compare_outputs(op, outputs_of(fn, args, mutated), outputs_of(reference, args, mutated), dtype)
                     except AssertionError as e:
                         bad.append(f"{dtype} {tuple(args[op.data_arg].shape)}: {str(e).splitlines()[0]}")
@@ -88,8 +106,10 @@ def check() -> int:
     print(f"torch_kernels {torch_kernels.__version__}, torch {torch.__version__}, platform: {platform}")
     print(f"selection: backend={sel.backend.value if sel.backend else 'platform default'}"
           f" fallback={sorted(sel.fallback) or '-'} strict={sel.strict} trace={sel.trace_path or '-'}"
-          f"{' (with args)' if sel.trace_args else ''}")
-    print("every device other than CUDA is served by the torch reference\n")
+          f"{' (with args)' if sel.trace_args else ''}"
+          f" compile_route={','.join(f'{op}={r}' for op, r in sel.compile_route) or 'measured'}")
+    print("every device other than CUDA is served by the torch reference; compiled routes are those of CUDA"
+          " (elsewhere every op decomposes, docs/compile.md)\n")
     print(_table(_inventory(platform)))
     failures = _self_check(platform)
     print(f"\n{'FAILED: ' + str(failures) + ' mismatch(es)' if failures else 'all backends match the reference'}")
@@ -123,6 +143,20 @@ def docs(check_only: bool) -> int:
     return 0
 
 
+def bench(argv: list) -> int:
+    """Run ``benchmarks/suite.py`` of the source checkout this package sits in (not part of a wheel)."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "suite.py").is_file():
+        print(f"python -m torch_kernels bench runs benchmarks/suite.py of a source checkout; this installation "
+              f"({root}) has no benchmarks/ folder next to the package: clone the repository and "
+              "`pip install -e .` it", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(root))
+    from benchmarks import suite
+
+    return suite.main(argv)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,7 +164,12 @@ def main(argv=None) -> int:
     sub.add_parser("check", help="platform, inventory, selection and a self-check (default)")
     d = sub.add_parser("docs", help="regenerate docs/ops.md")
     d.add_argument("--check", action="store_true", help="exit 1 if docs/ops.md is out of date")
-    args = parser.parse_args(argv)
+    sub.add_parser("bench", add_help=False, help="benchmark every op and backend against the peers (bench --help)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return bench(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "docs":
         return docs(args.check)
     return check()

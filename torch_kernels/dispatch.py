@@ -16,6 +16,9 @@ The semantics of the DeepInfer kernel dispatcher (``shared/seeds/000_*``), appli
   with FALLBACK raises.
 * ``DEEPINFER_TRACE_KERNELS=path``: the first use of each (op, backend) appends a line ``op|backend``
   to ``path``; ``DEEPINFER_TRACE_KERNEL_ARGS=1`` adds the argument signature (never tensor data).
+* ``DEEPINFER_OPS_COMPILE_ROUTE=route`` or ``op=route,...`` (both: ``opaque,rmsnorm=decompose``): the
+  route under ``torch.compile`` (``registry.COMPILE_ROUTES``) for every op, or for the ops named,
+  instead of each op's measured ``registry.COMPILE_ROUTE``; see :func:`compile_route`.
 
 :func:`configure` does all of it from Python. Resolution happens on the first CUDA call of an op,
 under a lock (the first calls from several threads select and load once), not at import: reading
@@ -40,6 +43,7 @@ ENV_STRICT = "DEEPINFER_OPS_STRICT"
 ENV_VERBOSE = "DEEPINFER_OPS_VERBOSE"
 ENV_TRACE = "DEEPINFER_TRACE_KERNELS"
 ENV_TRACE_ARGS = "DEEPINFER_TRACE_KERNEL_ARGS"
+ENV_COMPILE_ROUTE = "DEEPINFER_OPS_COMPILE_ROUTE"
 
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -62,6 +66,8 @@ class Selection:
     verbose: bool = False
     trace_path: Optional[str] = None
     trace_args: bool = False
+    # forced compiled routes: sorted (op, route) pairs, op "*" for every op; () keeps COMPILE_ROUTE
+    compile_route: Tuple[Tuple[str, str], ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Selection":
@@ -73,6 +79,7 @@ class Selection:
             verbose=environ.get(ENV_VERBOSE, "").strip().lower() not in _FALSE,
             trace_path=environ.get(ENV_TRACE) or None,
             trace_args=environ.get(ENV_TRACE_ARGS, "").strip().lower() not in _FALSE,
+            compile_route=parse_compile_route(environ.get(ENV_COMPILE_ROUTE, "")),
         )
 
     def validate(self) -> "Selection":
@@ -81,11 +88,25 @@ class Selection:
         unknown = sorted(self.fallback - set(registry.OPS))
         if unknown:
             raise RuntimeError(f"{ENV_FALLBACK} names unknown op(s) {unknown}; the ops are: {', '.join(registry.OPS)}")
+        for op, route in self.compile_route:
+            if route not in registry.COMPILE_ROUTES:
+                raise RuntimeError(f"{ENV_COMPILE_ROUTE} names unknown route {route!r}; the routes are: "
+                                   f"{', '.join(registry.COMPILE_ROUTES)}")
+            if op != "*" and op not in registry.COMPILE_ROUTE:
+                raise RuntimeError(f"{ENV_COMPILE_ROUTE} names unknown op {op!r}; the ops are: {', '.join(registry.OPS)}")
+            if (op, route) in registry.NO_COMPILE_ROUTE:
+                raise RuntimeError(f"{ENV_COMPILE_ROUTE}: op {op!r} cannot take route {route!r}: "
+                                   f"{registry.NO_COMPILE_ROUTE[op, route]}")
         if self.backend is not None:
             unimplemented = sorted(n for n in self.fallback if self.backend not in registry.BY_OP[n])
             if unimplemented:
                 raise RuntimeError(f"{ENV_FALLBACK} names op(s) backend {self.backend.value!r} does not implement: {unimplemented}")
         return self
+
+    def forced_route(self, op: str) -> Optional[str]:
+        """The route forced for ``op`` (by name, else for every op), or ``None``."""
+        routes = dict(self.compile_route)
+        return routes.get(op, routes.get("*"))
 
     def lacking(self) -> List[str]:
         """Ops the selected backend lacks, as far as is known without touching the GPU: no
@@ -104,6 +125,7 @@ _lock = threading.RLock()
 _selection = Selection()
 _platform: Optional[Platform] = None
 _traced: set = set()
+_route_notices: set = set()
 
 
 def _notice(message: str) -> None:
@@ -134,8 +156,11 @@ def configure(selection: Optional[Selection] = None, **changes: Any) -> Selectio
     """Set the selection from Python, as the environment variables do; returns the previous one.
 
     ``configure(backend="triton", strict=True)``, ``configure(Selection.from_env())``. Backend
-    names are parsed, fallback may be any iterable of op names. Every op resolves again on its next
-    call, and the summary line is printed as at import.
+    names are parsed, fallback may be any iterable of op names, compile_route a string as
+    ``DEEPINFER_OPS_COMPILE_ROUTE`` takes or a mapping ``{op: route}`` (``None``: the measured
+    routes). Every op resolves again on its next call, and the summary line is printed as at import.
+    A changed compile route applies to graphs compiled afterwards (``torch.compiler.reset()``
+    drops the ones compiled before).
     """
     global _selection
     new = selection if selection is not None else _selection
@@ -143,11 +168,16 @@ def configure(selection: Optional[Selection] = None, **changes: Any) -> Selectio
         changes["backend"] = Backend.parse(changes["backend"])
     if "fallback" in changes:
         changes["fallback"] = frozenset(changes["fallback"])
+    if "compile_route" in changes:
+        changes["compile_route"] = parse_compile_route(changes["compile_route"])
     new = dataclasses.replace(new, **changes).validate()
     with _lock:
         previous, _selection = _selection, new
         _reset()
         _traced.clear()
+        _route_notices.clear()
+        if new.compile_route != previous.compile_route:
+            _tag_compile_caches(new.compile_route)
     lacking = new.lacking()
     if lacking:
         names = lacking if new.verbose else f"first: {lacking[0]}"
@@ -179,6 +209,71 @@ def plan(op: str, on: Optional[Platform] = None) -> Tuple[List[KernelSpec], Opti
     if sel.strict:
         return [], f"{why} and {ENV_STRICT} forbids a fallback"
     return default, f"op {op!r} used from {default[0].backend.value!r}: {why}"
+
+
+def parse_compile_route(spec: Any) -> Tuple[Tuple[str, str], ...]:
+    """``"opaque,rmsnorm=decompose"`` (a bare route applies to every op; ``op=route`` to one), a
+    mapping ``{op: route}`` or ``None``, as sorted ``(op, route)`` pairs with op ``"*"`` for all."""
+    if not spec:
+        return ()
+    if isinstance(spec, str):
+        items = {}
+        for item in filter(None, (i.strip() for i in spec.split(","))):
+            op, named, route = item.rpartition("=")
+            items[op if named else "*"] = route
+        spec = items
+    pairs = {str(op).strip(): str(route).strip().lower() for op, route in dict(spec).items()}
+    return tuple(sorted(pairs.items()))
+
+
+def compile_route(op: str, device_type: str = "cuda", on: Optional[Platform] = None) -> Tuple[str, Optional[str]]:
+    """The route ``op`` takes when ``torch.compile`` traces it on ``device_type`` (``library.py``
+    applies it), and the notice for when it is not the route asked for.
+
+    The route asked for is the one forced for this op, else for every op, else
+    ``registry.COMPILE_ROUTE``. An op that cannot take a route forced for every op keeps its own.
+    ``inductor_triton`` launches our Triton kernel, so it needs CUDA and Triton first in
+    :func:`plan`: on CUDA with another backend selected the op stays an opaque call to that backend;
+    on other devices it decomposes (the reference is what runs there anyway), and the ops of
+    ``registry.OPAQUE_OFF_CUDA`` stay opaque there whatever the route.
+    """
+    asked = _selection.forced_route(op) or registry.COMPILE_ROUTE[op]
+    route, notice = asked, None
+    if (op, asked) in registry.NO_COMPILE_ROUTE:
+        route = registry.COMPILE_ROUTE[op]
+        notice = f"op {op!r} compiled as {route!r}, not {asked!r}: {registry.NO_COMPILE_ROUTE[op, asked]}"
+    if device_type != "cuda":
+        if op in registry.OPAQUE_OFF_CUDA:
+            return registry.OPAQUE, notice
+        return (registry.DECOMPOSE if route == registry.INDUCTOR_TRITON else route), notice
+    if route == registry.INDUCTOR_TRITON:
+        chain, _ = plan(op, on)
+        if not chain or chain[0].backend is not Backend.TRITON:
+            served = chain[0].backend.value if chain else "nothing"
+            route = registry.OPAQUE
+            notice = f"op {op!r} compiled as {route!r}, not {asked!r}: the CUDA key selects {served!r}, not 'triton'"
+    return route, notice
+
+
+_CACHE_TAG = "deepinfer-compile-route:"
+
+
+def _tag_compile_caches(routes: Tuple[Tuple[str, str], ...]) -> None:
+    """torch.compile's caches (AOTAutograd's, Inductor's FX graph cache) key on the Dynamo graph, in
+    which an op is one node whatever its route; so forced routes are appended to
+    ``torch.compiler.config.cache_key_tag`` (after the user's own tag), and a graph compiled under
+    other routes is not reused from the cache."""
+    import torch.compiler.config as compiler_config
+
+    own = compiler_config.cache_key_tag.split(_CACHE_TAG)[0]
+    compiler_config.cache_key_tag = own + (_CACHE_TAG + ",".join(f"{op}={r}" for op, r in routes) if routes else "")
+
+
+def note_compile_route(notice: Optional[str]) -> None:
+    """Print ``notice`` the first time it arises in this process (per :func:`configure`)."""
+    if notice and notice not in _route_notices:
+        _route_notices.add(notice)
+        _notice(notice)
 
 
 class _Impl:

@@ -47,10 +47,35 @@ def _backend(backend: Backend, capability: Capability, family: str, ops: Tuple[s
 
 # One line per family a backend implements (``_backend(Backend.TILELANG, _TILELANG, "norm", (...), "...")``).
 TILELANG_KERNELS: Tuple[KernelSpec, ...] = (
+    *_backend(Backend.TILELANG, _TILELANG, "norm", ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm"),
+              "row over a power of two of threads, 16 values each in 16-byte vectors, short rows several to a "
+              "block; rows wider than 16384 in two passes; every size and stride (misaligned rows via a copy)"),
+    *_backend(Backend.TILELANG, _TILELANG, "activation", ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"),
+              "flat grid of 1024-output tiles, 8 a thread in 16-byte vectors; every size and stride (misaligned rows via a copy)"),
 )
 
 FLASHINFER_KERNELS: Tuple[KernelSpec, ...] = (
+    *_backend(Backend.FLASHINFER, _FLASHINFER, "norm", ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm"),
+              "FlashInfer's CUDA norm kernels (get_norm_module); weight in the input's dtype, rows aligned to their loads",
+              ("float16", "bfloat16"), checks=True),
+    *_backend(Backend.FLASHINFER, _FLASHINFER, "activation", ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"),
+              "flashinfer.activation.<act>_and_mul; contiguous rows", ("float16", "bfloat16"), checks=True),
+    *_backend(Backend.FLASHINFER, _FLASHINFER, "rope", ("rotary_embedding",),
+              "apply_rope_with_cos_sin_cache_inplace; key present, fp32 cache, head_size 64/128/256/512",
+              ("float16", "bfloat16"), checks=True),
+    *_backend(Backend.FLASHINFER, _FLASHINFER, "attention", ("merge_attn_states",),
+              "cascade.merge_state on base-2 LSE, empty partials restored; head size 64/128/256/512",
+              ("float16", "bfloat16"), checks=True),
+    *_backend(Backend.FLASHINFER, _FLASHINFER, "sampling", ("top_k_top_p_sampling_from_probs",),
+              "top_k_renorm_probs + top_p_sampling_from_probs: same kept set, FlashInfer's random stream",
+              ("float32",), checks=True),
 )
+
+#: Implementations that sample from the reference's kept set with their own random stream: for one
+#: (seed, offset) their ids differ from the reference's, and FlashInfer decides the top-p boundary in
+#: fp32 (a token within ~1e-6 of the boundary may go either way). Tests and the self-check hold them to
+#: the kept set and the distribution instead of the reference's ids; the first call says so on stderr.
+OWN_RANDOM_STREAM = frozenset({("top_k_top_p_sampling_from_probs", Backend.FLASHINFER)})
 
 KERNELS: Tuple[KernelSpec, ...] = (
     *_family("norm", ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm"),
@@ -77,6 +102,68 @@ KERNELS: Tuple[KernelSpec, ...] = (
 DEFAULT_CUDA_PRIORITY: Tuple[Backend, ...] = (Backend.TILELANG, Backend.TRITON, Backend.FLASHINFER, Backend.TORCH)
 CUDA_PRIORITY: Dict[str, Tuple[Backend, ...]] = {}
 
+# ------------------------------------------------------------------------------------------------
+# Compiled routes: what an op becomes below Dynamo's one node when torch.compile traces it on CUDA
+# (docs/compile.md). Figures: H200, bf16, CUDA-graph replay, docs/benchmarks/README.md unless said.
+
+#: The reference formula, inlined, so that Inductor fuses the op with its neighbours.
+DECOMPOSE = "decompose"
+#: Our Triton kernel, launched by Inductor itself (``torch.library.wrap_triton``, as in ``triton_op``);
+#: Inductor cannot fuse into a user kernel, so the neighbours stay separate kernels.
+INDUCTOR_TRITON = "inductor_triton"
+#: One opaque call to the backend ``dispatch.plan`` selects, as in eager mode.
+OPAQUE = "opaque"
+COMPILE_ROUTES: Tuple[str, ...] = (DECOMPOSE, INDUCTOR_TRITON, OPAQUE)
+
+#: The route of each op. A compiled ``x*2 -> rmsnorm -> +1`` block (4096x4096): decompose 23.6 µs,
+#: equal to the block in plain torch compiled (one fused kernel); inductor_triton 62 µs (three
+#: kernels); opaque 219 µs (shared/gpu/README.md). So an op decomposes where Inductor's kernel for
+#: the reference is about as fast as ours, and keeps our kernel where ours is far faster.
+COMPILE_ROUTE: Dict[str, str] = {
+    # torch.compile(reference) 4230 GB/s against ours 4091 at 16384x8192 (2006 vs 3992 at 8192x7168,
+    # where fusing a neighbour still saves more than one pass of 2 costs)
+    "rmsnorm": DECOMPOSE,
+    "gemma_rmsnorm": DECOMPOSE,
+    # compile 3330 / 1849 GB/s against ours 4026 / 4067 (16384x8192 / 8192x7168); decomposed, it
+    # is the same kernel as the block in plain torch compiled, with the residual add fused in
+    "fused_add_rmsnorm": DECOMPOSE,
+    "gemma_fused_add_rmsnorm": DECOMPOSE,
+    # compile 4367 / 3723 / 4218 GB/s against ours 4363 / 3593 / 4369 (8192x2*14336): equal
+    "silu_and_mul": DECOMPOSE,
+    "gelu_and_mul": DECOMPOSE,
+    "gelu_tanh_and_mul": DECOMPOSE,
+    # compile 1213 GB/s against ours 3912 (neox, 8192 tokens, 32+8 heads x 128; GPT-J 878 vs 3878).
+    # In place on views of the QKV projection's output: the opaque call (auto_functionalize) rotates
+    # them in that buffer, no copy (tests/test_compile.py checks Inductor's output)
+    "rotary_embedding": OPAQUE,
+    # compile 2078 GB/s against ours 4125 (8192x7168, g128); 248 against 4237 at g64
+    "per_token_group_quant_fp8": INDUCTOR_TRITON,
+    # compile 112 µs against ours 14 (8192 tokens x 256 experts, top-8); grouped 485 against 23
+    "topk_softmax": INDUCTOR_TRITON,
+    "grouped_topk": INDUCTOR_TRITON,
+    # compile 4045 GB/s, 0.95 of copy (8192x32x128, shared/gpu/README.md): as good as a kernel gets
+    "merge_attn_states": DECOMPOSE,
+    # no decomposition worth it (sort-based; Inductor failed on the reference's int64 cumsum)
+    "top_k_renorm_probs": OPAQUE,
+    "top_p_renorm_probs": OPAQUE,
+    "top_k_top_p_sampling_from_probs": OPAQUE,
+}
+
+#: Routes an op cannot take, and why: a route forced for all ops falls back to the op's own route
+#: for these (saying so), forcing one for this op alone raises.
+NO_COMPILE_ROUTE: Dict[Tuple[str, str], str] = {
+    **{(op, DECOMPOSE): "the reference sorts the vocabulary; torch.compile of it failed in Inductor "
+                        "(SplitScan codegen on the int64 cumsum)"
+       for op in ("top_k_renorm_probs", "top_p_renorm_probs", "top_k_top_p_sampling_from_probs")},
+    **{(op, INDUCTOR_TRITON): "its Triton kernel has no launch through wrap_triton"
+       for op in ("top_k_renorm_probs", "top_p_renorm_probs", "top_k_top_p_sampling_from_probs")},
+}
+
+#: Ops that stay opaque on devices other than CUDA (there, every route runs the reference): Inductor's
+#: C++ backend (torch 2.13) fails to compile the decomposed in-place norms when both tensors are graph
+#: inputs (KeyError in try_outer_loop_fusion_with_local_buf; the same block in plain torch fails alike).
+OPAQUE_OFF_CUDA = frozenset({"fused_add_rmsnorm", "gemma_fused_add_rmsnorm"})
+
 
 def validate(kernels: Iterable[KernelSpec]) -> Dict[str, Dict[Backend, KernelSpec]]:
     """Index ``kernels`` by op then backend; raise if a backend implements an op twice or an op
@@ -96,6 +183,25 @@ def validate(kernels: Iterable[KernelSpec]) -> Dict[str, Dict[Backend, KernelSpe
 
 BY_OP: Dict[str, Dict[Backend, KernelSpec]] = validate(KERNELS)
 OPS: Tuple[str, ...] = tuple(BY_OP)
+
+
+def compile_routes(op: str) -> List[str]:
+    """The routes ``op`` can take under torch.compile, its own (``COMPILE_ROUTE``) first."""
+    own = COMPILE_ROUTE[op]
+    return [own] + [r for r in COMPILE_ROUTES if r != own and (op, r) not in NO_COMPILE_ROUTE]
+
+
+def _check_compile_routes() -> None:
+    for op in OPS:
+        route = COMPILE_ROUTE.get(op)
+        if route not in COMPILE_ROUTES or (op, route) in NO_COMPILE_ROUTE:
+            raise RuntimeError(f"op {op!r} needs a compiled route in COMPILE_ROUTE, one of {COMPILE_ROUTES} "
+                               f"it can take; got {route!r}")
+        if (op, INDUCTOR_TRITON) not in NO_COMPILE_ROUTE and Backend.TRITON not in BY_OP[op]:
+            raise RuntimeError(f"op {op!r} has no Triton kernel for the {INDUCTOR_TRITON!r} route")
+
+
+_check_compile_routes()
 
 
 def cuda_priority(op: str) -> Tuple[Backend, ...]:

@@ -50,3 +50,38 @@ def clone_keep_strides(t):
     if not isinstance(t, torch.Tensor):
         return t
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def as_dispatched(spec):
+    """``spec``'s implementation as the dispatcher runs it: calls it refuses (dtype, per-call check)
+    go to the torch reference, as they would go down the backend chain."""
+    fn = spec.load()
+    if not spec.restricted:
+        return fn
+    from . import ops, registry
+    from .spec import Backend
+
+    check = spec.load_check()
+    dtypes = {getattr(torch, d) for d in spec.dtypes}
+    data_arg = ops.BY_NAME[spec.op].data_arg
+    reference = registry.BY_OP[spec.op][Backend.TORCH].load()
+
+    def dispatched(*args):
+        refused = (dtypes and args[data_arg].dtype not in dtypes) or (check is not None and check(*args))
+        return (reference if refused else fn)(*args)
+    return dispatched
+
+
+#: slack on top_p for the kept set of an implementation that decides the top-p boundary in fp32
+TOP_P_SLACK = 1e-4
+
+
+def assert_ids_kept(probs, top_k, top_p, ids, top_p_slack: float = 0.0) -> None:
+    """Every sampled id lies in the reference's kept set (``top_p`` raised by ``top_p_slack``)."""
+    from .impl.torch import sampling as reference
+
+    bits = reference.value_bits(probs)
+    q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(probs.shape[1]))
+    kept = reference.kept_mask(bits, q, top_k, (top_p + top_p_slack).to(top_p.dtype))[0]
+    inside = kept.gather(1, ids.long()[:, None]).squeeze(1)
+    assert bool(inside.all()), f"ids outside the kept set in rows {(~inside).nonzero().flatten().tolist()[:10]}"

@@ -1,9 +1,9 @@
 """The sampling family: ``top_k_renorm_probs``, ``top_p_renorm_probs``, ``top_k_top_p_sampling_from_probs``.
 
 Semantics of FlashInfer's ``flashinfer.sampling`` (top-k first, then top-p on the renormalised
-survivors; thresholds keep ties), made exact so that every backend returns the same kept set and
-the same sample as the reference (``torch_kernels/impl/torch/sampling.py``, whose docstring is the
-definition): masses are summed in 64-bit fixed point and the random numbers are Philox4x32-10 of
+survivors; thresholds keep ties), made exact so that the torch and Triton backends return the same kept set
+and the same sample as the reference (``torch_kernels/impl/torch/sampling.py``, whose docstring is the
+definition; FlashInfer's sampling keeps its own random stream: ``registry.OWN_RANDOM_STREAM``): masses are summed in 64-bit fixed point and the random numbers are Philox4x32-10 of
 ``(seed, offset, row)``, so one ``(seed, offset)`` gives one result on every device and backend.
 Randomness comes only from the ``seed``/``offset`` tensors: a CUDA graph captures the op and a
 replay draws afresh after the caller updates ``offset`` in place.
@@ -185,8 +185,10 @@ def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor,
     ``top_p`` on their renormalised mass (FlashInfer's ``filter_apply_order="top_k_first"``). A token
     outside the kept set is never returned. The draw is the inverse CDF, in token order, of the kept
     mass at a 31-bit uniform from Philox4x32-10 with counter ``(row, offset, 0)`` and key ``seed``:
-    deterministic for a given ``(seed, offset)`` and identical on every backend and device; each row
-    has its own stream. Advance ``offset`` (in place, e.g. ``offset += 1``) between steps: the op
+    deterministic for a given ``(seed, offset)`` and identical on every device and on the torch and
+    Triton backends; each row has its own stream. The FlashInfer backend (served only when selected,
+    ``DEEPINFER_OPS_BACKEND=flashinfer``) draws from the same kept set with FlashInfer's own random
+    stream and decides the top-p boundary in fp32; its first call says so on stderr. Advance ``offset`` (in place, e.g. ``offset += 1``) between steps: the op
     reads ``seed`` and ``offset`` on the device, so it can be captured in a CUDA graph and replayed.
 
     Args:

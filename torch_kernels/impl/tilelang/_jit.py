@@ -1,16 +1,24 @@
 """Compiling TileLang kernels: the target, an in-process memo, TileLang's disk cache, the trace.
 
-Every family module builds its ``T.prim_func`` with a symbolic token dimension (``T.symbolic``), so one
+Every family module builds its ``T.prim_func`` with a symbolic token dimension (``T.dynamic``), so one
 compiled kernel serves every batch size; ``compiled(name, build, *key)`` compiles it once per key
 (hidden size, dtype, flags) and process:
 
 * in memory: a dict lookup per call after the first;
 * on disk: ``tilelang.compile`` keeps the binary under ``TILELANG_CACHE_DIR`` (default
-  ``~/.tilelang/cache``) and publishes each entry with one atomic directory rename, so a second process
-  loads it instead of compiling (2.5-3 s a kernel on the H200 host, 0.1 s loaded), and two processes
-  compiling the same kernel at once both end with a sound entry (``tests/test_tilelang.py`` runs two);
+  ``~/.tilelang/cache``), keyed by a hash of the lowered function, the target and TileLang's own
+  build, and publishes each entry by writing it to a private staging directory, fsyncing it and
+  renaming it into place in one step (``tilelang/cache/kernel_cache.py``, 0.1.15); a rename that
+  loses the race to an identical entry is dropped, and a load checks the entry's manifest (sizes,
+  hashes) and compiles again if it is torn. So a second process loads the kernel instead of
+  compiling it (2.5-3 s a kernel on the H200 host, 0.1 s loaded), and two processes compiling the
+  same kernel at once both end with a sound entry (``tests/test_tilelang.py`` runs two, then a third
+  that must load without any compiler);
 * the first compile of each kernel in a process appends ``tilelang-compile|<name>|<key>|<seconds>s`` to
   the trace file (``DEEPINFER_TRACE_KERNELS``), whether it came from nvcc or from the disk cache.
+
+Different keys compile concurrently when asked from several threads (nvcc runs as a subprocess);
+one key compiles once.
 
 The target is the current GPU (``"cuda"``) unless ``DEEPINFER_TILELANG_TARGET`` names another, as CI
 does to compile every kernel for ``{"kind": "cuda", "arch": "sm_90"}`` on a machine without a GPU.
@@ -27,8 +35,15 @@ from typing import Any, Callable, Dict, Tuple
 ENV_TARGET = "DEEPINFER_TILELANG_TARGET"
 #: what CI compiles for (the H200 host's architecture)
 SM90 = {"kind": "cuda", "arch": "sm_90"}
+#: TileLang's execution backend for CUDA, pinned so that TILELANG_EXECUTION_BACKEND cannot change the
+#: call path under us. 'tvm_ffi' (0.1.15's default) hands torch tensors to the compiled host function
+#: through DLPack's C exchange API (no Python work per argument; the current torch stream is read the
+#: same way) and checks shapes, dtypes and strides in that compiled host code. 'cython' asks Python
+#: for the current stream and calls through ctypes on every launch; 'nvrtc' launches from Python.
+EXECUTION_BACKEND = "tvm_ffi"
 
 _kernels: Dict[Tuple[str, tuple], Any] = {}
+_key_locks: Dict[Tuple[str, tuple], threading.Lock] = {}
 _lock = threading.Lock()
 
 
@@ -47,16 +62,26 @@ def compiled(name: str, build: Callable[..., Any], *key: Any) -> Any:
     if kernel is not None:
         return kernel
     with _lock:
+        key_lock = _key_locks.setdefault((name, key), threading.Lock())
+    with key_lock:
         kernel = _kernels.get((name, key))
         if kernel is None:
             import tilelang
 
             start = time.perf_counter()
-            kernel = tilelang.compile(build(*key), target=target())
+            kernel = tilelang.compile(build(*key), target=target(), execution_backend=EXECUTION_BACKEND)
             seconds = time.perf_counter() - start
             _kernels[(name, key)] = kernel
             _trace_compile(name, key, seconds)
     return kernel
+
+
+def entry(kernel: Any) -> Callable[..., Any]:
+    """The compiled host function of ``kernel`` (a ``tvm_ffi.Function``): the same call as
+    ``kernel(*args)`` for a kernel that allocates no output, without the adapter's Python loop over
+    the parameters (launchers that run on every eager call keep this and call it)."""
+    adapter = kernel.adapter
+    return adapter.get_exportable_executable()[str(adapter.prim_func.attrs["global_symbol"])]
 
 
 def _trace_compile(name: str, key: tuple, seconds: float) -> None:
@@ -67,7 +92,14 @@ def _trace_compile(name: str, key: tuple, seconds: float) -> None:
         dispatch.append_line(path, f"tilelang-compile|{name}|{','.join(map(str, key))}|{seconds:.3f}s")
 
 
+def memo_size() -> int:
+    """How many kernels this process has compiled or loaded (tests: a new batch size adds none)."""
+    return len(_kernels)
+
+
 def clear_memo() -> None:
-    """Forget the in-process kernels (tests: the next call goes to TileLang's disk cache)."""
+    """Forget this memo (tests: the next call asks ``tilelang.compile`` again, which answers from its
+    own in-process cache or the disk, and traces the first compile again)."""
     with _lock:
         _kernels.clear()
+        _key_locks.clear()

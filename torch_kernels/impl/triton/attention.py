@@ -8,6 +8,11 @@ stream consecutive memory of contiguous ``v``); ``FLAT=False`` launches a (token
 head-size blocks) grid instead, kept for the GPU sweep to compare. Arguments arrive
 validated (``torch_kernels.ops.attention``): ``v`` last dim contiguous, fp16/bf16/fp32; LSE fp32 with
 any strides. Empty partials (LSE ``-inf``, or FA2's ``+inf``) as the reference treats them.
+
+``wrap``: ``None`` in eager calls; ``torch.library.wrap_triton`` when ``torch.compile`` traces the
+op's ``inductor_triton`` route (``torch_kernels/library.py``). Traced, the token count is symbolic:
+one launch, checked when it runs to fit the grid, and an empty grid skipped by Triton's launcher
+instead of an early return.
 """
 
 import torch
@@ -106,15 +111,20 @@ def tile(H: int, D: int, block_h: int = 0, tile: int = _TILE):
 
 
 def launch(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor, out: Tensor, out_lse: Tensor,
-           block_h: int, block_d: int, num_warps: int, flat: bool = _FLAT) -> None:
-    T, H, D = v_a.shape
-    if T == 0 or H == 0:
+           block_h: int, block_d: int, num_warps: int, flat: bool = _FLAT, wrap=None) -> None:
+    T, H, D = v_a.shape[0], int(v_a.shape[1]), int(v_a.shape[2])
+    if H == 0 or (wrap is None and T == 0):
         return
     if flat:
         per_h, per_d = _MAX_GRID_0 * block_h, _MAX_GRID_12 * block_d
         per_t = _MAX_GRID_0 // triton.cdiv(min(H, per_h), block_h)
     else:
         per_t, per_h, per_d = _MAX_GRID_0, _MAX_GRID_12 * block_h, _MAX_GRID_12 * block_d
+    if wrap is not None:  # traced: T is symbolic, so one launch, checked when it runs
+        torch._check(H <= per_h and D <= per_d)
+        torch._check(T <= per_t, lambda: f"{T} tokens of {H} heads exceed one launch of the traced route")
+        _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, block_h, block_d, num_warps, flat, wrap)
+        return
     if T <= per_t and H <= per_h and D <= per_d:  # every realistic shape: one launch
         _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, block_h, block_d, num_warps, flat)
         return
@@ -127,10 +137,10 @@ def launch(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor, out: Tensor, 
                 _launch_one(v_a[v], lse_a[th], v_b[v], lse_b[th], out[v], out_lse[th], block_h, block_d, num_warps, flat)
 
 
-def _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, block_h, block_d, num_warps, flat):
-    T, H, D = v_a.shape
+def _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, block_h, block_d, num_warps, flat, wrap=None):
+    T, H, D = v_a.shape[0], int(v_a.shape[1]), int(v_a.shape[2])
     head_blocks, d_blocks = triton.cdiv(H, block_h), triton.cdiv(D, block_d)
-    _merge_kernel[(T * head_blocks, d_blocks) if flat else (T, head_blocks, d_blocks)](
+    (_merge_kernel if wrap is None else wrap(_merge_kernel))[(T * head_blocks, d_blocks) if flat else (T, head_blocks, d_blocks)](
         v_a, v_a.stride(0), v_a.stride(1),
         lse_a, lse_a.stride(0), lse_a.stride(1),
         v_b, v_b.stride(0), v_b.stride(1),
@@ -143,9 +153,8 @@ def _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, block_h, block_d, num_warp
     )
 
 
-def merge_attn_states(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor):
+def merge_attn_states(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor, *, wrap=None):
     out = torch.empty(v_a.shape, dtype=v_a.dtype, device=v_a.device)
     out_lse = torch.empty(lse_a.shape, dtype=torch.float32, device=v_a.device)
-    T, H, D = v_a.shape
-    launch(v_a, lse_a, v_b, lse_b, out, out_lse, *tile(H, D))
+    launch(v_a, lse_a, v_b, lse_b, out, out_lse, *tile(int(v_a.shape[1]), int(v_a.shape[2])), wrap=wrap)
     return out, out_lse

@@ -12,6 +12,11 @@ as in the reference, so every id written is a valid expert index.
 Arguments arrive validated (``torch_kernels.ops.moe``): logits ``(T, E)`` with a contiguous last
 dimension, fp16/bf16/fp32; bias ``(E,)`` contiguous. Rows up to ``MAX_TILE`` padded experts: wider
 ones are refused (``topk_softmax_refuses``/``grouped_topk_refuses``) and served by the reference.
+
+``wrap``: ``None`` in eager calls; ``torch.library.wrap_triton`` when ``torch.compile`` traces the
+op's ``inductor_triton`` route (``torch_kernels/library.py``). Traced, the token count is symbolic:
+``BLOCK_R`` then comes from the tile alone (not shrunk to a small batch), and an empty grid is
+skipped by Triton's launcher instead of an early return.
 """
 
 from typing import Optional
@@ -172,12 +177,13 @@ def _geometry(experts: int, groups: int, vec: int):
 
 
 def _route(x: Tensor, topk: int, renormalize: bool, groups: int, topk_group: int, softmax: bool,
-           bias: Optional[Tensor], scale: float, block_r: Optional[int] = None, num_warps: Optional[int] = None):
+           bias: Optional[Tensor], scale: float, block_r: Optional[int] = None, num_warps: Optional[int] = None,
+           wrap=None):
     """``block_r``/``num_warps`` override the heuristic (for the benchmark's sweep)."""
-    tokens, experts = x.shape
+    tokens, experts = x.shape[0], int(x.shape[1])
     weights = torch.empty((tokens, topk), dtype=torch.float32, device=x.device)
     ids = torch.empty((tokens, topk), dtype=torch.int32, device=x.device)
-    if tokens == 0:
+    if wrap is None and tokens == 0:
         return weights, ids
     vec = max(1, 16 // x.element_size())  # 16-byte loads
     g, gs = _geometry(experts, groups, vec)
@@ -185,9 +191,11 @@ def _route(x: Tensor, topk: int, renormalize: bool, groups: int, topk_group: int
     if block_g * block_gs > MAX_TILE:  # the op's KernelSpec.check sends these to the next backend
         raise ValueError(f"triton MoE router: {experts} experts ({block_g}x{block_gs} padded) exceed {MAX_TILE}")
     auto_r, auto_warps = _config(block_g, block_gs, vec)
-    block_r = min(block_r or auto_r, triton.next_power_of_2(tokens))
+    block_r = block_r or auto_r
+    if wrap is None:
+        block_r = min(block_r, triton.next_power_of_2(tokens))
     grid = (triton.cdiv(tokens, block_r),)
-    _route_rows[grid](
+    (_route_rows if wrap is None else wrap(_route_rows))[grid](
         x, x.stride(0), bias if bias is not None else x, weights, ids,
         tokens, experts, g, gs, topk, topk_group, float(scale),
         BLOCK_R=block_r, BLOCK_G=block_g, BLOCK_GS=block_gs, BLOCK_K=triton.next_power_of_2(topk),
@@ -197,15 +205,15 @@ def _route(x: Tensor, topk: int, renormalize: bool, groups: int, topk_group: int
     return weights, ids
 
 
-def topk_softmax(gating_output: Tensor, topk: int, renormalize: bool = False):
-    return _route(gating_output, topk, renormalize, 1, 1, True, None, 1.0)
+def topk_softmax(gating_output: Tensor, topk: int, renormalize: bool = False, *, wrap=None):
+    return _route(gating_output, topk, renormalize, 1, 1, True, None, 1.0, wrap=wrap)
 
 
 def grouped_topk(gating_output: Tensor, topk: int, renormalize: bool, num_expert_group: int, topk_group: int,
                  scoring_func: str = "softmax", e_score_correction_bias: Optional[Tensor] = None,
-                 routed_scaling_factor: float = 1.0):
+                 routed_scaling_factor: float = 1.0, *, wrap=None):
     return _route(gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func == "softmax",
-                  e_score_correction_bias, routed_scaling_factor)
+                  e_score_correction_bias, routed_scaling_factor, wrap=wrap)
 
 
 def _tile(x: Tensor, groups: int) -> int:

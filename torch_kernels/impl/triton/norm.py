@@ -3,6 +3,11 @@
 Rows of up to ``_ONE_PASS_MAX`` elements are held in registers and read once; wider rows are
 reduced in a first pass and normalised in a second, in chunks of ``_CHUNK``. Arguments arrive
 validated (``torch_kernels.ops.norm``): last dim contiguous, dtype fp16/bf16/fp32, weight ``(N,)``.
+
+Every entry point takes ``wrap``: ``None`` in eager calls; ``torch.library.wrap_triton`` when
+``torch.compile`` traces the op's ``inductor_triton`` route (``torch_kernels/library.py``), so that
+Inductor launches the kernel itself. Traced, the token count is symbolic: it reaches the launch only
+as the grid, and an empty grid is skipped by Triton's launcher instead of an early return.
 """
 
 import math
@@ -70,16 +75,16 @@ def _rmsnorm_rows(
             tl.store(out_row + start + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: Tensor, res, out: Tensor, weight: Tensor, eps: float, gemma: bool) -> None:
+def _launch(x: Tensor, res, out: Tensor, weight: Tensor, eps: float, gemma: bool, wrap=None) -> None:
     """All of ``x``, ``res`` and ``out`` are 2-D ``(T, N)`` row views."""
-    T, N = x.shape
-    if T == 0:
+    T, N = x.shape[0], int(x.shape[1])  # int(): traced, the heuristics guard on the hidden size
+    if wrap is None and T == 0:
         return
     one_pass = N <= _ONE_PASS_MAX
     block = triton.next_power_of_2(N) if one_pass else _CHUNK
     num_warps = _num_warps(N if one_pass else block)
     has_res = res is not None
-    _rmsnorm_rows[(T,)](
+    (_rmsnorm_rows if wrap is None else wrap(_rmsnorm_rows))[(T,)](
         x, x.stride(0),
         res if has_res else x, res.stride(0) if has_res else 0,
         out, out.stride(0),
@@ -112,34 +117,34 @@ def _rows_view(t: Tensor):
         return None
 
 
-def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
+def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool, wrap) -> Tensor:
     out = torch.empty(input.shape, dtype=input.dtype, device=input.device)
-    _launch(_rows(input), None, _rows(out), weight, eps, gemma)
+    _launch(_rows(input), None, _rows(out), weight, eps, gemma, wrap)
     return out
 
 
-def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool) -> None:
+def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool, wrap) -> None:
     x, res = _rows_view(input), _rows_view(residual)
     if x is None or res is None:  # leading dims that do not collapse: work on copies, write back
         x, res = input.reshape(-1, input.shape[-1]).clone(), residual.reshape(-1, residual.shape[-1]).clone()
-        _launch(x, res, x, weight, eps, gemma)
+        _launch(x, res, x, weight, eps, gemma, wrap)
         input.copy_(x.view(input.shape))
         residual.copy_(res.view(residual.shape))
         return
-    _launch(x, res, x, weight, eps, gemma)
+    _launch(x, res, x, weight, eps, gemma, wrap)
 
 
-def rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
-    return _norm(input, weight, eps, gemma=False)
+def rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6, *, wrap=None) -> Tensor:
+    return _norm(input, weight, eps, False, wrap)
 
 
-def gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
-    return _norm(input, weight, eps, gemma=True)
+def gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6, *, wrap=None) -> Tensor:
+    return _norm(input, weight, eps, True, wrap)
 
 
-def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
-    _fused_add(input, residual, weight, eps, gemma=False)
+def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, *, wrap=None) -> None:
+    _fused_add(input, residual, weight, eps, False, wrap)
 
 
-def gemma_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
-    _fused_add(input, residual, weight, eps, gemma=True)
+def gemma_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, *, wrap=None) -> None:
+    _fused_add(input, residual, weight, eps, True, wrap)

@@ -21,9 +21,15 @@ Numerics against the reference (``impl/torch/quant.py``):
   The emulation costs about ten integer/fp32 operations per element, which is why the GPU does not
   use it (the kernel should be bound by memory, not issue slots); ``tests/test_quant.py`` checks both
   roundings bit for bit against torch's conversion on the GPU, and the emulation in the interpreter.
+
+``wrap``: ``None`` in eager calls; ``torch.library.wrap_triton`` when ``torch.compile`` traces the
+op's ``inductor_triton`` route (``torch_kernels/library.py``). Traced, the token count is symbolic:
+``BLOCK_M`` then comes from the tile alone (not shrunk to a small batch), and an empty grid is
+skipped by Triton's launcher instead of an early return.
 """
 
 import os
+from typing import Optional
 
 import triton
 import triton.language as tl
@@ -141,28 +147,30 @@ def _per_token_group_quant_fp8(
     tl.store(s_ptr + s_offsets, scale, mask=row_ok[:, None])
 
 
-def _config(tokens: int, groups: int, group_size: int, tile: int = _TILE):
+def _config(tokens: Optional[int], groups: int, group_size: int, tile: int = _TILE):
     """(BLOCK_M, BLOCK_G, num_warps): about ``tile`` elements a program; BLOCK_G the largest power of
     two dividing the group count (so no column is masked) that fits; BLOCK_M no larger than the
-    token count needs."""
+    token count needs (``tokens`` ``None``: not known, traced)."""
     block_g = min(groups & -groups, max(tile // group_size, 1))
-    block_m = min(max(tile // (block_g * group_size), 1), triton.next_power_of_2(tokens))
+    block_m = max(tile // (block_g * group_size), 1)
+    if tokens is not None:
+        block_m = min(block_m, triton.next_power_of_2(tokens))
     num_warps = min(max(block_m * block_g * group_size // _ELEMENTS_PER_WARP, 1), 16)
     return block_m, block_g, num_warps
 
 
 def launch(x: Tensor, q: Tensor, s: Tensor, group_size: int, eps: float, scale_ue8m0: bool,
-           tile: int = _TILE, num_warps=None, exact_div=None, emulate_cast=None) -> None:
+           tile: int = _TILE, num_warps=None, exact_div=None, emulate_cast=None, wrap=None) -> None:
     """``x (T, H)``, ``q (T, H)`` contiguous, ``s (T, G)`` with any strides. ``tile``, ``num_warps``,
     ``exact_div`` and ``emulate_cast`` override the heuristics (the benchmark's sweep, the tests)."""
-    T, H = x.shape
-    if T == 0:
+    T, H = x.shape[0], int(x.shape[1])
+    if wrap is None and T == 0:
         return
     groups = H // group_size
-    block_m, block_g, warps = _config(T, groups, group_size, tile)
+    block_m, block_g, warps = _config(T if wrap is None else None, groups, group_size, tile)
     num_group_blocks = groups // block_g
     grid = (triton.cdiv(T, block_m) * num_group_blocks,)
-    _per_token_group_quant_fp8[grid](
+    (_per_token_group_quant_fp8 if wrap is None else wrap(_per_token_group_quant_fp8))[grid](
         x, x.stride(0), q, s, s.stride(0), s.stride(1), T, H, num_group_blocks, eps,
         GROUP=group_size, BLOCK_M=block_m, BLOCK_G=block_g, UE8M0=scale_ue8m0,
         EXACT_DIV=eps < _EXACT_DIV_EPS if exact_div is None else exact_div, NUMPY_MAX=_INTERPRETED,
@@ -172,12 +180,12 @@ def launch(x: Tensor, q: Tensor, s: Tensor, group_size: int, eps: float, scale_u
 
 
 def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10,
-                              column_major_scales: bool = False, scale_ue8m0: bool = False):
+                              column_major_scales: bool = False, scale_ue8m0: bool = False, *, wrap=None):
     q, s = empty_outputs(input, group_size, column_major_scales)
-    H = input.shape[-1]
+    H = int(input.shape[-1])
     x = input if input.dim() == 2 else input.reshape(-1, H)  # a view unless the leading dims do not collapse
-    if x.shape[0] == 0:
+    if wrap is None and x.shape[0] == 0:
         return q, s
     # The (T, G) views share the outputs' storage: leading dims are contiguous in both layouts.
-    launch(x, q.view(-1, H), s.view(-1, H // group_size), group_size, eps, scale_ue8m0)
+    launch(x, q.view(-1, H), s.view(-1, H // group_size), group_size, eps, scale_ue8m0, wrap=wrap)
     return q, s

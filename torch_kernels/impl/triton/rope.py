@@ -7,6 +7,11 @@ and one launch serves query and key. Only the first ``rot_dim`` dims of each hea
 written; the pass-through dims of a partial rotary are never touched. Arguments arrive validated
 (``torch_kernels.ops.rope``): last dimension contiguous (rows and heads may be strided), q/k fp16,
 bf16 or fp32, cache fp32 or the q/k dtype, ``rot_dim`` even and at most ``head_size``.
+
+``wrap``: ``None`` in eager calls; ``torch.library.wrap_triton`` when ``torch.compile`` traces the
+op's ``inductor_triton`` route (``torch_kernels/library.py``). Traced, the token count is symbolic,
+so the launch cannot choose its chunks by it: every program takes one tile of heads (the small-batch
+choice; with many tokens it loads each token's cos/sin once per tile rather than once).
 """
 
 from typing import Optional
@@ -106,18 +111,19 @@ def _rope_kernel(
 def _heads(x: Tensor, head_size: int):
     """(number of heads, token stride, head stride) of a validated 2-D or 3-D query/key."""
     if x.dim() == 3:
-        return x.shape[1], x.stride(0), x.stride(1)
-    return x.shape[1] // head_size, x.stride(0), head_size
+        return int(x.shape[1]), x.stride(0), x.stride(1)
+    return int(x.shape[1]) // head_size, x.stride(0), head_size
 
 
-def config(num_tokens: int, num_heads: int, rot_half: int):
-    """(heads_per_program, BLOCK_H, BLOCK_D, num_warps) for a launch."""
+def config(num_tokens: Optional[int], num_heads: int, rot_half: int):
+    """(heads_per_program, BLOCK_H, BLOCK_D, num_warps) for a launch; ``num_tokens`` ``None`` when
+    it is not known (traced)."""
     block_d = triton.next_power_of_2(rot_half)
     block_h = min(triton.next_power_of_2(num_heads), max(1, _TILE_PAIRS // block_d))
     # Many tokens: one chunk of every head, so cos/sin are loaded once per token. Few tokens: chunks
     # of whole tiles, as many as it takes to reach _MIN_PROGRAMS programs.
     tiles = triton.cdiv(num_heads, block_h)
-    chunks = min(tiles, max(1, triton.cdiv(_MIN_PROGRAMS, max(num_tokens, 1))))
+    chunks = tiles if num_tokens is None else min(tiles, max(1, triton.cdiv(_MIN_PROGRAMS, max(num_tokens, 1))))
     heads_per_program = block_h * triton.cdiv(tiles, chunks)
     num_warps = max(1, min(8, block_h * block_d // 256))
     return heads_per_program, block_h, block_d, num_warps
@@ -125,18 +131,18 @@ def config(num_tokens: int, num_heads: int, rot_half: int):
 
 def launch(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int, cos_sin_cache: Tensor,
            is_neox: bool, heads_per_program: Optional[int] = None, block_h: Optional[int] = None,
-           num_warps: Optional[int] = None) -> None:
+           num_warps: Optional[int] = None, wrap=None) -> None:
     """The launcher; the optional arguments override the heuristic (for the benchmark's sweep)."""
     num_tokens = query.shape[0]
-    if num_tokens == 0:
+    if wrap is None and num_tokens == 0:
         return
-    rot_half = cos_sin_cache.shape[1] // 2
+    rot_half = int(cos_sin_cache.shape[1]) // 2
     hq, q_tok, q_head = _heads(query, head_size)
     hk, k_tok, k_head = _heads(key, head_size) if key is not None else (0, 0, 0)
-    hpp, bh, bd, nw = config(num_tokens, hq + hk, rot_half)
+    hpp, bh, bd, nw = config(num_tokens if wrap is None else None, hq + hk, rot_half)
     hpp, bh, nw = heads_per_program or hpp, block_h or bh, num_warps or nw
     grid = (num_tokens, triton.cdiv(hq + hk, hpp))
-    _rope_kernel[grid](
+    (_rope_kernel if wrap is None else wrap(_rope_kernel))[grid](
         positions, positions.stride(0),
         query, q_tok, q_head,
         key if key is not None else query, k_tok, k_head,
@@ -148,5 +154,5 @@ def launch(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: i
 
 
 def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
-                     cos_sin_cache: Tensor, is_neox: bool) -> None:
-    launch(positions, query, key, head_size, cos_sin_cache, is_neox)
+                     cos_sin_cache: Tensor, is_neox: bool, *, wrap=None) -> None:
+    launch(positions, query, key, head_size, cos_sin_cache, is_neox, wrap=wrap)

@@ -1,0 +1,148 @@
+"""``python -m torch_kernels bench`` (benchmarks/suite.py) on CPU (``--cpu``, so also on the GPU host):
+the small CPU set writes its JSON, markdown and plots; --ops/--backends/--shapes narrow it; a backend
+picked up from the inventory is timed, and one that refuses a call is reported with its reason."""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import cases, suite  # noqa: E402
+from torch_kernels import registry  # noqa: E402
+from torch_kernels.spec import Backend, Capability, KernelSpec  # noqa: E402
+
+try:
+    import matplotlib  # noqa: F401
+    HAS_MATPLOTLIB = True
+except ImportError:
+    HAS_MATPLOTLIB = False
+
+
+def _load(out: Path) -> dict:
+    return json.loads((out / "cpu.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """The default CPU set, once for the module (plots where matplotlib is installed)."""
+    out = tmp_path_factory.mktemp("bench")
+    rc = suite.main(["--cpu", "--out", str(out)] + ([] if HAS_MATPLOTLIB else ["--no-plots"]))
+    return rc, out
+
+
+def test_default_cpu_run(default_run):
+    rc, out = default_run
+    assert rc == 0
+    result = _load(out)
+    h = result["header"]
+    assert h["schema"] == suite.SCHEMA and h["profile"] == "cpu" and h["gpu"] is None
+    assert h["versions"]["torch"] == torch.__version__ and h["date"] and h["copy_ceiling_GBps"] > 0
+    assert h["ops"] == list(suite.CPU_OPS) and not h["cold_l2"]
+    rows = result["rows"]
+    assert {r["op"] for r in rows} == set(suite.CPU_OPS)
+    profile = cases.PROFILES["cpu"]
+    for op in suite.CPU_OPS:
+        for key in ("op", "torch"):
+            got = sorted(r["tokens"] for r in rows if r["op"] == op and r["key"] == key)
+            assert got == sorted(profile.tokens), (op, key, got)
+    for r in rows:
+        assert r["check"] == "ok", r
+        assert r["device_us"] > 0 and r["bytes"] > 0
+        assert r["GB/s"] == pytest.approx(r["bytes"] / r["device_us"] / 1e3)
+        assert r["of copy"] == pytest.approx(r["GB/s"] / h["copy_ceiling_GBps"])
+        assert r["vs best peer"] > 0
+        assert ("host_us" in r) == (r["tokens"] <= 32), r  # host µs at the small shapes only
+        assert (r["key"] == "op") == ("serves" in r)
+    # the peer where it applies, and only there; the best peer's own ratio is 1
+    assert {r["op"] for r in rows if r["key"] == "F.rms_norm"} == {"rmsnorm"}
+    for op, shape in {(r["op"], r["shape"]) for r in rows}:
+        best = max(r["vs best peer"] for r in rows if (r["op"], r["shape"]) == (op, shape) and r["role"] == "peer")
+        assert best == pytest.approx(1.0)
+    goals = {(g["op"], g["goal"]) for g in result["goals"]}
+    assert ("rmsnorm", "<= best peer's device time at 1-32 tokens") in goals
+    assert ("rmsnorm", "host µs at 1x4096 bf16 <= F.rms_norm's") not in goals  # no 1x4096 in the CPU set
+    md = (out / "cpu.md").read_text()
+    assert md.startswith("# Benchmark suite: cpu") and "## Goals (registered op)" in md
+    for op in suite.CPU_OPS:
+        assert f"## {op} (" in md
+    assert "| 1x512 | **deepinfer op** |" in md
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (the test extra has it)")
+def test_default_cpu_run_plots(default_run):
+    _, out = default_run
+    for op in suite.CPU_OPS:
+        png = out / "cpu" / f"{op}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_narrowing(tmp_path):
+    rc = suite.main(["--cpu", "--ops", "rmsnorm,merge_attn_states", "--backends", "op,F.rms_norm", "--shapes", "4x64,8",
+                     "--no-plots", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = _load(tmp_path)["rows"]
+    assert {(r["op"], r["shape"], r["key"]) for r in rows} == {
+        ("rmsnorm", "4x64", "op"), ("rmsnorm", "4x64", "F.rms_norm"), ("rmsnorm", "8x512", "op"),
+        ("rmsnorm", "8x512", "F.rms_norm"), ("merge_attn_states", "4x4x64", "op"), ("merge_attn_states", "8x4x64", "op")}
+    assert not (tmp_path / "cpu").exists()  # --no-plots
+
+    rc = suite.main(["--cpu", "--ops", "top_k_top_p_sampling_from_probs", "--backends", "op", "--shapes", "quick",
+                     "--no-plots", "--out", str(tmp_path)])
+    rows = _load(tmp_path)["rows"]
+    profile = cases.PROFILES["cpu"]
+    assert profile.quick_tokens[-1] > profile.rows_cap  # the batch rows are the token count, capped
+    assert rc == 0 and [r["shape"] for r in rows] == [f"{min(t, profile.rows_cap)}x{profile.vocab}" for t in profile.quick_tokens]
+
+
+def test_budget_and_bad_options(tmp_path):
+    rc = suite.main(["--cpu", "--budget", "0", "--no-plots", "--out", str(tmp_path)])
+    result = _load(tmp_path)
+    assert rc == 0 and result["rows"] == [] and result["not_run"] == list(suite.CPU_OPS)
+    assert "Not run (budget)" in (tmp_path / "cpu.md").read_text()
+    for argv, text in ((["--ops", "rmsnorm,nope"], "'nope'; known: rmsnorm"),
+                       (["--backends", "cuda"], "'cuda'; known: op, triton"),
+                       (["--shapes", "12y3"], "'12y3' is not TOKENS")):
+        with pytest.raises(SystemExit, match=text):
+            suite.main(argv + ["--cpu", "--out", str(tmp_path)])
+
+
+def test_backend_from_inventory_timed_or_refused(tmp_path, monkeypatch):
+    """A backend in the inventory is picked up generically: timed where it takes the call, reported
+    with its dtype list's or its check's reason where it refuses."""
+    checks = types.ModuleType("bench_fake_checks")
+    checks.refuse_wide = lambda x, w, eps=1e-6: "rows wider than 256" if x.shape[-1] > 256 else None
+    monkeypatch.setitem(sys.modules, "bench_fake_checks", checks)
+    target = "torch_kernels.impl.torch.norm:rmsnorm"
+    fakes = [registry.BY_OP["rmsnorm"][Backend.TORCH],
+             KernelSpec("rmsnorm", Backend.TRITON, target, Capability(), ("bfloat16",), check="bench_fake_checks:refuse_wide"),
+             KernelSpec("rmsnorm", Backend.TILELANG, target, Capability(), ("float16",))]
+    real = registry.implementations
+    monkeypatch.setattr(registry, "implementations", lambda op: fakes if op == "rmsnorm" else real(op))
+    rc = suite.main(["--cpu", "--ops", "rmsnorm", "--backends", "op,triton,tilelang,torch", "--shapes", "2x128,2x512",
+                     "--no-plots", "--out", str(tmp_path)])
+    assert rc == 0
+    got = {(r["shape"], r["key"]): r for r in _load(tmp_path)["rows"]}
+    assert got["2x128", "triton"]["check"] == "ok" and got["2x128", "triton"]["device_us"] > 0
+    assert got["2x512", "triton"]["status"] == "refused: rows wider than 256" and "device_us" not in got["2x512", "triton"]
+    assert got["2x128", "tilelang"]["status"] == "refused: dtype bfloat16 is not one of float16"
+    assert got["2x128", "op"]["serves"] == "torch"  # the CPU key serves the reference
+    md = (tmp_path / "cpu.md").read_text()
+    assert "not timed: tilelang, refused: dtype bfloat16 is not one of float16 (2 shapes" in md
+
+
+def test_command_line(tmp_path, monkeypatch, capsys):
+    """``python -m torch_kernels bench ...`` passes its arguments to the suite; an installation without
+    benchmarks/ next to the package says so. (In-process: a second interpreter would cost seconds.)"""
+    from torch_kernels import __main__ as cli
+
+    assert cli.main(["bench", "--cpu", "--ops", "silu_and_mul", "--shapes", "3", "--no-plots", "--out", str(tmp_path)]) == 0
+    assert [r["shape"] for r in _load(tmp_path)["rows"] if r["key"] == "op"] == ["3x2*512"]
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "torch_kernels" / "__main__.py"))
+    assert cli.main(["bench", "--ops", "rmsnorm"]) == 2
+    assert "has no benchmarks/ folder next to the package" in capsys.readouterr().err

@@ -1,0 +1,570 @@
+"""The TileLang backend.
+
+Without a GPU (CI): every family module's ``ci_kernels()`` compiles for sm_90 (modules are discovered,
+so a new family is picked up with no change here) and the benchmark shapes compile to 16-byte
+accesses; the disk cache is shared soundly by two processes compiling one kernel at once, and a third
+loads it without any compiler; the trace line of a first compile; ``_jit``'s memo and locking; the
+launchers' heuristics and the contract they keep with the compiled kernels (checked with a stand-in
+kernel that computes the reference).
+
+On the GPU host (``@pytest.mark.gpu``): one compiled kernel serves every batch size; layouts at their
+boundaries, misaligned views, other weight dtypes, offsets past 2^31 elements and CUDA-graph capture,
+against the reference. The numerics over dtypes and awkward shapes are also covered by
+``test_norm.py``/``test_activation.py``, which compare every available backend.
+"""
+
+import concurrent.futures
+import importlib
+import importlib.util
+import json
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import torch_kernels.impl.tilelang as tilelang_backend
+from torch_kernels import dispatch, registry
+from torch_kernels.impl.tilelang import _jit
+from torch_kernels.spec import Backend
+from torch_kernels.testing import assert_close
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAMILIES = sorted(m.name for m in pkgutil.iter_modules(tilelang_backend.__path__) if not m.name.startswith("_"))
+TRACE_LINE = re.compile(r"^tilelang-compile\|(?P<name>[^|]+)\|(?P<key>[^|]*)\|(?P<seconds>\d+\.\d{3})s$")
+
+
+def _run(code: str, env: dict, *args: str, wait: bool = True):
+    """``code`` in a fresh Python (TileLang reads its cache directory when it is first imported)."""
+    full_env = {**os.environ, "PYTHONPATH": ROOT, **env}
+    cmd = [sys.executable, "-c", textwrap.dedent(code), *args]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=900)
+
+
+# --- every kernel compiles for sm_90 ---------------------------------------------------------------
+
+_COMPILE_ALL = """
+    import concurrent.futures, importlib, json, os, sys, time, traceback
+    from torch_kernels.impl.tilelang import _jit
+
+    out_dir, families = sys.argv[1], sys.argv[2:]
+    results, jobs = {}, []
+    for family in families:
+        try:
+            kernels = list(importlib.import_module("torch_kernels.impl.tilelang." + family).ci_kernels())
+            results[family] = {"kernels": []}
+            jobs += [(family, kernel) for kernel in kernels]
+        except Exception:
+            results[family] = {"error": traceback.format_exc()}
+
+    def compile_one(job):
+        family, (name, build, key) = job
+        start = time.perf_counter()
+        try:
+            source = _jit.compiled(name, build, *key).get_kernel_source()
+        except Exception:
+            return family, {"key": repr(key), "error": traceback.format_exc()[-3000:]}
+        path = os.path.join(out_dir, family + "-" + "_".join(map(str, key)) + ".cu")
+        with open(path, "w") as f:
+            f.write(source)
+        return family, {"key": repr(key), "error": None, "source": path, "seconds": time.perf_counter() - start}
+
+    # nvcc runs as a subprocess: threads compile different kernels side by side.
+    with concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
+        for family, result in pool.map(compile_one, jobs):
+            results[family]["kernels"].append(result)
+    print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def sm90_build(tmp_path_factory):
+    """Every family's ci_kernels() compiled for sm_90 in one fresh process with an empty cache:
+    {family: {"kernels": [{key, error, source, seconds}]} or {"error": traceback}}."""
+    out = tmp_path_factory.mktemp("sm90")
+    r = _run(_COMPILE_ALL, {_jit.ENV_TARGET: json.dumps(_jit.SM90), "TILELANG_CACHE_DIR": str(out / "cache")},
+             str(out), *FAMILIES)
+    assert r.returncode == 0, r.stderr[-5000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_family_modules_are_discovered():
+    assert {"norm", "activation"} <= set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ci_kernels_compile_for_sm90(family, sm90_build):
+    result = sm90_build[family]
+    assert "error" not in result, f"torch_kernels.impl.tilelang.{family}.ci_kernels() failed:\n{result.get('error')}"
+    assert result["kernels"], f"{family}.ci_kernels() yields no kernel"
+    failed = [f"{k['key']}:\n{k['error']}" for k in result["kernels"] if k["error"]]
+    assert not failed, "\n\n".join(failed)
+
+
+def _global_accesses(source: str, buffers):
+    """The vector type of each global access to ``buffers`` in generated CUDA ('scalar' for ``B[...]``)."""
+    names = "|".join(buffers)
+    vectors = re.findall(rf"\*\((\w+)\*\)\((?:{names}) \+", source)
+    scalars = re.findall(rf"(?<![\w.])(?:{names})\[", source)
+    return vectors + ["scalar"] * len(scalars)
+
+
+@pytest.mark.parametrize("family,key,buffers", [
+    ("norm", "8192_bfloat16_bfloat16_False_False", ("X", "Wt", "O")),
+    ("norm", "8192_bfloat16_bfloat16_True_False", ("X", "R", "Wt")),
+    ("activation", "14336_bfloat16_silu", ("Xa", "O")),
+    ("activation", "14336_bfloat16_gelu", ("Xa", "O")),
+])
+def test_benchmark_shapes_compile_to_16_byte_accesses(family, key, buffers, sm90_build):
+    """The H200 benchmark shapes read and write every tensor in 16-byte vectors (uint4: 8 bf16)."""
+    kernels = {os.path.basename(k["source"]): k for k in sm90_build[family]["kernels"] if k["error"] is None}
+    source = open(kernels[f"{family}-{key}.cu"]["source"]).read()
+    accesses = _global_accesses(source, buffers)
+    assert accesses and set(accesses) == {"uint4"}, accesses
+
+
+# --- the disk cache across processes, the trace --------------------------------------------------
+
+_COMPILE_ONE = """
+    import json, os, subprocess, sys, time
+    from torch_kernels.impl.tilelang import _jit, norm
+
+    mode, barrier = sys.argv[1], sys.argv[2]
+    if mode == "load":  # a cache hit must start no compiler (nvcc, or the C compiler of the host code)
+        def no_compiler(*args, **kwargs):
+            raise RuntimeError(f"a compiler was started: {args[0] if args else kwargs}")
+        subprocess.Popen = no_compiler
+    else:  # start compiling at the same moment as the other process
+        open(barrier + "." + mode, "w").close()
+        while not os.path.exists(barrier + ".go"):
+            time.sleep(0.01)
+    start = time.perf_counter()
+    kernel = _jit.compiled("rmsnorm", norm._build, 384, "float16", "float32", True, True)
+    seconds = time.perf_counter() - start
+    # The launcher reaches the compiled host function, whose checks (argument count and kinds, then
+    # the first tensor's ndim, dtype, shape and strides) pass up to its device: this machine's is CPU.
+    import torch
+    try:
+        x = torch.randn(3, 384, dtype=torch.float16)
+        norm.gemma_fused_add_rmsnorm(x, torch.randn_like(x), torch.randn(384), 1e-6)
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    print(json.dumps({"seconds": seconds, "source": kernel.get_kernel_source(), "cpu_call": refused}))
+"""
+
+
+def test_two_processes_compile_one_kernel_at_once_and_a_third_loads_it(tmp_path):
+    cache, trace, barrier = tmp_path / "cache", tmp_path / "trace.txt", str(tmp_path / "barrier")
+    env = {_jit.ENV_TARGET: json.dumps(_jit.SM90), "TILELANG_CACHE_DIR": str(cache),
+           dispatch.ENV_TRACE: str(trace)}
+    writers = [_run(_COMPILE_ONE, env, f"writer{i}", barrier, wait=False) for i in range(2)]
+    deadline = time.time() + 300
+    while not all(os.path.exists(f"{barrier}.writer{i}") for i in range(2)) and time.time() < deadline:
+        if any(w.poll() is not None for w in writers):
+            break
+        time.sleep(0.05)
+    open(f"{barrier}.go", "w").close()
+    outputs = [w.communicate(timeout=600) for w in writers]
+    for w, (stdout, stderr) in zip(writers, outputs):
+        assert w.returncode == 0, stderr[-5000:]
+    compiled = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
+    assert compiled[0]["source"] == compiled[1]["source"]
+
+    # One complete entry, published by rename; nothing left in the staging area.
+    entries = list(cache.glob("*/*/kernels/*"))
+    assert len(entries) == 1, entries
+    files = json.loads((entries[0] / "manifest.json").read_text())["files"]
+    assert any(name.endswith(".so") for name in files), files
+    assert all((entries[0] / name).stat().st_size == meta["size"] for name, meta in files.items())
+    assert not list(cache.glob("*/*/.staging/*"))
+
+    r = _run(_COMPILE_ONE, env, "load", barrier)
+    assert r.returncode == 0, r.stderr[-5000:]
+    loaded = json.loads(r.stdout.strip().splitlines()[-1])
+    assert loaded["source"] == compiled[0]["source"]
+    assert loaded["cpu_call"].startswith("kernel fused_add_rmsnorm input X device_type mismatch, expected cuda")
+    assert loaded["seconds"] < min(c["seconds"] for c in compiled) / 2, (loaded["seconds"], compiled)
+
+    lines = trace.read_text().splitlines()
+    assert len(lines) == 3, lines
+    for line in lines:
+        m = TRACE_LINE.match(line)
+        assert m and m["name"] == "rmsnorm" and m["key"] == "384,float16,float32,True,True", line
+    assert min(float(TRACE_LINE.match(line)["seconds"]) for line in lines) < 0.5 * max(
+        float(TRACE_LINE.match(line)["seconds"]) for line in lines)
+
+
+def test_trace_line_format(tmp_path):
+    trace = tmp_path / "trace.txt"
+    dispatch.configure(trace_path=str(trace))
+    _jit._trace_compile("rmsnorm", (8192, "bfloat16", "bfloat16", False, True), 2.5)
+    assert trace.read_text() == "tilelang-compile|rmsnorm|8192,bfloat16,bfloat16,False,True|2.500s\n"
+
+
+# --- _jit: target, memo, locking (tilelang.compile replaced by a stand-in) -----------------------
+
+
+def test_target_from_the_environment(monkeypatch):
+    monkeypatch.delenv(_jit.ENV_TARGET, raising=False)
+    assert _jit.target() == "cuda"
+    monkeypatch.setenv(_jit.ENV_TARGET, json.dumps(_jit.SM90))
+    assert _jit.target() == {"kind": "cuda", "arch": "sm_90"}
+    monkeypatch.setenv(_jit.ENV_TARGET, "cuda -arch=sm_80")
+    assert _jit.target() == "cuda -arch=sm_80"
+
+
+def test_compiled_once_per_key_across_threads(monkeypatch, tmp_path):
+    """Eight threads ask for two keys: each key compiles once, the two side by side (each compile
+    waits for the other to start), and each first compile is traced."""
+    tilelang = pytest.importorskip("tilelang")
+    calls, both_started = [], threading.Barrier(2, timeout=60)
+
+    def fake_compile(func, target=None, execution_backend=None):
+        calls.append((func, execution_backend))
+        both_started.wait()
+        return object()
+
+    monkeypatch.setattr(tilelang, "compile", fake_compile)
+    dispatch.configure(trace_path=str(tmp_path / "trace.txt"))
+    _jit.clear_memo()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(_jit.compiled, "k", lambda s: f"func-{s}", key) for key in "abababab"]
+            kernels = [f.result() for f in futures]
+        assert len({id(k) for k in kernels[0::2]}) == 1 and len({id(k) for k in kernels[1::2]}) == 1
+        assert kernels[0] is not kernels[1]
+        assert sorted(calls) == [("func-a", "tvm_ffi"), ("func-b", "tvm_ffi")]
+        assert _jit.memo_size() == 2
+        lines = (tmp_path / "trace.txt").read_text().splitlines()
+        assert sorted(TRACE_LINE.match(l)["key"] for l in lines) == ["a", "b"]
+    finally:
+        _jit.clear_memo()
+
+
+# --- launcher heuristics --------------------------------------------------------------------------
+
+NORM_SIZES = [1, 2, 3, 8, 64, 96, 100, 128, 257, 1000, 2048, 4096, 5120, 7168, 8192, 12288, 16384, 16385,
+              20000, 65536, 131072]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_norm_layouts(dtype):
+    from torch_kernels.impl.tilelang import norm
+    for n in NORM_SIZES:
+        vec, tr, bm, width = norm._layout(n, dtype)
+        assert vec * norm._BYTES[dtype] <= 16 and n % vec == 0 and vec & (vec - 1) == 0, n
+        assert tr & (tr - 1) == 0 and tr * bm <= norm._MAX_THREADS, n  # the row sum is one butterfly
+        assert width % (tr * vec) == 0, n  # whole stripes of vectors
+        per_thread = width // tr
+        if n <= norm._ONE_PASS_MAX:
+            assert width >= n and width - n < tr * vec, n  # one pass, less than a stripe of padding
+            assert bm == 1 or tr * bm == norm._BLOCK_THREADS, n
+            assert per_thread <= 2 * norm._ELEMENTS_PER_THREAD, n
+        else:
+            assert bm == 1 and per_thread == norm._ELEMENTS_PER_THREAD, n
+    # the benchmark row: 512 threads, two 16-byte vectors each
+    assert norm._layout(8192, "bfloat16") == (8, 512, 1, 8192)
+
+
+def test_activation_tiles():
+    from torch_kernels.impl.tilelang import activation
+    for d in [1, 2, 3, 5, 8, 100, 128, 200, 257, 1000, 1024, 1536, 4864, 14336, 65536]:
+        bm, bn = activation._tile(d)
+        assert bm * bn == activation._TILE and bn & (bn - 1) == 0 and bn >= activation._PER_THREAD, d
+        assert bn >= min(d, activation._TILE) and (bm == 1 or bn < max(2 * d, 2 * activation._PER_THREAD)), d
+        for dtype in ("float16", "bfloat16", "float32"):
+            vec = activation._vec(d, dtype)
+            assert d % vec == 0 and vec * activation._BYTES[dtype] <= 16 and activation._PER_THREAD % vec == 0
+
+
+def test_ci_kernels_cover_every_variant():
+    from torch_kernels.impl.tilelang import activation, norm
+    keys = [key for _, _, key in norm.ci_kernels()]
+    assert {k[1] for k in keys} == {"float16", "bfloat16", "float32"}
+    assert {(k[3], k[4]) for k in keys} == {(f, g) for f in (False, True) for g in (False, True)}
+    assert any(k[1] != k[2] for k in keys)  # a weight dtype other than the input's
+    layouts = {norm._layout(k[0], k[1])[1:3] for k in keys}
+    assert any(bm > 1 for _, bm in layouts) and any(k[0] > norm._ONE_PASS_MAX for k in keys)
+    assert any(norm._vec(k[0], k[1]) == 1 for k in keys)
+    keys = [key for _, _, key in activation.ci_kernels()]
+    assert {k[1] for k in keys} == {"float16", "bfloat16", "float32"}
+    assert {k[2] for k in keys} == set(activation._ACTIVATIONS)
+    assert any(activation._tile(k[0])[0] > 1 for k in keys) and any(k[0] % activation._tile(k[0])[1] for k in keys)
+    assert any(activation._vec(k[0], k[1]) == 1 for k in keys)
+
+
+# --- the launchers' contract with the kernels, on CPU ---------------------------------------------
+# The compiled host function wants (T, N) row views with the last dim contiguous, 16-byte aligned data
+# and row strides that are multiples of the vector, a contiguous output, and no launch for zero rows.
+# A stand-in checks exactly that and computes the reference, so the launchers' views, copies and
+# write-backs are checked here without a GPU.
+
+
+def _check_contract(vec, rows, others=()):
+    for t in rows:
+        assert t.dim() == 2 and t.stride(1) == 1 and t.shape[0] > 0, (t.shape, t.stride())
+        assert t.stride(0) % vec == 0 and t.data_ptr() % 16 == 0, (t.stride(), t.data_ptr() % 16)
+    for t in others:
+        assert t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def _stand_in_norm(monkeypatch, calls):
+    from torch_kernels.impl.tilelang import norm
+    from torch_kernels.impl.torch import norm as ref
+
+    def function(n, dtype, weight_dtype, fused, gemma):
+        vec = norm._vec(n, norm._DTYPES[dtype])
+
+        def host(*args):
+            calls.append(args)
+            if fused:
+                x, r, w, eps = args
+                _check_contract(vec, (x, r), (w,))
+                (ref.gemma_fused_add_rmsnorm if gemma else ref.fused_add_rmsnorm)(x, r, w, eps)
+            else:
+                x, w, out, eps = args
+                _check_contract(vec, (x, out), (w, out))
+                out.copy_((ref.gemma_rmsnorm if gemma else ref.rmsnorm)(x, w, eps))
+        return host, vec
+    monkeypatch.setattr(norm, "_function", function)
+    return norm
+
+
+def _views(shape, dtype, layout, device="cpu"):
+    """Random ``shape`` data laid out as: contiguous; rows strided by a multiple of 8 elements; rows
+    strided by an odd number; at an odd (2- or 4-byte) offset; with leading dims that do not collapse."""
+    n = shape[-1]
+    if layout == "contiguous":
+        return torch.randn(shape, dtype=dtype, device=device)
+    if layout in ("stride8", "stride_odd"):
+        return torch.randn(*shape[:-1], n + (8 if layout == "stride8" else 3), dtype=dtype, device=device)[..., :n]
+    if layout == "offset":
+        return torch.randn(torch.Size(shape).numel() + 1, dtype=dtype, device=device)[1:].view(shape)
+    assert layout == "sliced" and len(shape) == 3
+    return torch.randn(shape[0], shape[1] + 1, n, dtype=dtype, device=device)[:, 1:]
+
+
+def _written_only_inside(view, base_before):
+    """Whether ``view``'s base differs from ``base_before`` (its copy from before the call) only
+    where ``view`` lies."""
+    expected = base_before.clone()
+    expected.as_strided(view.size(), view.stride(), view.storage_offset()).copy_(view)
+    return torch.equal(view._base, expected)
+
+
+LAYOUTS = ["contiguous", "stride8", "stride_odd", "offset", "sliced"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", ["rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm"])
+def test_norm_launchers_keep_the_kernel_contract(op, layout, monkeypatch):
+    calls = []
+    norm = _stand_in_norm(monkeypatch, calls)
+    reference = registry.BY_OP[op][Backend.TORCH].load()
+    for shape in [(3, 4, 96), (2, 5, 257), (1, 1, 8), (0, 2, 64), (2, 0, 16)] + (
+            [] if layout == "sliced" else [(5, 257), (1, 8), (0, 64), (10, 1)]):
+        for dtype, weight_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)]:
+            x, w = _views(shape, dtype, layout), torch.randn(shape[-1], dtype=weight_dtype)
+            before = len(calls)
+            if "fused" in op:
+                r = _views(shape, dtype, layout)
+                x_base = None if x._base is None else x._base.clone()
+                r_base = None if r._base is None else r._base.clone()
+                xb, rb = x.clone(), r.clone()
+                assert getattr(norm, op)(x, r, w, 1e-5) is None
+                reference(xb, rb, w, 1e-5)
+                assert_close(r, rb, msg=f"{shape} {layout}")
+                assert_close(x, xb, msg=f"{shape} {layout}")
+                if x_base is not None:  # written in place, and nowhere else
+                    assert _written_only_inside(x, x_base) and _written_only_inside(r, r_base)
+            else:
+                x_before = x.clone()
+                out = getattr(norm, op)(x, w, 1e-5)
+                assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
+                assert_close(out, reference(x, w, 1e-5), msg=f"{shape} {layout}")
+                assert torch.equal(x, x_before)
+            assert len(calls) - before == (0 if x.numel() == 0 else 1), (shape, layout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_norm_launcher_copies_only_rows_the_kernel_cannot_take(layout, monkeypatch):
+    calls = []
+    norm = _stand_in_norm(monkeypatch, calls)
+    shape = (2, 2, 96) if layout == "sliced" else (4, 96)
+    x, r = _views(shape, torch.bfloat16, layout), _views(shape, torch.bfloat16, layout)
+    norm.fused_add_rmsnorm(x, r, torch.randn(96, dtype=torch.bfloat16))
+    norm.rmsnorm(x, torch.randn(96, dtype=torch.bfloat16))
+    copied = [args[0].data_ptr() != x.data_ptr() for args in calls]
+    # 96 bf16: 8-element vectors; a row stride of 104 keeps them aligned, 99 does not; leading dims that
+    # do not collapse have no row view (rmsnorm reads a reshaped copy, the fused op writes one back)
+    assert copied == [layout in ("stride_odd", "offset", "sliced")] * 2, layout
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op,approximate", [("silu_and_mul", None), ("gelu_and_mul", "none"), ("gelu_and_mul", "tanh"),
+                                            ("gelu_tanh_and_mul", None)])
+def test_activation_launchers_keep_the_kernel_contract(op, approximate, layout, monkeypatch):
+    from torch_kernels.impl.tilelang import activation
+    from torch_kernels.impl.torch import activation as ref
+    calls = []
+    reference_of = {"silu": ref.silu_and_mul, "gelu": lambda x: ref.gelu_and_mul(x, "none"),
+                    "gelu_tanh": ref.gelu_tanh_and_mul}
+
+    def function(d, dtype, act):
+        vec = activation._vec(d, activation._DTYPES[dtype])
+
+        def host(x, out):
+            calls.append((x, out))
+            _check_contract(vec, (x, out), (out,))
+            out.copy_(reference_of[act](x))
+        return host, vec
+    monkeypatch.setattr(activation, "_function", function)
+    args = () if approximate is None else (approximate,)
+    reference = registry.BY_OP[op][Backend.TORCH].load()
+    for shape in [(3, 4, 96), (2, 5, 514), (0, 2, 64), (2, 0, 16)] + (
+            [] if layout == "sliced" else [(5, 514), (1, 2), (0, 64), (10,)]):
+        x = _views(shape, torch.bfloat16, layout)
+        before = len(calls)
+        out = getattr(activation, op)(x, *args)
+        assert out.shape == (*shape[:-1], shape[-1] // 2) and out.is_contiguous()
+        assert_close(out, reference(x, *args), msg=f"{shape} {layout}")
+        assert len(calls) - before == (0 if x.numel() == 0 else 1)
+
+
+# --- on the GPU host ------------------------------------------------------------------------------
+
+
+def _trace_compiles(path, name):
+    if not os.path.exists(path):
+        return []
+    return [l for l in open(path).read().splitlines() if l.startswith(f"tilelang-compile|{name}|")]
+
+
+@pytest.mark.gpu
+def test_cuda_default_is_tilelang_for_its_ops():
+    for op in ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm", "silu_and_mul",
+               "gelu_and_mul", "gelu_tanh_and_mul"):
+        chain, notice = dispatch.plan(op)
+        assert chain[0].backend is Backend.TILELANG and notice is None, op
+
+
+@pytest.mark.gpu
+def test_one_compiled_kernel_serves_every_batch_size(tmp_path):
+    from torch_kernels.impl.tilelang import activation, norm
+    trace = str(tmp_path / "trace.txt")
+    dispatch.configure(trace_path=trace)
+    _jit.clear_memo()
+    norm._functions.clear()
+    activation._functions.clear()
+    n, d = 3072, 1536
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    sizes = []
+    for tokens in (1, 7, 300, 4096):
+        x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn_like(x)
+        assert_close(norm.gemma_rmsnorm(x, w, 1e-6), registry.BY_OP["gemma_rmsnorm"][Backend.TORCH].load()(x, w, 1e-6))
+        xb, rb = x.clone(), r.clone()
+        norm.fused_add_rmsnorm(x, r, w, 1e-6)
+        registry.BY_OP["fused_add_rmsnorm"][Backend.TORCH].load()(xb, rb, w, 1e-6)
+        assert_close(x, xb)
+        assert_close(r, rb)
+        g = torch.randn(tokens, 2 * d, device="cuda", dtype=torch.bfloat16)
+        assert_close(activation.silu_and_mul(g), registry.BY_OP["silu_and_mul"][Backend.TORCH].load()(g))
+        sizes.append(_jit.memo_size())
+    torch.cuda.synchronize()
+    assert sizes == [3, 3, 3, 3], sizes  # three kernels, compiled (or loaded) at the first batch size only
+    assert len(_trace_compiles(trace, "rmsnorm")) == 2 and len(_trace_compiles(trace, "act_and_mul")) == 1
+
+
+# (hidden size, dtype): the layouts at their boundaries — several rows a block, one row over 1024
+# threads, the last one-pass size and the first two-pass ones (with a masked chunk, and with scalar
+# accesses), odd and tiny rows.
+GPU_NORM_CASES = [(1, torch.float32), (8, torch.bfloat16), (100, torch.float16), (257, torch.bfloat16),
+                  (5120, torch.float16), (7168, torch.bfloat16), (16384, torch.bfloat16), (16385, torch.float32),
+                  (40000, torch.bfloat16), (131072, torch.float16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,dtype", GPU_NORM_CASES, ids=str)
+@pytest.mark.parametrize("op", ["rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm"])
+def test_norm_layouts_match_the_reference(op, n, dtype):
+    from torch_kernels.impl.tilelang import norm
+    reference = registry.BY_OP[op][Backend.TORCH].load()
+    for tokens, layout, weight_dtype in [(37, "contiguous", dtype), (5, "offset", torch.float32),
+                                         (3, "stride_odd", torch.float64), (129, "stride8", dtype)]:
+        x = _views((tokens, n), dtype, layout, "cuda")
+        w = torch.randn(n, device="cuda", dtype=weight_dtype)
+        if "fused" in op:
+            r = _views((tokens, n), dtype, layout, "cuda")
+            xb, rb = x.clone(), r.clone()
+            getattr(norm, op)(x, r, w, 1e-6)
+            reference(xb, rb, w, 1e-6)
+            assert_close(r, rb, msg=f"{tokens}x{n} {layout} residual")
+            assert_close(x, xb, msg=f"{tokens}x{n} {layout}")
+        else:
+            assert_close(getattr(norm, op)(x, w, 1e-6), reference(x, w, 1e-6), msg=f"{tokens}x{n} {layout}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dtype", [(1, torch.float32), (3, torch.bfloat16), (200, torch.float16),
+                                     (1536, torch.bfloat16), (4864, torch.float32), (14336, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("op,approximate", [("silu_and_mul", None), ("gelu_and_mul", "none"), ("gelu_tanh_and_mul", None)])
+def test_activation_layouts_match_the_reference(op, approximate, d, dtype):
+    from torch_kernels.impl.tilelang import activation
+    reference = registry.BY_OP[op][Backend.TORCH].load()
+    args = () if approximate is None else (approximate,)
+    for tokens, layout in [(1, "contiguous"), (37, "offset"), (5, "stride_odd"), (1000, "stride8")]:
+        x = _views((tokens, 2 * d), dtype, layout, "cuda")
+        x.mul_(3)  # where the activations bend
+        assert_close(getattr(activation, op)(x, *args), reference(x, *args), msg=f"{tokens}x{2 * d} {layout}")
+
+
+@pytest.mark.gpu
+def test_offsets_past_2_31_elements():
+    """Inputs of more than 2^31 elements: the last rows are right (int32 offsets would wrap)."""
+    from torch_kernels.impl.tilelang import activation, norm
+    x = torch.randn(75000, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    assert x.numel() > 2**31
+    out = activation.silu_and_mul(x)
+    assert_close(out[-5:], registry.BY_OP["silu_and_mul"][Backend.TORCH].load()(x[-5:]))
+    del x, out
+    x = torch.randn(2**31 // 8192 + 3, 8192, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(8192, device="cuda", dtype=torch.bfloat16)
+    out = norm.rmsnorm(x, w, 1e-6)
+    assert_close(out[-5:], registry.BY_OP["rmsnorm"][Backend.TORCH].load()(x[-5:], w, 1e-6))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    """The launches go to the current (capturing) stream, so a graph replays them on new data."""
+    from torch_kernels.impl.tilelang import activation, norm
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(64, 2 * 1536, device="cuda", dtype=torch.bfloat16)
+    norm.fused_add_rmsnorm(x.clone(), r.clone(), w)  # compile outside the capture
+    activation.gelu_tanh_and_mul(g)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        norm.fused_add_rmsnorm(x, r, w, 1e-6)
+        y = activation.gelu_tanh_and_mul(g)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x)), r.copy_(torch.randn_like(r)), g.copy_(torch.randn_like(g))
+        xb, rb = x.clone(), r.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        registry.BY_OP["fused_add_rmsnorm"][Backend.TORCH].load()(xb, rb, w, 1e-6)
+        assert_close(x, xb)
+        assert_close(r, rb)
+        assert_close(y, registry.BY_OP["gelu_tanh_and_mul"][Backend.TORCH].load()(g))

@@ -1,0 +1,169 @@
+"""TileLang gated activations: ``(T, 2d) -> (T, d)``, ``out = act(x[:, :d]) * x[:, d:]`` with ``act`` one
+of silu, gelu (erf) and gelu (tanh), computed in fp32 as the reference (``impl/torch/activation.py``)
+writes them, and rounded once to the input's dtype.
+
+Shapes: ``input`` ``(T, 2d)`` row view (last dim contiguous, any row stride that is a multiple of the
+vector); the output is ``(T, d)``, contiguous. One kernel per (d, dtype, activation); the token count
+is a runtime value (``T.dynamic``), so a batch-size change never compiles again.
+
+A streaming kernel: each block of :data:`_THREADS` threads writes one tile of :data:`_TILE` outputs
+(``BM`` rows of ``BN`` columns, ``BM > 1`` only when a row is shorter than the tile), every thread 8 of
+them in 16-byte accesses (two in fp32) of the gate, the up half ``d`` columns to its right, and the
+output. Blocks are numbered column tile fastest on one grid axis (2^31 - 1 blocks), so consecutive
+blocks stream consecutive memory, as the Triton kernel and Inductor's pointwise grid do.
+
+Data pointers not 16-byte aligned, or row strides that are not a multiple of the vector, are rare: the
+launcher then runs the kernel on an aligned copy, with the same result.
+"""
+
+from typing import Iterator
+
+import tilelang.language as T
+import torch
+from torch import Tensor
+
+from . import _jit
+
+_NAME = "act_and_mul"
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# Outputs a block writes, over 4 warps: 8 a thread, one 16-byte vector of the gate, the up half and
+# the output in bf16/fp16. The Triton kernel's tile (triton/activation.py), which ran 8192 x 2*14336
+# bf16 at 4363 GB/s on the H200.
+_TILE = 1024
+_THREADS = 128
+_PER_THREAD = _TILE // _THREADS
+_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def _vec(d: int, dtype: str) -> int:
+    """Elements per vector access: 16 bytes of ``dtype``, down to the largest power of two dividing ``d``
+    (the up half starts ``d`` elements after the gate)."""
+    return min(16 // _BYTES[dtype], d & -d)
+
+
+def _tile(d: int):
+    """``(BM, BN)``: a row of up to :data:`_TILE` columns (a power of two, at least one thread's 8),
+    rows filling the tile."""
+    bn = min(max(1 << (d - 1).bit_length(), _PER_THREAD), _TILE)
+    return _TILE // bn, bn
+
+
+def _activate(g, act: str):
+    """``act(g)`` for an fp32 expression ``g``, in the form ATen's CUDA kernels compute it."""
+    if act == "silu":
+        return g / (T.float32(1) + T.exp(-g))
+    if act == "gelu":
+        return T.float32(0.5) * g * (T.float32(1) + T.erf(g * T.float32(0.7071067811865476)))  # 1/sqrt(2)
+    inner = T.float32(0.7978845608028654) * (g + T.float32(0.044715) * g * g * g)  # sqrt(2/pi)
+    return T.float32(0.5) * g * (T.float32(1) + T.tanh(inner))
+
+
+def _build(d: int, dtype: str, act: str):
+    VEC = _vec(d, dtype)
+    NV = _PER_THREAD // VEC  # vectors a thread
+    BM, BN = _tile(d)
+    TR = BN // _PER_THREAD  # threads a row
+    COL_TILES = -(-d // BN)
+    f32 = "float32"
+    num_tokens = T.dynamic("num_tokens")
+    x_stride = T.dynamic("x_row_stride", "int64")
+
+    def live(row, col):
+        """Whether the vector at (row, col) is inside the output (``VEC`` divides ``d``, so a vector is
+        wholly in or out): a Python True where the tiling proves it."""
+        ok = True
+        if BM > 1:
+            ok = row < num_tokens
+        if d % BN:
+            ok = col < d if ok is True else T.And(ok, col < d)
+        return ok
+
+    @T.prim_func
+    def act_and_mul(
+        X: T.StridedTensor((num_tokens, 2 * d), (x_stride, 1), dtype),  # gate then up half per row, read
+        O: T.Tensor((num_tokens, d), dtype),  # output rows, contiguous; written
+    ):
+        # Row strides are multiples of VEC whenever there are two rows or more (the launcher makes sure;
+        # the compiled host code checks at every call). Rounding the stride down to a multiple of VEC
+        # keeps every address (a lone row's stride is never used, and DLPack may report it as 1) and
+        # lets TileLang prove that each row starts on a vector boundary: 16-byte accesses.
+        T.assume(T.Or(num_tokens <= 1, x_stride % VEC == 0))
+        Xa = T.view(X, strides=(x_stride // VEC * VEC, 1))
+        with T.Kernel(T.ceildiv(num_tokens, BM) * COL_TILES, threads=_THREADS) as block:
+            # Thread t owns row t // TR of the tile and its vectors k = 0..NV-1 at columns
+            # (t % TR + k * TR) * VEC: a warp's lanes touch consecutive 16-byte vectors. The loops over
+            # registers are explicit because TileLang does not widen a loop that calls erf.
+            tid = T.get_thread_binding()
+            row = block // COL_TILES * BM + tid // TR
+            col = block % COL_TILES * BN + tid % TR * VEC
+            gate = T.alloc_local((NV, VEC), dtype)
+            up = T.alloc_local((NV, VEC), dtype)
+            for k in T.unroll(NV):  # every load issued before the first use
+                if live(row, col + k * TR * VEC):
+                    for v in T.vectorized(VEC):
+                        gate[k, v] = Xa[row, col + k * TR * VEC + v]
+                    for v in T.vectorized(VEC):
+                        up[k, v] = Xa[row, d + col + k * TR * VEC + v]
+            for k in T.unroll(NV):
+                if live(row, col + k * TR * VEC):
+                    for v in T.unroll(VEC):
+                        gate[k, v] = T.cast(_activate(T.cast(gate[k, v], f32), act) * T.cast(up[k, v], f32), dtype)
+                    for v in T.vectorized(VEC):
+                        O[row, col + k * TR * VEC + v] = gate[k, v]
+
+    return act_and_mul
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers: the reference's signatures. Per call, after the first: one dict lookup for the
+# compiled host function (its vector width beside it), an alignment test, and the call.
+
+_functions: dict = {}  # (d, dtype, activation) -> (host function, vector width)
+
+
+def _function(d: int, dtype: torch.dtype, act: str):
+    key = (d, dtype, act)
+    found = _functions.get(key)
+    if found is None:
+        kernel = _jit.compiled(_NAME, _build, d, _DTYPES[dtype], act)
+        found = _functions[key] = (_jit.entry(kernel), _vec(d, _DTYPES[dtype]))
+    return found
+
+
+def act_and_mul(input: Tensor, act: str) -> Tensor:
+    d = input.shape[-1] // 2
+    x = input if input.dim() == 2 else input.reshape(-1, 2 * d)
+    out = x.new_empty((x.shape[0], d))  # contiguous; half the host time of torch.empty(shape, dtype=, device=)
+    if x.shape[0]:
+        fn, vec = _function(d, x.dtype, act)
+        if x.data_ptr() & 15 or x.stride(0) % vec:  # rare: a view at an odd offset; a fresh copy is aligned
+            x = x.clone(memory_format=torch.contiguous_format)
+        fn(x, out)
+    return out if input.dim() == 2 else out.view(*input.shape[:-1], d)
+
+
+def silu_and_mul(input: Tensor) -> Tensor:
+    return act_and_mul(input, "silu")
+
+
+def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
+    return act_and_mul(input, "gelu_tanh" if approximate == "tanh" else "gelu")
+
+
+def gelu_tanh_and_mul(input: Tensor) -> Tensor:
+    return act_and_mul(input, "gelu_tanh")
+
+
+def ci_kernels() -> Iterator[tuple]:
+    """(name, build, key) of the specialisations CI compiles for sm_90: every activation, every dtype,
+    and each tiling: whole column tiles (14336 = 14 x 1024), a masked last column tile (4864), rows
+    shorter than the tile (several a block, 200: masked), and an odd ``d`` (scalar accesses)."""
+    for d, dtype, act in (
+        (14336, "bfloat16", "silu"),  # the benchmark shape
+        (14336, "bfloat16", "gelu"),
+        (4864, "float16", "gelu_tanh"),
+        (200, "float32", "silu"),
+        (257, "bfloat16", "gelu"),
+    ):
+        yield _NAME, _build, (d, dtype, act)

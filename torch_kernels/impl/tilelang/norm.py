@@ -1,0 +1,255 @@
+"""TileLang RMSNorm family: ``out = x * rsqrt(mean(x^2, -1) + eps) * w`` per row (Gemma: ``* (1 + w)``);
+the fused variants first take ``x = input + residual`` in fp32, write it to ``residual`` and the
+normalised ``x`` to ``input``, in place (the reference is ``impl/torch/norm.py``).
+
+Shapes: ``input`` and ``residual`` ``(T, N)`` row views (last dim contiguous, any row stride that is a
+multiple of the vector), ``weight`` ``(N,)`` of any float dtype; fp32 compute, output in the input's
+dtype. One kernel per (N, dtype, weight dtype, fused, gemma); the token count is a runtime value
+(``T.dynamic``), so a batch-size change never compiles again.
+
+Each row is spread over ``TR`` threads (a power of two, so the sum of squares is one butterfly
+all-reduce), about :data:`_ELEMENTS_PER_THREAD` elements each in 16-byte vectors; short rows share a
+block of :data:`_BLOCK_THREADS` threads. The row is padded to ``TR * VEC * k`` columns and the tail is
+masked, so odd hidden sizes take the same path with narrower vectors. Rows of up to
+:data:`_ONE_PASS_MAX` elements are read once and kept in registers; wider ones are summed in a first
+pass and re-read (from L2) in a second, in chunks of ``_CHUNK_THREADS * _ELEMENTS_PER_THREAD``.
+
+Data pointers not 16-byte aligned (a view at an odd offset), or row strides that are not a multiple of
+the vector, are rare: the launcher then runs the kernel on aligned copies, with the same result.
+"""
+
+import math
+from typing import Iterator, Optional, Tuple
+
+import tilelang.language as T
+import torch
+from torch import Tensor
+
+from . import _jit
+
+_NAME = "rmsnorm"
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
+_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# Elements a thread holds. The Triton sweep on the H200 (triton/norm.py `_num_warps`, bf16) peaked
+# at 16 a thread: 8192 over 16 warps .974 of the copy ceiling, 4096 over 8 warps .874, 5120 over 8
+# warps .899 (20 a thread).
+_ELEMENTS_PER_THREAD = 16
+_MAX_THREADS = 1024
+# Short rows (TR < 128 threads) share a block of 128 threads, several rows to it.
+_BLOCK_THREADS = 128
+# One pass keeps the row in registers: up to 16 values a thread at 1024 threads, where a block may use
+# 64 registers a thread (sm_90, bf16 fused: 48 used, no spills). 32768 took all 64 and a two-pass
+# 131072 at 1024 threads spilled 4 bytes, so wider rows (up to the 131072+ the op allows) take two
+# passes over 8192-element chunks with 512 threads, 16 values each (no spills).
+_ONE_PASS_MAX = 16384
+_CHUNK_THREADS = 512
+
+
+def _vec(n: int, dtype: str) -> int:
+    """Elements per vector access: 16 bytes of ``dtype``, down to the largest power of two dividing ``n``."""
+    return min(16 // _BYTES[dtype], n & -n)
+
+
+def _layout(n: int, dtype: str) -> Tuple[int, int, int, int]:
+    """``(VEC, TR, BM, WIDTH)``: vector width, threads per row (a power of two), rows per block, and
+    columns a pass covers (the padded row, or a chunk of it when the row is wider than one pass)."""
+    vec = _vec(n, dtype)
+    if n > _ONE_PASS_MAX:
+        return vec, _CHUNK_THREADS, 1, _CHUNK_THREADS * _ELEMENTS_PER_THREAD
+    tr = 1 << min(max(round(math.log2(n / _ELEMENTS_PER_THREAD)), 0), _MAX_THREADS.bit_length() - 1)
+    step = tr * vec
+    return vec, tr, max(1, _BLOCK_THREADS // tr), -(-n // step) * step
+
+
+def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool):
+    VEC, TR, BM, WIDTH = _layout(n, dtype)
+    PASSES = -(-n // WIDTH)
+    f32 = "float32"
+    num_tokens = T.dynamic("num_tokens")
+    x_stride, r_stride = T.dynamic("x_row_stride, r_row_stride", "int64")
+
+    def live(row, col):
+        """Whether (row, col) is inside the tensor: a Python True where the layout proves it."""
+        ok = True
+        if BM > 1:
+            ok = row < num_tokens
+        if n % WIDTH:
+            ok = col < n if ok is True else T.And(ok, col < n)
+        return ok
+
+    def load(X, R, row, col):
+        """``x`` (plus ``residual`` when fused) at (row, col) in fp32; 0 outside the tensor."""
+        x = T.cast(X[row, col], f32)
+        if R is not None:
+            x = x + T.cast(R[row, col], f32)
+        ok = live(row, col)
+        return x if ok is True else T.if_then_else(ok, x, T.float32(0))
+
+    # Element (i, j) of a pass lives in thread i * TR + (j // VEC) % TR, at register
+    # (j // (TR * VEC)) * VEC + j % VEC: each thread holds VEC consecutive columns of its row in each
+    # TR * VEC-wide stripe. Stated rather than inferred, since for VEC = 1 TileLang's own inference
+    # gave each thread a whole row.
+    rows_layout = T.Fragment((BM, WIDTH), forward_fn=lambda i, j: (
+        i * TR + j // VEC % TR, j // (TR * VEC) * VEC + j % VEC))
+
+    def scale(Wt, col):
+        """The weight at ``col`` in fp32, plus one for Gemma (an expression: a named value would be a
+        let binding, which stops TileLang from widening the loop to 16-byte vectors)."""
+        w = T.cast(Wt[col], f32)
+        return w + T.float32(1) if gemma else w
+
+    def rows(X, stride):
+        """``X`` with its row stride rounded down to a multiple of VEC, which lets TileLang prove that
+        every row starts on a vector boundary (16-byte accesses). The addresses are the same: the
+        launcher passes row strides that are multiples of VEC whenever there are two rows or more
+        (the kernels' ``T.assume``, which the compiled host code checks at every call), and a lone
+        row's stride is never used (DLPack may report it as 1)."""
+        return T.view(X, strides=(stride // VEC * VEC, 1))
+
+    @T.macro
+    def normalize(X, R, Wt, O, eps):
+        # One statement per parallel loop: TileLang then widens each to 16-byte global accesses (a
+        # loop storing two buffers was split into 8-byte ones).
+        with T.Kernel(T.ceildiv(num_tokens, BM), threads=TR * BM) as block:
+            x = T.alloc_fragment((BM, WIDTH), f32)  # this pass's values of the block's rows
+            sq = T.alloc_fragment((BM, WIDTH), f32)  # per-thread sums of squares
+            rstd = T.alloc_fragment((BM,), f32)
+            T.annotate_layout({x: rows_layout, sq: rows_layout})
+            T.clear(sq)
+            for p in T.serial(PASSES):
+                for i, j in T.Parallel(BM, WIDTH):
+                    x[i, j] = load(X, R, block * BM + i, p * WIDTH + j)
+                for i, j in T.Parallel(BM, WIDTH):
+                    sq[i, j] += x[i, j] * x[i, j]
+            T.reduce_sum(sq, rstd, dim=1)
+            for i in T.Parallel(BM):
+                rstd[i] = T.rsqrt(rstd[i] / n + eps)
+            for p in T.serial(PASSES):
+                if PASSES > 1:  # the row did not fit: read it again (from L2); X and R are unchanged
+                    for i, j in T.Parallel(BM, WIDTH):
+                        x[i, j] = load(X, R, block * BM + i, p * WIDTH + j)
+                if R is not None:
+                    for i, j in T.Parallel(BM, WIDTH):
+                        if live(block * BM + i, p * WIDTH + j):
+                            R[block * BM + i, p * WIDTH + j] = T.cast(x[i, j], dtype)
+                for i, j in T.Parallel(BM, WIDTH):
+                    if live(block * BM + i, p * WIDTH + j):
+                        O[block * BM + i, p * WIDTH + j] = T.cast(x[i, j] * rstd[i] * scale(Wt, p * WIDTH + j), dtype)
+
+    if fused:
+        @T.prim_func
+        def fused_add_rmsnorm(
+            X: T.StridedTensor((num_tokens, n), (x_stride, 1), dtype),  # input rows; receive the output
+            R: T.StridedTensor((num_tokens, n), (r_stride, 1), dtype),  # residual rows; receive input + residual
+            Wt: T.Tensor((n,), weight_dtype),  # weight, read
+            eps: T.float32,  # added to mean(x^2)
+        ):
+            T.assume(T.Or(num_tokens <= 1, x_stride % VEC == 0))  # see rows()
+            T.assume(T.Or(num_tokens <= 1, r_stride % VEC == 0))
+            normalize(rows(X, x_stride), rows(R, r_stride), Wt, rows(X, x_stride), eps)
+        return fused_add_rmsnorm
+
+    @T.prim_func
+    def rmsnorm(
+        X: T.StridedTensor((num_tokens, n), (x_stride, 1), dtype),  # input rows, read
+        Wt: T.Tensor((n,), weight_dtype),  # weight, read
+        O: T.Tensor((num_tokens, n), dtype),  # output rows, contiguous; written
+        eps: T.float32,  # added to mean(x^2)
+    ):
+        T.assume(T.Or(num_tokens <= 1, x_stride % VEC == 0))  # see rows()
+        normalize(rows(X, x_stride), None, Wt, O, eps)
+    return rmsnorm
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers: the reference's signatures. Per call, after the first: one dict lookup for the
+# compiled host function (its vector width beside it), an alignment test, and the call.
+
+_functions: dict = {}  # (n, dtype, weight dtype, fused, gemma) -> (host function, vector width)
+
+
+def _function(n: int, dtype: torch.dtype, weight_dtype: torch.dtype, fused: bool, gemma: bool):
+    key = (n, dtype, weight_dtype, fused, gemma)
+    found = _functions.get(key)
+    if found is None:
+        kernel = _jit.compiled(_NAME, _build, n, _DTYPES[dtype], _DTYPES[weight_dtype], fused, gemma)
+        found = _functions[key] = (_jit.entry(kernel), _vec(n, _DTYPES[dtype]))
+    return found
+
+
+def _aligned_copy(t: Tensor) -> Tensor:
+    """A fresh contiguous (so 16-byte aligned, row stride ``N``) copy of ``t``."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _rows_view(t: Tensor) -> Optional[Tensor]:
+    """``(..., N)`` as a ``(T, N)`` view of the same memory, or ``None`` when there is none."""
+    if t.dim() == 2:
+        return t
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
+    n = input.shape[-1]
+    x = input if input.dim() == 2 else input.reshape(-1, n)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.shape[0]:
+        fn, vec = _function(n, x.dtype, weight.dtype, False, gemma)
+        if (x.data_ptr() | weight.data_ptr()) & 15 or x.stride(0) % vec:  # rare: a view at an odd offset
+            x, weight = _aligned_copy(x), _aligned_copy(weight)
+        fn(x, weight, out, eps)
+    return out if input.dim() == 2 else out.view(input.shape)
+
+
+def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool) -> None:
+    n = input.shape[-1]
+    if input.numel() == 0:
+        return
+    fn, vec = _function(n, input.dtype, weight.dtype, True, gemma)
+    x, res = _rows_view(input), _rows_view(residual)
+    if (x is None or res is None or (x.data_ptr() | res.data_ptr() | weight.data_ptr()) & 15
+            or x.stride(0) % vec or res.stride(0) % vec):
+        # Leading dims that do not collapse, or misaligned rows (rare): run on aligned copies, write back.
+        x, res = _aligned_copy(input.reshape(-1, n)), _aligned_copy(residual.reshape(-1, n))
+        fn(x, res, _aligned_copy(weight) if weight.data_ptr() & 15 else weight, eps)
+        input.copy_(x.view(input.shape))
+        residual.copy_(res.view(residual.shape))
+        return
+    fn(x, res, weight, eps)
+
+
+def rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    return _norm(input, weight, eps, gemma=False)
+
+
+def gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    return _norm(input, weight, eps, gemma=True)
+
+
+def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
+    _fused_add(input, residual, weight, eps, gemma=False)
+
+
+def gemma_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
+    _fused_add(input, residual, weight, eps, gemma=True)
+
+
+def ci_kernels() -> Iterator[tuple]:
+    """(name, build, key) of the specialisations CI compiles for sm_90: every dtype, both variant
+    flags (fused, gemma), a weight dtype other than the input's, and each layout: several rows a
+    block (128), a row padded and masked with scalar accesses (257) or 16-byte ones (1000), one row a
+    block (4096, 8192), two passes (65536)."""
+    for n, dtype, weight_dtype, fused, gemma in (
+        (8192, "bfloat16", "bfloat16", False, False),  # the benchmark shape
+        (8192, "bfloat16", "bfloat16", True, False),
+        (4096, "float16", "float16", True, True),
+        (4096, "float32", "float32", False, True),
+        (1000, "bfloat16", "float32", False, False),  # 125 of 128 vectors live; fp32 weight
+        (257, "float16", "float16", True, False),  # odd: scalar accesses, masked tail
+        (128, "float32", "float32", True, True),  # 8 rows a block
+        (65536, "bfloat16", "bfloat16", True, False),  # two passes
+    ):
+        yield _NAME, _build, (n, dtype, weight_dtype, fused, gemma)
