@@ -512,10 +512,22 @@ def test_inductor_cuda_output_of_each_route(route):
         assert len(launches) == 2 and body.count("torch.ops.deepinfer.rmsnorm.default(") == 1, body
 
 
+# Rotary embedding copies under the two non-opaque routes, measured on the H200 (torch 2.11): decomposed,
+# Inductor computes each rotated tensor into a buffer and copies it back (the formula reads both halves
+# of a row it writes); through wrap_triton, q and k viewed from one qkv buffer are cloned and written
+# back. Its route is therefore `opaque` (registry.COMPILE_ROUTE), which writes in place.
+_ROPE_COPIES = pytest.mark.xfail(strict=True, reason="rotary_embedding copies under this route: see _ROPE_COPIES")
+
+
+def _in_place_cases():
+    for route in (DECOMPOSE, INDUCTOR_TRITON, OPAQUE):
+        for case in ("fused_add_rmsnorm-graph-inputs", "rotary_embedding-qkv-views", "rotary_embedding-graph-inputs"):
+            copies = case.startswith("rotary") and (route == DECOMPOSE or case.endswith("qkv-views")) and route != OPAQUE
+            yield pytest.param(case, route, marks=[_ROPE_COPIES] if copies else [], id=f"{route}-{case}")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["fused_add_rmsnorm-graph-inputs", "rotary_embedding-qkv-views",
-                                  "rotary_embedding-graph-inputs"])
-@pytest.mark.parametrize("route", [DECOMPOSE, INDUCTOR_TRITON, OPAQUE])
+@pytest.mark.parametrize("case,route", _in_place_cases())
 def test_inductor_cuda_in_place_ops_without_copies(case, route):
     """The in-place ops under every route, on the graph's inputs and on views of the QKV projection's
     output: written in place, no copy or clone of what they write (a clone would be one more

@@ -132,7 +132,8 @@ def _per_token_group_quant_fp8(
         amax = tl.max(tl.abs(x), 2) + tl.sum(tl.where(x != x, x, 0.0), 2)
     else:  # max.NaN.f32: a group holding a NaN gets a NaN max (tl.max would skip it)
         amax = tl.reduce(tl.abs(x), 2, _max_propagate_nan)  # [BLOCK_M, BLOCK_G]
-    amax = tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL)
+    # eps arrives as fp32 from an eager launch but as fp64 when Inductor launches the kernel itself
+    amax = tl.maximum(amax, tl.cast(eps, tl.float32), propagate_nan=tl.PropagateNan.ALL)
     scale = tl.math.div_rn(amax, FP8_MAX)
     if UE8M0:
         scale = _pow2_ceil(scale)
