@@ -52,6 +52,15 @@ TILELANG_KERNELS: Tuple[KernelSpec, ...] = (
               "block; rows wider than 16384 in two passes; every size and stride (misaligned rows via a copy)"),
     *_backend(Backend.TILELANG, _TILELANG, "activation", ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"),
               "flat grid of 1024-output tiles, 8 a thread in 16-byte vectors; every size and stride (misaligned rows via a copy)"),
+    *_backend(Backend.TILELANG, _TILELANG, "rope", ("rotary_embedding",),
+              "a thread per (token, lane of pairs in 16-byte vectors): cos/sin loaded once, the lane rotated in "
+              "every head of the token (q then k); every size and stride (misaligned views value by value)"),
+    *_backend(Backend.TILELANG, _TILELANG, "quant", ("per_token_group_quant_fp8",),
+              "16 values a thread in 16-byte vectors, a group's lanes reduce by shfl.xor, hardware e4m3 cvt; "
+              "every group size and stride (misaligned rows value by value)"),
+    *_backend(Backend.TILELANG, _TILELANG, "attention", ("merge_attn_states",),
+              "up to 16 values of one head a thread in 16-byte vectors, fp32 merge; every size and stride "
+              "(misaligned partials value by value)"),
 )
 
 FLASHINFER_KERNELS: Tuple[KernelSpec, ...] = (
@@ -100,7 +109,12 @@ KERNELS: Tuple[KernelSpec, ...] = (
 #: TileLang first as in the DeepInfer dispatcher; Triton before FlashInfer because the one-row Triton
 #: rmsnorm measured 4092 GB/s against FlashInfer's 2762 at 16384x8192 bf16 (shared/gpu/README.md).
 DEFAULT_CUDA_PRIORITY: Tuple[Backend, ...] = (Backend.TILELANG, Backend.TRITON, Backend.FLASHINFER, Backend.TORCH)
-CUDA_PRIORITY: Dict[str, Tuple[Backend, ...]] = {}
+#: Per-op exceptions, from the H200 run of 2026-11-29 (docs/benchmarks/activation.json, 8192x2*14336
+#: bf16): Triton's gelu kernels ran at 3946 (erf) and 4371 GB/s (tanh) against TileLang's 3666 and 3879,
+#: which keep the exact erff/tanhf; silu ties (4363 vs 4362) and keeps TileLang for its host cost (12 µs
+#: a call against Triton's 30).
+_TRITON_FIRST = (Backend.TRITON, Backend.TILELANG, Backend.FLASHINFER, Backend.TORCH)
+CUDA_PRIORITY: Dict[str, Tuple[Backend, ...]] = {"gelu_and_mul": _TRITON_FIRST, "gelu_tanh_and_mul": _TRITON_FIRST}
 
 # ------------------------------------------------------------------------------------------------
 # Compiled routes: what an op becomes below Dynamo's one node when torch.compile traces it on CUDA
