@@ -146,7 +146,7 @@ class OpRunner:
         self.chain = dispatch.plan(op, platform)[0] if ctx.cuda else []
         self.compiled = None
         self.compile_status = None
-        no_compile = registry.NO_COMPILE_ROUTE.get((op, registry.DECOMPOSE))
+        no_compile = registry.REFERENCE_NOT_COMPILABLE.get(op)
         if no_compile:
             self.compile_status = f"skipped: {no_compile}"
         elif not ctx.cuda and not ctx.explicit_keys:

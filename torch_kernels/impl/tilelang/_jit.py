@@ -68,12 +68,28 @@ def compiled(name: str, build: Callable[..., Any], *key: Any) -> Any:
         if kernel is None:
             import tilelang
 
+            _quiet(tilelang)
             start = time.perf_counter()
             kernel = tilelang.compile(build(*key), target=target(), execution_backend=EXECUTION_BACKEND)
             seconds = time.perf_counter() - start
             _kernels[(name, key)] = kernel
             _trace_compile(name, key, seconds)
     return kernel
+
+
+_quieted = False
+
+
+def _quiet(tilelang: Any) -> None:
+    """TileLang sets its logger to INFO at import: two lines per kernel compiled (about 60 in the GPU
+    tests). WARNING instead, unless ``DEEPINFER_OPS_VERBOSE``; the trace file records each compile."""
+    global _quieted
+    if not _quieted:
+        from ... import dispatch
+
+        if not dispatch.selection().verbose:
+            tilelang.set_log_level("WARNING")
+        _quieted = True
 
 
 def entry(kernel: Any) -> Callable[..., Any]:

@@ -1,0 +1,211 @@
+"""TileLang rotary embedding: ``x1, x2 = x1 cos - x2 sin, x2 cos + x1 sin`` for every head of query
+and key, in place (vLLM's ``rotary_embedding``; the reference is ``impl/torch/rope.py``).
+
+Shapes: ``positions (T,)`` int32/int64, any stride; ``query (T, Hq*hs)`` or ``(T, Hq, hs)`` and ``key``
+the same with ``Hk`` heads (or ``None``), last dimension contiguous, token and head strides free;
+``cos_sin_cache (max_position, rot_dim)``, ``rot_dim/2`` cosines then ``rot_dim/2`` sines per row.
+
+One kernel per (heads, head size, rot_dim, pairing, dtypes); the token count and every stride are
+runtime values, so a batch-size change never compiles again. Each thread owns ``VEC`` consecutive
+pairs (one lane of a head) of one token: it loads its cosines and sines once, then rotates that lane
+in ``ITER`` heads of the token's combined head list (query heads, then key heads), all loads of a
+token issued before the first store. Only the first ``rot_dim`` dims of a head are read or written.
+Accesses are 16-byte vectors: the two half-rows ``x[i]``, ``x[rot_dim/2 + i]`` (neox) or one row
+``x[2i : 2i + 2]`` per pair (GPT-J, pairs split in registers). A call whose strides or data
+pointers are not multiples of the vector (a view at an odd offset) runs a second kernel of the same
+shape that moves value by value: every valid call is taken, none compiles per batch size.
+A position outside the cache reads nothing and rotates by NaN, as the Triton kernel does.
+"""
+
+from typing import Iterator, Optional, Tuple
+
+import tilelang.language as T
+import torch
+from torch import Tensor
+
+from . import _jit
+
+_NAME = "rotary_embedding"
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_POSITION_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
+_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# (thread, head) tasks a block aims at: 128 threads. The benchmark shape (32+8 heads x 128 bf16
+# neox: 8 lanes a head) then runs 112-thread blocks of one token, each thread rotating 3 heads with
+# 96 bytes of q/k in flight.
+_BLOCK_THREADS = 128
+
+
+def _vec(rot_dim: int, is_neox: bool, dtype: str) -> int:
+    """Pairs per thread: one 16-byte access per half-row (neox) or per pair row (GPT-J, two values a
+    pair), down to what divides ``rot_dim/2``."""
+    widest = 16 // _BYTES[dtype] // (1 if is_neox else 2)
+    half = rot_dim // 2
+    return min(widest, half & -half)
+
+
+def _layout(num_heads: int, rot_dim: int, vec: int) -> Tuple[int, int, int, int]:
+    """(lanes per head, heads rotated side by side, iterations over the head list, tokens per block).
+
+    ``lanes * heads * tokens`` threads a block, about :data:`_BLOCK_THREADS`: the head list is split
+    into ``iterations`` rounds of ``heads`` heads, the fewest rounds that fit, so that few slots idle
+    (40 heads of 8 lanes: 3 rounds of 14 heads, 42 slots); few heads leave room for several tokens."""
+    lanes = rot_dim // 2 // vec
+    iterations = -(-num_heads * lanes // _BLOCK_THREADS)
+    heads = -(-num_heads // iterations)
+    tokens = max(1, _BLOCK_THREADS // (lanes * heads))
+    return lanes, heads, iterations, tokens
+
+
+def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_neox: bool, dtype: str,
+           cache_dtype: str, positions_dtype: str, aligned: bool):
+    HQ, HK, HS, ROT = num_q_heads, num_k_heads, head_size, rot_dim
+    HALF = rot_dim // 2
+    VEC = _vec(rot_dim, is_neox, dtype)
+    LANES, HPAR, ITER, TPAR = _layout(HQ + HK, rot_dim, VEC)
+    THREADS = LANES * HPAR * TPAR
+    # A thread's pairs as loaded: neox, two segments of VEC (x1 half-row then x2 half-row);
+    # GPT-J, one segment of 2*VEC values (x1, x2 interleaved). Pair i of the thread is at
+    # (i * STEP, i * STEP + OTHER) in its 2*VEC registers; segment s starts at s * HALF in the head.
+    SEGS, SEG = (2, VEC) if is_neox else (1, 2 * VEC)
+    STEP, OTHER = (1, VEC) if is_neox else (2, 1)
+    # Aligned calls move each segment and each cos/sin row slice as one vector; the others value by
+    # value (a vector at an address off its size faults).
+    per_access = T.vectorized if aligned else T.unroll
+    Tn, P = T.dynamic("num_tokens, max_position")
+    p_s, q_st, q_sh, k_st, k_sh, c_s = T.dynamic("p_s, q_st, q_sh, k_st, k_sh, c_s", "int64")
+
+    @T.prim_func
+    def rope(
+        positions: T.StridedTensor((Tn,), (p_s,), positions_dtype),  # read; any stride
+        query: T.StridedTensor((Tn, HQ, HS), (q_st, q_sh, 1), dtype),  # rotated in place
+        key: T.StridedTensor((Tn, HK, HS), (k_st, k_sh, 1), dtype),  # rotated in place; None when HK == 0
+        cache: T.StridedTensor((P, ROT), (c_s, 1), cache_dtype),  # read; cos then sin per row
+    ):
+        if aligned:
+            # Strides are multiples of the vector wherever they are used: the launcher checks
+            # (with the data pointers) before it picks this kernel, and the host code at every call.
+            # A dimension of size 1 may report any stride (DLPack exports of torch before 2.10 say
+            # 1); it is never used, so it is exempt, and the views round every stride down to the
+            # vector, which changes no used address and lets TileLang prove each access one vector.
+            T.assume(T.Or(Tn <= 1, q_st % SEG == 0))
+            T.assume(T.Or(P <= 1, c_s % VEC == 0))
+            if HQ > 1:
+                T.assume(q_sh % SEG == 0)
+            if HK > 0:  # no key: a null tensor, no strides
+                T.assume(T.Or(Tn <= 1, k_st % SEG == 0))
+            if HK > 1:
+                T.assume(k_sh % SEG == 0)
+        q = T.view(query, strides=(q_st // SEG * SEG, q_sh // SEG * SEG, 1) if aligned else (q_st, q_sh, 1))
+        k = T.view(key, strides=(k_st // SEG * SEG, k_sh // SEG * SEG, 1) if aligned else (k_st, k_sh, 1))
+        c = T.view(cache, strides=(c_s // VEC * VEC, 1) if aligned else (c_s, 1))
+        with T.Kernel(T.ceildiv(Tn, TPAR), threads=THREADS) as block:
+            tid = T.get_thread_binding()
+            t = block * TPAR + tid // (LANES * HPAR)
+            h0 = tid // LANES % HPAR
+            lane = tid % LANES
+            cos = T.alloc_local((VEC,), "float32")
+            sin = T.alloc_local((VEC,), "float32")
+            x = T.alloc_local((ITER, 2 * VEC), dtype)
+            if t < Tn:
+                pos = T.cast(positions[t], "int64")
+                if pos >= 0 and pos < P:
+                    for v in per_access(VEC):
+                        cos[v] = T.cast(c[pos, lane * VEC + v], "float32")
+                    for v in per_access(VEC):
+                        sin[v] = T.cast(c[pos, HALF + lane * VEC + v], "float32")
+                else:  # only without the op's data check (inside a CUDA graph capture)
+                    for v in T.unroll(VEC):
+                        cos[v] = T.float32(float("nan"))
+                        sin[v] = T.float32(float("nan"))
+                for it in T.unroll(ITER):  # every load of the token issued before the first store
+                    h = h0 + it * HPAR
+                    for s in T.unroll(SEGS):
+                        if h < HQ:
+                            for v in per_access(SEG):
+                                x[it, s * SEG + v] = q[t, h, s * HALF + lane * SEG + v]
+                        elif h < HQ + HK:
+                            for v in per_access(SEG):
+                                x[it, s * SEG + v] = k[t, h - HQ, s * HALF + lane * SEG + v]
+                for it in T.unroll(ITER):
+                    h = h0 + it * HPAR
+                    for i in T.unroll(VEC):
+                        x1 = T.cast(x[it, i * STEP], "float32")
+                        x2 = T.cast(x[it, i * STEP + OTHER], "float32")
+                        x[it, i * STEP] = T.cast(x1 * cos[i] - x2 * sin[i], dtype)
+                        x[it, i * STEP + OTHER] = T.cast(x2 * cos[i] + x1 * sin[i], dtype)
+                    for s in T.unroll(SEGS):
+                        if h < HQ:
+                            for v in per_access(SEG):
+                                q[t, h, s * HALF + lane * SEG + v] = x[it, s * SEG + v]
+                        elif h < HQ + HK:
+                            for v in per_access(SEG):
+                                k[t, h - HQ, s * HALF + lane * SEG + v] = x[it, s * SEG + v]
+
+    return rope
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher: the reference's signature. Per call after the first: an alignment test, one dict lookup
+# for the compiled host function (``_jit.entry``: no Python loop over the arguments), 3-D views of
+# 2-D q/k, the call.
+
+_functions: dict = {}  # key of _build -> compiled host function
+
+
+def _function(*key):
+    fn = _functions.get(key)
+    if fn is None:
+        fn = _functions[key] = _jit.entry(_jit.compiled(_NAME, _build, *key))
+    return fn
+
+
+def _heads(x: Tensor, head_size: int) -> Tensor:
+    """A validated 2-D or 3-D query/key as a ``(T, H, head_size)`` view."""
+    return x if x.dim() == 3 else x.view(x.shape[0], -1, head_size)
+
+
+def _aligned(q: Tensor, k: Optional[Tensor], cache: Tensor, seg: int, vec: int) -> bool:
+    """Whether every q/k token and head stride and data pointer is a multiple of ``seg`` values, and
+    the cache's row stride and pointer of ``vec`` values (strides of dimensions of size 1 aside)."""
+    bits = 0
+    for x in (q, k):
+        if x is not None:
+            t, h = x.shape[0], x.shape[1]
+            bits |= (x.stride(0) if t > 1 else 0) | (x.stride(1) if h > 1 else 0) | x.data_ptr() // x.element_size()
+    if bits % seg:
+        return False
+    return not ((cache.stride(0) if cache.shape[0] > 1 else 0) | cache.data_ptr() // cache.element_size()) % vec
+
+
+def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
+                     cos_sin_cache: Tensor, is_neox: bool) -> None:
+    if query.shape[0] == 0:
+        return
+    q = _heads(query, head_size)
+    k = _heads(key, head_size) if key is not None else None  # the kernel for 0 key heads takes a null key
+    dtype, rot_dim = _DTYPES[query.dtype], cos_sin_cache.shape[1]
+    vec = _vec(rot_dim, is_neox, dtype)
+    aligned = _aligned(q, k, cos_sin_cache, vec if is_neox else 2 * vec, vec)
+    fn = _function(q.shape[1], 0 if k is None else k.shape[1], head_size, rot_dim, bool(is_neox), dtype,
+                   _DTYPES[cos_sin_cache.dtype], _POSITION_DTYPES[positions.dtype], aligned)
+    fn(positions, q, k, cos_sin_cache)
+
+
+def ci_kernels() -> Iterator[tuple]:
+    """(name, build, key) of the specialisations CI compiles for sm_90: every q/k dtype, both
+    pairings, partial rotary, fp32 and q-dtype caches, int32 and int64 positions, no key, sizes whose
+    vectors are narrower than 16 bytes (rot_dim/2 = 12: 4 pairs; 8: 2 x 4 pairs), and the
+    value-by-value kernel of misaligned calls."""
+    for q, k, hs, rot, neox, dtype, cache, pos, aligned in (
+        (32, 8, 128, 128, True, "bfloat16", "float32", "int64", True),  # Llama-style, the benchmark shape
+        (32, 8, 128, 128, False, "bfloat16", "float32", "int64", True),
+        (32, 8, 128, 128, True, "float16", "float16", "int32", True),
+        (16, 2, 128, 64, False, "float32", "float32", "int64", True),  # partial GPT-J (ChatGLM)
+        (16, 16, 64, 64, True, "float32", "float32", "int32", True),
+        (8, 0, 128, 128, True, "bfloat16", "bfloat16", "int64", True),  # no key
+        (3, 1, 40, 24, False, "float16", "float32", "int64", True),  # rot_dim/2 = 12
+        (37, 5, 16, 8, True, "bfloat16", "float32", "int64", True),  # many heads, 4 pairs a head
+        (32, 8, 128, 128, True, "bfloat16", "float32", "int64", False),
+        (3, 1, 40, 24, False, "float16", "float32", "int64", False),
+    ):
+        yield _NAME, _build, (q, k, hs, rot, neox, dtype, cache, pos, aligned)
