@@ -8,10 +8,9 @@ free; ``lse_a``, ``lse_b`` ``(T, H)`` fp32, any strides. Returns contiguous ``(T
 ``v_a`` and ``(T, H)`` fp32.
 
 One kernel per (heads, head size, dtype, aligned partials); the token count and every stride are
-runtime values. Each
-thread merges ``E`` consecutive values of one head (16 bf16: two 16-byte loads of each partial, one
-16-byte store, 64 bytes in flight), ``D / E`` consecutive threads a head; (token, head, lane) triples
-are numbered flat, so any head size fills the blocks. Every lane computes its head's weights (two
+runtime values. Each thread merges ``E`` consecutive values of one head (16 bf16: two 16-byte loads
+of each partial and two 16-byte stores, 64 bytes in flight), ``D / E`` consecutive threads a head;
+(token, head, lane) triples are numbered flat, so any head size fills the blocks. Every lane computes its head's weights (two
 4-byte LSE loads, cached across the lanes) and the first lane writes the merged LSE. Empty partials
 (LSE ``-inf``, or FlashAttention-2's ``+inf``) as the reference: the other partial's values come
 back exactly, never NaN; both empty gives ``v_a`` and ``-inf``. Partials whose strides or start
@@ -165,8 +164,8 @@ def merge_attn_states(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor):
 
 def ci_kernels() -> Iterator[tuple]:
     """(name, build, key) of the specialisations CI compiles for sm_90: head size 128 in every
-    dtype, MLA's 512, head sizes whose accesses are narrower than 16 bytes (40: 8 values a thread,
-    5 a head; 1), and misaligned partials."""
+    dtype, MLA's 512, head sizes that are not powers of two (40: 5 threads a head; 80), a head of
+    one value (2-byte accesses), and misaligned partials."""
     for heads, head_size, dtype, aligned in (
         (32, 128, "bfloat16", True),  # the benchmark shape
         (32, 128, "float16", True),

@@ -152,18 +152,19 @@ def _function(*key):
 def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10,
                               column_major_scales: bool = False, scale_ue8m0: bool = False):
     q, s = empty_outputs(input, group_size, column_major_scales)
-    H = input.shape[-1]
-    x = input if input.dim() == 2 else input.reshape(-1, H)  # a view unless the leading dims do not collapse
+    if input.dim() == 2:
+        x, q2, s2 = input, q, s
+    else:  # (T, H) rows: a view unless the leading dims do not collapse; (T, G) views of the outputs,
+        # whose leading dims are contiguous in both scale layouts
+        H = input.shape[-1]
+        x, q2, s2 = input.reshape(-1, H), q.view(-1, H), s.view(-1, H // group_size)
     rows = x.shape[0]
     if rows == 0:
         return q, s
     dtype = _DTYPES[input.dtype]
-    vec = _vec(group_size, dtype)
-    aligned = not ((x.stride(0) if rows > 1 else 0) | x.data_ptr() // x.element_size()) % vec
+    aligned = not ((x.stride(0) if rows > 1 else 0) | x.data_ptr() // x.element_size()) % _vec(group_size, dtype)
     fn = _function(group_size, dtype, bool(scale_ue8m0), eps < _EXACT_DIV_EPS, aligned)
-    # The (T, G) views share the outputs' storage: leading dims are contiguous in both layouts.
-    q2, s2 = q.view(-1, H), s.view(-1, H // group_size)
-    per_launch = _MAX_PAIRS // (H // group_size)
+    per_launch = _MAX_PAIRS // s2.shape[1]
     if rows <= per_launch:  # every realistic call
         fn(x, q2, s2, eps)
     else:

@@ -5,8 +5,8 @@ Shapes: ``positions (T,)`` int32/int64, any stride; ``query (T, Hq*hs)`` or ``(T
 the same with ``Hk`` heads (or ``None``), last dimension contiguous, token and head strides free;
 ``cos_sin_cache (max_position, rot_dim)``, ``rot_dim/2`` cosines then ``rot_dim/2`` sines per row.
 
-One kernel per (heads, head size, rot_dim, pairing, dtypes); the token count and every stride are
-runtime values, so a batch-size change never compiles again. Each thread owns ``VEC`` consecutive
+One kernel per (heads, head size, rot_dim, pairing, dtypes, 2-D rows or 3-D heads, aligned views);
+the token count and every stride are runtime values, so a batch-size change never compiles again. Each thread owns ``VEC`` consecutive
 pairs (one lane of a head) of one token: it loads its cosines and sines once, then rotates that lane
 in ``ITER`` heads of the token's combined head list (query heads, then key heads), all loads of a
 token issued before the first store. Only the first ``rot_dim`` dims of a head are read or written.
@@ -57,7 +57,7 @@ def _layout(num_heads: int, rot_dim: int, vec: int) -> Tuple[int, int, int, int]
 
 
 def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_neox: bool, dtype: str,
-           cache_dtype: str, positions_dtype: str, aligned: bool):
+           cache_dtype: str, positions_dtype: str, rank: int, aligned: bool):
     HQ, HK, HS, ROT = num_q_heads, num_k_heads, head_size, rot_dim
     HALF = rot_dim // 2
     VEC = _vec(rot_dim, is_neox, dtype)
@@ -72,13 +72,23 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
     # value (a vector at an address off its size faults).
     per_access = T.vectorized if aligned else T.unroll
     Tn, P = T.dynamic("num_tokens, max_position")
-    p_s, q_st, q_sh, k_st, k_sh, c_s = T.dynamic("p_s, q_st, q_sh, k_st, k_sh, c_s", "int64")
+    p_s, q_st, k_st, c_s = T.dynamic("p_s, q_st, k_st, c_s", "int64")
+    # q and k as the caller passes them, (T, H*hs) rows (head stride hs) or (T, H, hs) heads (any head
+    # stride): the kernel takes either as it is, rather than the launcher making a view per call.
+    if rank == 2:
+        q_sh = k_sh = HS
+        query_type = T.StridedTensor((Tn, HQ * HS), (q_st, 1), dtype)
+        key_type = T.StridedTensor((Tn, HK * HS), (k_st, 1), dtype)
+    else:
+        q_sh, k_sh = T.dynamic("q_sh, k_sh", "int64")
+        query_type = T.StridedTensor((Tn, HQ, HS), (q_st, q_sh, 1), dtype)
+        key_type = T.StridedTensor((Tn, HK, HS), (k_st, k_sh, 1), dtype)
 
     @T.prim_func
     def rope(
         positions: T.StridedTensor((Tn,), (p_s,), positions_dtype),  # read; any stride
-        query: T.StridedTensor((Tn, HQ, HS), (q_st, q_sh, 1), dtype),  # rotated in place
-        key: T.StridedTensor((Tn, HK, HS), (k_st, k_sh, 1), dtype),  # rotated in place; None when HK == 0
+        query: query_type,  # rotated in place
+        key: key_type,  # rotated in place; None when HK == 0
         cache: T.StridedTensor((P, ROT), (c_s, 1), cache_dtype),  # read; cos then sin per row
     ):
         if aligned:
@@ -89,14 +99,17 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
             # vector, which changes no used address and lets TileLang prove each access one vector.
             T.assume(T.Or(Tn <= 1, q_st % SEG == 0))
             T.assume(T.Or(P <= 1, c_s % VEC == 0))
-            if HQ > 1:
-                T.assume(q_sh % SEG == 0)
             if HK > 0:  # no key: a null tensor, no strides
                 T.assume(T.Or(Tn <= 1, k_st % SEG == 0))
-            if HK > 1:
+            if rank == 3 and HQ > 1:
+                T.assume(q_sh % SEG == 0)
+            if rank == 3 and HK > 1:
                 T.assume(k_sh % SEG == 0)
-        q = T.view(query, strides=(q_st // SEG * SEG, q_sh // SEG * SEG, 1) if aligned else (q_st, q_sh, 1))
-        k = T.view(key, strides=(k_st // SEG * SEG, k_sh // SEG * SEG, 1) if aligned else (k_st, k_sh, 1))
+        # (T, H, hs) views, strides rounded down to the vector when aligned (no used address changes)
+        q = T.view(query, shape=(Tn, HQ, HS), strides=(q_st // SEG * SEG, q_sh // SEG * SEG, 1) if aligned else
+                   (q_st, q_sh, 1))
+        k = T.view(key, shape=(Tn, HK, HS), strides=(k_st // SEG * SEG, k_sh // SEG * SEG, 1) if aligned else
+                   (k_st, k_sh, 1))
         c = T.view(cache, strides=(c_s // VEC * VEC, 1) if aligned else (c_s, 1))
         with T.Kernel(T.ceildiv(Tn, TPAR), threads=THREADS) as block:
             tid = T.get_thread_binding()
@@ -146,8 +159,7 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
 
 # ----------------------------------------------------------------------------------------------
 # Launcher: the reference's signature. Per call after the first: an alignment test, one dict lookup
-# for the compiled host function (``_jit.entry``: no Python loop over the arguments), 3-D views of
-# 2-D q/k, the call.
+# for the compiled host function (``_jit.entry``: no Python loop over the arguments), the call.
 
 _functions: dict = {}  # key of _build -> compiled host function
 
@@ -164,14 +176,16 @@ def _heads(x: Tensor, head_size: int) -> Tensor:
     return x if x.dim() == 3 else x.view(x.shape[0], -1, head_size)
 
 
-def _aligned(q: Tensor, k: Optional[Tensor], cache: Tensor, seg: int, vec: int) -> bool:
+def _aligned(q: Tensor, k: Optional[Tensor], cache: Tensor, head_size: int, seg: int, vec: int) -> bool:
     """Whether every q/k token and head stride and data pointer is a multiple of ``seg`` values, and
     the cache's row stride and pointer of ``vec`` values (strides of dimensions of size 1 aside)."""
-    bits = 0
+    bits = head_size if q.dim() == 2 else 0  # the head stride of (T, H*hs) rows
     for x in (q, k):
         if x is not None:
-            t, h = x.shape[0], x.shape[1]
-            bits |= (x.stride(0) if t > 1 else 0) | (x.stride(1) if h > 1 else 0) | x.data_ptr() // x.element_size()
+            shape, stride = x.shape, x.stride()
+            bits |= (stride[0] if shape[0] > 1 else 0) | x.data_ptr() // x.element_size()
+            if len(shape) == 3 and shape[1] > 1:
+                bits |= stride[1]
     if bits % seg:
         return False
     return not ((cache.stride(0) if cache.shape[0] > 1 else 0) | cache.data_ptr() // cache.element_size()) % vec
@@ -179,33 +193,36 @@ def _aligned(q: Tensor, k: Optional[Tensor], cache: Tensor, seg: int, vec: int) 
 
 def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
                      cos_sin_cache: Tensor, is_neox: bool) -> None:
-    if query.shape[0] == 0:
+    num_tokens = query.shape[0]
+    if num_tokens == 0:
         return
-    q = _heads(query, head_size)
-    k = _heads(key, head_size) if key is not None else None  # the kernel for 0 key heads takes a null key
+    rank = query.dim()
+    if key is not None and key.dim() != rank:  # rare: one of each; both as (T, H, hs) views
+        rank, query, key = 3, _heads(query, head_size), _heads(key, head_size)
+    heads = query.shape[1] if rank == 3 else query.shape[1] // head_size
+    key_heads = 0 if key is None else key.shape[1] if rank == 3 else key.shape[1] // head_size
     dtype, rot_dim = _DTYPES[query.dtype], cos_sin_cache.shape[1]
     vec = _vec(rot_dim, is_neox, dtype)
-    aligned = _aligned(q, k, cos_sin_cache, vec if is_neox else 2 * vec, vec)
-    fn = _function(q.shape[1], 0 if k is None else k.shape[1], head_size, rot_dim, bool(is_neox), dtype,
-                   _DTYPES[cos_sin_cache.dtype], _POSITION_DTYPES[positions.dtype], aligned)
-    fn(positions, q, k, cos_sin_cache)
+    aligned = _aligned(query, key, cos_sin_cache, head_size, vec if is_neox else 2 * vec, vec)
+    fn = _function(heads, key_heads, head_size, rot_dim, bool(is_neox), dtype, _DTYPES[cos_sin_cache.dtype],
+                   _POSITION_DTYPES[positions.dtype], rank, aligned)
+    fn(positions, query, key, cos_sin_cache)  # no key: the kernel for 0 key heads takes a null tensor
 
 
 def ci_kernels() -> Iterator[tuple]:
     """(name, build, key) of the specialisations CI compiles for sm_90: every q/k dtype, both
-    pairings, partial rotary, fp32 and q-dtype caches, int32 and int64 positions, no key, sizes whose
-    vectors are narrower than 16 bytes (rot_dim/2 = 12: 4 pairs; 8: 2 x 4 pairs), and the
-    value-by-value kernel of misaligned calls."""
-    for q, k, hs, rot, neox, dtype, cache, pos, aligned in (
-        (32, 8, 128, 128, True, "bfloat16", "float32", "int64", True),  # Llama-style, the benchmark shape
-        (32, 8, 128, 128, False, "bfloat16", "float32", "int64", True),
-        (32, 8, 128, 128, True, "float16", "float16", "int32", True),
-        (16, 2, 128, 64, False, "float32", "float32", "int64", True),  # partial GPT-J (ChatGLM)
-        (16, 16, 64, 64, True, "float32", "float32", "int32", True),
-        (8, 0, 128, 128, True, "bfloat16", "bfloat16", "int64", True),  # no key
-        (3, 1, 40, 24, False, "float16", "float32", "int64", True),  # rot_dim/2 = 12
-        (37, 5, 16, 8, True, "bfloat16", "float32", "int64", True),  # many heads, 4 pairs a head
-        (32, 8, 128, 128, True, "bfloat16", "float32", "int64", False),
-        (3, 1, 40, 24, False, "float16", "float32", "int64", False),
+    pairings, partial rotary, fp32 and q-dtype caches, int32 and int64 positions, 2-D rows and 3-D
+    heads, no key, vectors narrower than 16 bytes, and the value-by-value kernel of misaligned calls."""
+    for q, k, hs, rot, neox, dtype, cache, pos, rank, aligned in (
+        (32, 8, 128, 128, True, "bfloat16", "float32", "int64", 2, True),  # Llama-style, the benchmark shape
+        (32, 8, 128, 128, False, "bfloat16", "float32", "int64", 2, True),
+        (32, 8, 128, 128, True, "float16", "float16", "int32", 3, True),
+        (16, 2, 128, 64, False, "float32", "float32", "int64", 2, True),  # partial GPT-J (ChatGLM)
+        (16, 16, 64, 64, True, "float32", "float32", "int32", 3, True),
+        (8, 0, 128, 128, True, "bfloat16", "bfloat16", "int64", 2, True),  # no key
+        (3, 1, 40, 24, False, "float16", "float32", "int64", 2, True),  # rot_dim 24: 4 pairs a vector
+        (37, 5, 16, 8, True, "bfloat16", "float32", "int64", 3, True),  # one 4-pair lane a head, 42 heads
+        (32, 8, 128, 128, True, "bfloat16", "float32", "int64", 2, False),
+        (3, 1, 40, 24, False, "float16", "float32", "int64", 3, False),
     ):
-        yield _NAME, _build, (q, k, hs, rot, neox, dtype, cache, pos, aligned)
+        yield _NAME, _build, (q, k, hs, rot, neox, dtype, cache, pos, rank, aligned)
