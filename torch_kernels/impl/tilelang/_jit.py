@@ -100,6 +100,20 @@ def entry(kernel: Any) -> Callable[..., Any]:
     return adapter.get_exportable_executable()[str(adapter.prim_func.attrs["global_symbol"])]
 
 
+def host_functions(name: str, build: Callable[..., Any]) -> Callable[..., Any]:
+    """``function(*key)``: :func:`entry` of ``compiled(name, build, *key)``, kept per key (its dict is
+    ``function.cache``): a launcher's per-call lookup after the first call."""
+    cache: Dict[tuple, Any] = {}
+
+    def function(*key: Any) -> Any:
+        fn = cache.get(key)
+        if fn is None:
+            fn = cache[key] = entry(compiled(name, build, *key))
+        return fn
+    function.cache = cache  # type: ignore[attr-defined]
+    return function
+
+
 def _trace_compile(name: str, key: tuple, seconds: float) -> None:
     from ... import dispatch
 

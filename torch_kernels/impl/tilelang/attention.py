@@ -131,14 +131,8 @@ def _build(num_heads: int, head_size: int, dtype: str, aligned: bool):
 # Launcher: the reference's signature. Per call after the first: the outputs, an alignment test,
 # one dict lookup for the compiled host function (``_jit.entry``), the call.
 
-_functions: dict = {}  # key of _build -> compiled host function
-
-
-def _function(*key):
-    fn = _functions.get(key)
-    if fn is None:
-        fn = _functions[key] = _jit.entry(_jit.compiled(_NAME, _build, *key))
-    return fn
+_function = _jit.host_functions(_NAME, _build)  # key of _build -> compiled host function
+_functions = _function.cache
 
 
 def merge_attn_states(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor):

@@ -139,14 +139,8 @@ def _build(group_size: int, dtype: str, ue8m0: bool, exact_div: bool, aligned: b
 # Launcher: the reference's signature. Per call after the first: the outputs, an alignment test,
 # one dict lookup for the compiled host function (``_jit.entry``), the call.
 
-_functions: dict = {}  # key of _build -> compiled host function
-
-
-def _function(*key):
-    fn = _functions.get(key)
-    if fn is None:
-        fn = _functions[key] = _jit.entry(_jit.compiled(_NAME, _build, *key))
-    return fn
+_function = _jit.host_functions(_NAME, _build)  # key of _build -> compiled host function
+_functions = _function.cache
 
 
 def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10,

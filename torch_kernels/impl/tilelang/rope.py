@@ -161,14 +161,8 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
 # Launcher: the reference's signature. Per call after the first: an alignment test, one dict lookup
 # for the compiled host function (``_jit.entry``: no Python loop over the arguments), the call.
 
-_functions: dict = {}  # key of _build -> compiled host function
-
-
-def _function(*key):
-    fn = _functions.get(key)
-    if fn is None:
-        fn = _functions[key] = _jit.entry(_jit.compiled(_NAME, _build, *key))
-    return fn
+_function = _jit.host_functions(_NAME, _build)  # key of _build -> compiled host function
+_functions = _function.cache
 
 
 def _heads(x: Tensor, head_size: int) -> Tensor:
