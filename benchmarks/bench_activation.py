@@ -111,13 +111,7 @@ def bench_host() -> list:
     }
     if flashinfer is not None:
         cases["flashinfer.activation.silu_and_mul"] = lambda: flashinfer.activation.silu_and_mul(x)
-    rows = []
-    for mode in ("grad enabled", "inference_mode"):
-        with torch.inference_mode(mode == "inference_mode"):
-            rows += [{"case": name, "host us": us, "mode": mode} for name, us in harness.host_us_interleaved(cases).items()]
-    rows.append({"case": "silu_and_mul 1x2*14336 device time (graph replay)",
-                 "host us": harness.graph_us(cases["torch.ops.deepinfer.silu_and_mul"]), "mode": "device us"})
-    return rows
+    return harness.host_rows(cases, "torch.ops.deepinfer.silu_and_mul", "silu_and_mul 1x2*14336 device time (graph replay)")
 
 
 def main() -> None:

@@ -123,13 +123,7 @@ def bench_host() -> list:
     }
     if flashinfer is not None:
         cases["flashinfer.cascade.merge_state"] = lambda: flashinfer.cascade.merge_state(*args)
-    rows = []
-    for mode in ("grad enabled", "inference_mode"):
-        with torch.inference_mode(mode == "inference_mode"):
-            rows += [{"case": name, "host us": us, "mode": mode} for name, us in harness.host_us_interleaved(cases).items()]
-    rows.append({"case": "merge_attn_states 1x32x128 device time (graph replay)",
-                 "host us": harness.graph_us(cases["torch.ops.deepinfer.merge_attn_states"]), "mode": "device us"})
-    return rows
+    return harness.host_rows(cases, "torch.ops.deepinfer.merge_attn_states", "merge_attn_states 1x32x128 device time (graph replay)")
 
 
 def main() -> None:

@@ -185,3 +185,14 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 10 else f"{v:.0f}"
     return str(v)
+
+
+def host_rows(cases: dict, device_case: str, device_label: str) -> list:
+    """Host µs per eager call of every case (interleaved rounds), with gradients enabled and under
+    ``inference_mode``, then the device µs of ``cases[device_case]`` by graph replay, as table rows."""
+    rows = []
+    for mode in ("grad enabled", "inference_mode"):
+        with torch.inference_mode(mode == "inference_mode"):
+            rows += [{"case": name, "host us": us, "mode": mode} for name, us in host_us_interleaved(cases).items()]
+    rows.append({"case": device_label, "host us": graph_us(cases[device_case]), "mode": "device us"})
+    return rows
