@@ -10,6 +10,7 @@
 """
 
 import os
+import zlib
 
 import torch
 
@@ -27,12 +28,28 @@ DEVICES = [pytest.param("cpu", id="cpu"),
 
 
 def pytest_collection_modifyitems(config, items):
+    _keep_shard(config, items)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (runs on the GPU host)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _keep_shard(config, items):
+    """``DEEPINFER_TEST_SHARD=i/n`` keeps one n-th of the tests, whole test functions at a time (the
+    parametrisations of one function share TileLang specialisations, which cost ~3 s of nvcc each
+    on the GPU host): ``benchmarks/gpu_parallel_tests.sh`` runs the shards side by side."""
+    shard = os.environ.get("DEEPINFER_TEST_SHARD")
+    if not shard:
+        return
+    i, n = (int(v) for v in shard.split("/"))
+    keep, drop = [], []
+    for item in items:
+        (keep if zlib.crc32(item.nodeid.split("[")[0].encode()) % n == i else drop).append(item)
+    items[:] = keep
+    config.hook.pytest_deselected(items=drop)
 
 
 @pytest.hookimpl(wrapper=True)
