@@ -153,11 +153,11 @@ def test_inventory_shows_each_compiled_route(cuda_platform):
     assert header[-1] == "compiled route" and set(routes) == set(registry.OPS)
     assert routes["rmsnorm"] == "opaque (forced)"
     assert routes["silu_and_mul"] == registry.COMPILE_ROUTE["silu_and_mul"]
-    assert routes["per_token_group_quant_fp8"] == INDUCTOR_TRITON
+    assert routes["topk_softmax"] == INDUCTOR_TRITON
     torch_kernels.configure(backend="torch")
     routes = {r[0]: r[-1] for r in _inventory(cuda_platform)[1:]}
-    assert routes["per_token_group_quant_fp8"].startswith(
-        "inductor_triton -> opaque  [op 'per_token_group_quant_fp8' compiled as 'opaque', not 'inductor_triton': "
+    assert routes["topk_softmax"].startswith(
+        "inductor_triton -> opaque  [op 'topk_softmax' compiled as 'opaque', not 'inductor_triton': "
         "the CUDA key selects 'torch'")
 
 

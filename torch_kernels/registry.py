@@ -154,8 +154,11 @@ COMPILE_ROUTE: Dict[str, str] = {
     # In place on views of the QKV projection's output: the opaque call (auto_functionalize) rotates
     # them in that buffer, no copy (tests/test_compile.py checks Inductor's output)
     "rotary_embedding": OPAQUE,
-    # compile 2078 GB/s against ours 4125 (8192x7168, g128); 248 against 4237 at g64
-    "per_token_group_quant_fp8": INDUCTOR_TRITON,
+    # compile 2078 GB/s against ours 4125 (8192x7168, g128); 248 against 4237 at g64. Opaque over
+    # Inductor launching our kernel: x*2 -> quant -> +1 at 4096x4096 measured 30.6 µs against 40.0,
+    # the op alone 12.4 against 12.3 (bench_compile.py, H200, 2026-11-29); plain torch compiled: 25.9
+    # and 25.2 (the decomposition is closed to it: NO_COMPILE_ROUTE)
+    "per_token_group_quant_fp8": OPAQUE,
     # compile 112 µs against ours 14 (8192 tokens x 256 experts, top-8); grouped 485 against 23
     "topk_softmax": INDUCTOR_TRITON,
     "grouped_topk": INDUCTOR_TRITON,
