@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:  # run as a script: python benchmarks/suite.py
 
 import torch_kernels  # noqa: E402,F401  (registers the ops)
 from benchmarks import cases, harness  # noqa: E402
-from torch_kernels import dispatch, ops, registry  # noqa: E402
+from torch_kernels import dispatch, ops, registry, tuning  # noqa: E402
 from torch_kernels.ops.moe import compare_routing, near_ties  # noqa: E402
 from torch_kernels.spec import Backend, Platform  # noqa: E402
 from torch_kernels.testing import compare_outputs, mutated_args, outputs_of  # noqa: E402
@@ -156,7 +156,11 @@ class OpRunner:
         """The backend the op's CUDA entry picks for ``args`` (first in its chain that takes them)."""
         if not self.ctx.cuda:
             return "torch"
-        for spec in self.chain:
+        chain, table = self.chain, dispatch.tuned_table() if dispatch.selection().auto else None
+        chosen = tuning.winner(table, self.op, args[self.opdef.data_arg]) if table else None
+        if chosen:  # auto: the bucket's winner first, then the platform default's order
+            chain = sorted(chain, key=lambda spec: spec.backend.value != chosen[0])
+        for spec in chain:
             if _refusal(spec, spec.load_check(), args, self.opdef.data_arg) is None:
                 return spec.backend.value
         return "none"
@@ -225,7 +229,8 @@ def run_case(runner: OpRunner, rows: int, hidden: Optional[int], label: str, arg
     """Check, then time, every implementation of ``runner.op`` on ``args``; one result row each."""
     op, mutated = runner.op, runner.mutated
     base = {"op": op, "shape": label, "tokens": rows, "hidden": hidden,
-            "dtype": str(args[runner.opdef.data_arg].dtype).replace("torch.", ""), "bytes": cases.nbytes(op, args)}
+            "dtype": str(args[runner.opdef.data_arg].dtype).replace("torch.", ""), "bytes": cases.nbytes(op, args),
+            "bucket": list(tuning.bucket_features(args[runner.opdef.data_arg]))}
     want = outputs_of(runner.reference, args, mutated)  # before any timed call mutates args
     results, live = [], []
     for impl in runner.impls(args):

@@ -1,4 +1,4 @@
-"""``python -m torch_kernels [check|docs|bench]``
+"""``python -m torch_kernels [check|docs|bench|tune]``
 
 * ``check`` (the default): the platform, the selection, one row per op (the backends that implement
   it, which are usable here and why the others are not, which one the CUDA key selects), then every
@@ -7,6 +7,8 @@
   (``--check``: exit 1 if the file is out of date instead).
 * ``bench``: every op x every usable backend x the peers over the shape set (``benchmarks/suite.py`` of
   the source checkout; ``bench --help`` lists its options).
+* ``tune``: every usable backend of every op over the shape buckets, the winners stored for
+  ``DEEPINFER_OPS_BACKEND=auto`` (``benchmarks/tune.py``; ``tune --help``).
 """
 
 import argparse
@@ -51,6 +53,17 @@ def _inventory(platform: Platform) -> list:
         rows.append((op, ", ".join(k.backend.value for k in impls), "; ".join(usable), serves,
                      _compiled_route(op, platform)))
     return rows
+
+
+def _auto_choices(platform: Platform) -> str:
+    """Under DEEPINFER_OPS_BACKEND=auto: the table in use and each op's winners (rows:backend)."""
+    table = dispatch.tuned_table(platform) if platform.is_cuda else None
+    if table is None:
+        return "\nauto: no usable tuned table here (the line above says why): the platform default serves every op"
+    lines = [f"\nauto: {table.path} ({len(table.entries)} buckets; per dtype and width, the winner from each tuned "
+             "row count on)"]
+    lines += [f"  {op:32s} {table.summary(op) or 'not tuned: the platform default'}" for op in registry.OPS]
+    return "\n".join(lines)
 
 
 def _table(rows: list) -> str:
@@ -104,13 +117,15 @@ def check() -> int:
     dispatch.set_platform(platform)
     sel = dispatch.selection()
     print(f"torch_kernels {torch_kernels.__version__}, torch {torch.__version__}, platform: {platform}")
-    print(f"selection: backend={sel.backend.value if sel.backend else 'platform default'}"
+    print(f"selection: backend={'auto' if sel.auto else sel.backend.value if sel.backend else 'platform default'}"
           f" fallback={sorted(sel.fallback) or '-'} strict={sel.strict} trace={sel.trace_path or '-'}"
           f"{' (with args)' if sel.trace_args else ''}"
           f" compile_route={','.join(f'{op}={r}' for op, r in sel.compile_route) or 'measured'}")
     print("every device other than CUDA is served by the torch reference; compiled routes are those of CUDA"
           " (elsewhere every op decomposes, docs/compile.md)\n")
     print(_table(_inventory(platform)))
+    if sel.auto:
+        print(_auto_choices(platform))
     failures = _self_check(platform)
     print(f"\n{'FAILED: ' + str(failures) + ' mismatch(es)' if failures else 'all backends match the reference'}")
     return 1 if failures else 0
@@ -143,18 +158,18 @@ def docs(check_only: bool) -> int:
     return 0
 
 
-def bench(argv: list) -> int:
-    """Run ``benchmarks/suite.py`` of the source checkout this package sits in (not part of a wheel)."""
+def benchmark_script(name: str, argv: list) -> int:
+    """Run ``benchmarks/<name>.py`` of the source checkout this package sits in (not part of a wheel)."""
     root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "suite.py").is_file():
-        print(f"python -m torch_kernels bench runs benchmarks/suite.py of a source checkout; this installation "
+    if not (root / "benchmarks" / f"{name}.py").is_file():
+        print(f"python -m torch_kernels runs benchmarks/{name}.py of a source checkout; this installation "
               f"({root}) has no benchmarks/ folder next to the package: clone the repository and "
               "`pip install -e .` it", file=sys.stderr)
         return 2
     sys.path.insert(0, str(root))
-    from benchmarks import suite
+    import importlib
 
-    return suite.main(argv)
+    return importlib.import_module(f"benchmarks.{name}").main(argv)
 
 
 def main(argv=None) -> int:
@@ -165,9 +180,11 @@ def main(argv=None) -> int:
     d = sub.add_parser("docs", help="regenerate docs/ops.md")
     d.add_argument("--check", action="store_true", help="exit 1 if docs/ops.md is out of date")
     sub.add_parser("bench", add_help=False, help="benchmark every op and backend against the peers (bench --help)")
+    sub.add_parser("tune", add_help=False, help="measure the backends per shape bucket for DEEPINFER_OPS_BACKEND=auto "
+                                                "(tune --help)")
     args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        return bench(rest)
+    if args.command in ("bench", "tune"):
+        return benchmark_script("suite" if args.command == "bench" else "tune", rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "docs":

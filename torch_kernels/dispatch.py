@@ -9,6 +9,9 @@ The semantics of the DeepInfer kernel dispatcher (``shared/seeds/000_*``), appli
   or one this platform cannot run) comes from the platform default: one stderr line at import says
   how many (all names with ``DEEPINFER_OPS_VERBOSE=1``), and one line at the first *use* of each
   such op names it.
+* ``DEEPINFER_OPS_BACKEND=auto``: every call of an op from the backend measured fastest for its shape
+  bucket on this GPU (``tuning.py``, ``python -m torch_kernels tune``), the platform default's order
+  behind it; with no usable table for this GPU the platform default serves, and one line says why.
 * ``DEEPINFER_OPS_FALLBACK=op,op``: those ops come from the platform default even when another backend
   is selected. A name that is not an op, or that the selected backend does not implement, raises.
 * ``DEEPINFER_OPS_STRICT=1``: no fallback of any kind. The default backend is never imported; an op
@@ -46,6 +49,7 @@ ENV_TRACE_ARGS = "DEEPINFER_TRACE_KERNEL_ARGS"
 ENV_COMPILE_ROUTE = "DEEPINFER_OPS_COMPILE_ROUTE"
 
 _FALSE = ("", "0", "false", "no", "off")
+AUTO = "auto"
 
 
 class KernelUnavailableError(AttributeError):
@@ -68,12 +72,15 @@ class Selection:
     trace_args: bool = False
     # forced compiled routes: sorted (op, route) pairs, op "*" for every op; () keeps COMPILE_ROUTE
     compile_route: Tuple[Tuple[str, str], ...] = ()
+    auto: bool = False  # DEEPINFER_OPS_BACKEND=auto: per call, the measured winner (tuning.py)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Selection":
         backend = environ.get(ENV_BACKEND, "").strip()
+        auto = backend.lower() == AUTO
         return cls(
-            backend=Backend.parse(backend) if backend else None,
+            backend=Backend.parse(backend) if backend and not auto else None,
+            auto=auto,
             fallback=frozenset(n.strip() for n in environ.get(ENV_FALLBACK, "").split(",") if n.strip()),
             strict=environ.get(ENV_STRICT, "").strip().lower() not in _FALSE,
             verbose=environ.get(ENV_VERBOSE, "").strip().lower() not in _FALSE,
@@ -83,6 +90,9 @@ class Selection:
         )
 
     def validate(self) -> "Selection":
+        if self.auto and (self.backend is not None or self.strict):
+            raise RuntimeError(f"{ENV_BACKEND}={AUTO} chooses among the usable backends per call: it takes no "
+                               f"backend and no {ENV_STRICT}")
         if self.strict and self.fallback:
             raise RuntimeError(f"{ENV_STRICT} forbids {ENV_FALLBACK}: strict means no fallback of any kind")
         unknown = sorted(self.fallback - set(registry.OPS))
@@ -126,6 +136,7 @@ _selection = Selection()
 _platform: Optional[Platform] = None
 _traced: set = set()
 _route_notices: set = set()
+_tuned: Optional[list] = None  # [table or None] once looked up (auto only)
 
 
 def _notice(message: str) -> None:
@@ -142,6 +153,22 @@ def platform() -> Platform:
     if _platform is None:
         _platform = Platform.detect()
     return _platform
+
+
+def tuned_table(on: Optional[Platform] = None):
+    """The tuning table ``DEEPINFER_OPS_BACKEND=auto`` dispatches by (``tuning.find``), looked up once
+    per selection; the notices of files ignored, or of there being none, are printed then."""
+    global _tuned
+    with _lock:
+        if _tuned is None:
+            from . import tuning
+
+            table, notices = tuning.find(on or platform())
+            for n in notices:
+                _notice(n + ("" if table else f"; {ENV_BACKEND}={AUTO}: the platform default serves every op "
+                                                 "(python -m torch_kernels tune measures this GPU)"))
+            _tuned = [table]
+        return _tuned[0]
 
 
 def set_platform(p: Optional[Platform]) -> None:
@@ -164,8 +191,13 @@ def configure(selection: Optional[Selection] = None, **changes: Any) -> Selectio
     """
     global _selection
     new = selection if selection is not None else _selection
-    if "backend" in changes and isinstance(changes["backend"], str):
-        changes["backend"] = Backend.parse(changes["backend"])
+    if "backend" in changes:
+        auto = isinstance(changes["backend"], str) and changes["backend"].strip().lower() == AUTO
+        changes["auto"] = auto
+        if auto:
+            changes["backend"] = None
+        elif isinstance(changes["backend"], str):
+            changes["backend"] = Backend.parse(changes["backend"])
     if "fallback" in changes:
         changes["fallback"] = frozenset(changes["fallback"])
     if "compile_route" in changes:
@@ -306,6 +338,11 @@ class _Impl:
         return self.check(*args) if self.check is not None else None
 
     def _first_run(self, *args: Any) -> Any:
+        self._started(args)
+        return self.fn(*args)
+
+    def _started(self, args: tuple) -> None:
+        """The first use: load, say the notice, trace; then ``run`` is the backend function itself."""
         with _lock:
             if self.run == self._first_run:
                 self.load()
@@ -313,7 +350,15 @@ class _Impl:
                     _notice(self.notice)
                 _trace(self.op, self.spec.backend, args)
                 self.run = self.fn
-        return self.fn(*args)
+
+    def direct(self, args: tuple) -> Optional[Callable[..., Any]]:
+        """The backend function itself when it takes every call of this dtype (no check beyond the
+        dtype), else ``None``: what ``auto`` remembers per (dtype, shape)."""
+        self.load()
+        if self.check is not None or (self.dtypes is not None and args[self.data_arg].dtype not in self.dtypes):
+            return None
+        self._started(args)
+        return self.fn
 
 
 class OpSlot:
@@ -332,32 +377,34 @@ class OpSlot:
         with _lock:
             if self.call == self._resolve_and_call:
                 chain, notice = plan(self.op)
-                # backends after the first one that refuses nothing are never reached
-                unrestricted = [i for i, k in enumerate(chain) if not k.restricted]
-                chain = chain[:unrestricted[0] + 1] if unrestricted else chain
                 self.impls = [_Impl(k, self.data_arg, notice if i == 0 else None) for i, k in enumerate(chain)]
-                if not chain:
+                auto = self._auto() if _selection.auto and chain else None
+                if auto is not None:
+                    self.call = auto
+                elif not chain:
                     self.call = self._unavailable(notice)
                 elif len(chain) == 1 and not chain[0].restricted:
                     self.call = self._single
                 else:
-                    self.call = self._fast_chain()
+                    self.call = _chain_call(self.op, self.impls)
         return self.call(*args)
 
-    def _fast_chain(self) -> Callable[..., Any]:
-        """The per-call path when the first backend only restricts dtypes (the common case): one
-        set lookup before the kernel, measured 0.3 µs against 1.5 for the general loop."""
-        first = self.impls[0]
-        first.load()
-        if first.check is not None or first.dtypes is None:
-            return self._chained
-        dtypes, data_arg, chained = first.dtypes, self.data_arg, self._chained
+    def _auto(self) -> Optional[Callable[..., Any]]:
+        """Under ``auto``: each call to the chain of its bucket's measured winner (the winner first, then
+        the platform default's order), or ``None`` when the table has nothing for this op."""
+        from . import tuning
 
-        def call(*args: Any) -> Any:
-            if args[data_arg].dtype in dtypes:
-                return first.run(*args)
-            return chained(*args)
-        return call
+        table = tuned_table()
+        if table is None:
+            return None
+        op = self.op
+        chains = {i.spec.backend: (_chain_call(op, [i] + [j for j in self.impls if j is not i]), i.direct)
+                  for i in self.impls}
+
+        def trace(backend: str, bucket: str) -> None:
+            if _selection.trace_path:
+                append_line(_selection.trace_path, f"{op}|{backend}|auto {bucket}")
+        return tuning.auto_call(table, op, self.data_arg, chains, _chain_call(op, self.impls), trace)
 
     def _unavailable(self, why: Optional[str]) -> Callable[..., Any]:
         def raise_unavailable(*args: Any) -> Any:
@@ -370,19 +417,42 @@ class OpSlot:
         self.call = impl.fn  # from now on the backend function itself: no per-call cost here
         return out
 
-    def _chained(self, *args: Any) -> Any:
+
+def _chain_call(op: str, impls: List[_Impl]) -> Callable[..., Any]:
+    """The per-call path through ``impls`` in order: the first that takes the call runs it. Backends
+    after the first one that refuses nothing are never reached, and are dropped."""
+    unrestricted = [n for n, i in enumerate(impls) if not i.spec.restricted]
+    impls = impls[:unrestricted[0] + 1] if unrestricted else impls
+    first = impls[0]
+    if len(impls) == 1 and not first.spec.restricted:
+        return lambda *args: first.run(*args)
+
+    def chained(*args: Any) -> Any:
         refused = []
-        for impl in self.impls:
+        for impl in impls:
             why = impl.refuses(args)
             if why is None:
                 if refused and impl.run == impl._first_run:  # a fallback's first call: say so, once
-                    _notice(f"op {self.op!r} served by {impl.spec.backend.value!r}: {'; '.join(refused)}")
+                    _notice(f"op {op!r} served by {impl.spec.backend.value!r}: {'; '.join(refused)}")
                 return impl.run(*args)
             refused.append(f"{impl.spec.backend.value!r} refuses the call ({why})")
-        reasons = "; ".join(f"{i.spec.backend.value}: {i.refuses(args)}" for i in self.impls)
+        reasons = "; ".join(f"{i.spec.backend.value}: {i.refuses(args)}" for i in impls)
         raise KernelUnavailableError(
-            f"deepinfer::{self.op}: no selected backend takes this call ({reasons})"
+            f"deepinfer::{op}: no selected backend takes this call ({reasons})"
             + (f"; {ENV_STRICT} forbids a fallback" if _selection.strict else ""))
+
+    # The common case, the first backend restricting dtypes only: one set lookup before the kernel,
+    # measured 0.3 µs against 1.5 for the general loop.
+    first.load()
+    if first.check is not None or first.dtypes is None:
+        return chained
+    dtypes, data_arg = first.dtypes, first.data_arg
+
+    def fast(*args: Any) -> Any:
+        if args[data_arg].dtype in dtypes:
+            return first.run(*args)
+        return chained(*args)
+    return fast
 
 
 _slots: Dict[str, OpSlot] = {}
@@ -397,6 +467,8 @@ def slot(op: str, data_arg: int = 0) -> OpSlot:
 
 
 def _reset() -> None:
+    global _tuned
+    _tuned = None
     for s in _slots.values():
         s.reset()
 

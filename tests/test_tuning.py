@@ -1,0 +1,226 @@
+"""``DEEPINFER_OPS_BACKEND=auto``: the tuned table (torch_kernels/tuning.py), its lookup per call, and
+``python -m torch_kernels tune``'s choice of winners (benchmarks/tune.py).
+
+The dispatch runs here as on an sm_90 machine (``cuda_platform``) on CPU tensors, in a world of the
+reference and Triton (interpreted), as tests/test_dispatch.py does.
+"""
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import timeit
+
+import pytest
+import torch
+
+import torch_kernels
+from torch_kernels import dispatch, registry, tuning
+from torch_kernels.dispatch import Selection
+from torch_kernels.spec import Backend
+from torch_kernels.testing import assert_close
+
+from benchmarks import tune
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _triton_world(monkeypatch, tmp_path):
+    monkeypatch.setattr(registry, "BY_OP", {op: {b: k for b, k in per_op.items() if b in (Backend.TORCH, Backend.TRITON)}
+                                            for op, per_op in registry.BY_OP.items()})
+    monkeypatch.setenv(tuning.ENV_TUNE_DIR, str(tmp_path / "tune"))
+    yield
+    dispatch.configure(Selection())
+
+
+def _entry(op, dtype, width, rows, winner):
+    return {"op": op, "dtype": dtype, "width": width, "rows": rows, "winner": winner}
+
+
+def _save(platform, entries, key=None):
+    path = tuning.user_dir() / tuning.file_name(platform)
+    return tuning.save(entries, key or tuning.table_key(platform), path)
+
+
+RMSNORM_TABLE = [_entry("rmsnorm", "float32", 96, 1, "torch"), _entry("rmsnorm", "float32", 96, 64, "triton"),
+                 _entry("rmsnorm", "float32", 1024, 1, "triton")]
+
+
+# --- the table ---------------------------------------------------------------------------------------
+
+
+def test_table_round_trip_and_summary(cuda_platform):
+    saved = _save(cuda_platform, RMSNORM_TABLE)
+    table, notices = tuning.find(cuda_platform)
+    assert notices == [] and table.entries == saved.entries and table.path == saved.path
+    assert table.summary("rmsnorm") == "float32 w96: 1:torch 64:triton; float32 w1024: 1:triton"
+    assert table.summary("silu_and_mul") == ""
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda p: p.write_text('{"schema": 1, "key": {'), "corrupt"),
+    (lambda p: p.write_bytes(b"\xff\xfe"), "corrupt"),
+    (lambda p: p.write_text(json.dumps({"schema": 1, "key": {}})), "partial: no key or no entries"),
+    (lambda p: _rewrite(p, lambda d: d["entries"][0].pop("width")), "lacks dtype, width or rows"),
+    (lambda p: _rewrite(p, lambda d: d["entries"][0].update(winner="cuda")), "names backend 'cuda'"),
+    (lambda p: _rewrite(p, lambda d: d["entries"][0].update(op="rms")), "unknown op 'rms'"),
+    (lambda p: _rewrite(p, lambda d: d["key"].update(torch="1.0")), "stale: tuned for torch 1.0; here torch"),
+    (lambda p: _rewrite(p, lambda d: d.update(schema=0)), "not a schema-1 table"),
+])
+def test_a_damaged_table_is_ignored_with_a_notice(cuda_platform, damage, why):
+    saved = _save(cuda_platform, RMSNORM_TABLE)
+    damage(saved.path)
+    table, notices = tuning.find(cuda_platform)
+    assert table is None and len(notices) == 1
+    assert str(saved.path) in notices[0] and why in notices[0], notices
+
+
+def _rewrite(path, change):
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_no_table_says_where_it_looked(cuda_platform):
+    table, notices = tuning.find(cuda_platform)
+    assert table is None and notices == [
+        f"no tuned table for pretend H200 sm_90 in {tuning.user_dir()} or {tuning.PACKAGED_DIR}"]
+
+
+def test_save_merges_and_a_new_measurement_replaces_its_bucket(cuda_platform):
+    _save(cuda_platform, RMSNORM_TABLE)
+    table = _save(cuda_platform, [_entry("rmsnorm", "float32", 96, 64, "torch"), _entry("silu_and_mul", "float32", 8, 1, "triton")])
+    assert len(table.entries) == 4
+    assert table.summary("rmsnorm").startswith("float32 w96: 1:torch 64:torch")
+    # a stale table is replaced whole, not merged
+    stale = dict(tuning.table_key(cuda_platform), torch="0.0")
+    assert len(_save(cuda_platform, RMSNORM_TABLE[:1], key=stale).entries) == 1
+
+
+def _tune_many(path, key, worker, n):
+    for i in range(n):
+        tuning.save([_entry("rmsnorm", "float32", 96 + worker, i, "triton")], key, path)
+
+
+def test_two_processes_tuning_at_once_leave_one_complete_table(cuda_platform, tmp_path):
+    path, key = tmp_path / "shared.json", tuning.table_key(cuda_platform)
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_tune_many, args=(path, key, w, 40)) for w in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    table = tuning.Table.from_json(json.loads(path.read_text()))
+    assert len(table.entries) == 80  # nothing lost: each write merged under the lock
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+# --- auto in the dispatcher ------------------------------------------------------------------------
+
+
+def test_selection_auto_from_env_and_configure():
+    assert Selection.from_env({"DEEPINFER_OPS_BACKEND": " Auto "}) == Selection(auto=True)
+    dispatch.configure(backend="auto")
+    assert dispatch.selection().auto and dispatch.selection().backend is None
+    dispatch.configure(backend="triton")
+    assert not dispatch.selection().auto and dispatch.selection().backend is Backend.TRITON
+    with pytest.raises(RuntimeError, match="auto chooses among the usable backends per call.*DEEPINFER_OPS_STRICT"):
+        dispatch.configure(backend="auto", strict=True)
+
+
+def test_auto_serves_each_bucket_from_its_winner_and_traces_it(cuda_platform, tmp_path):
+    _save(cuda_platform, RMSNORM_TABLE)
+    trace = tmp_path / "trace.txt"
+    dispatch.configure(backend="auto", trace_path=str(trace))
+    w = torch.randn(96)
+    reference = registry.BY_OP["rmsnorm"][Backend.TORCH].load()
+    calls = [torch.randn(3, 96), torch.randn(100, 96), torch.randn(2, 5, 96), torch.randn(3, 128)[:, :96]]
+    for x in calls:
+        assert_close(dispatch.slot("rmsnorm").call(x, w, 1e-6), reference(x, w, 1e-6))
+    lines = trace.read_text().splitlines()
+    # 3 rows and 2x5 rows: the bucket of 1 (up to sqrt(1*64) = 8); 100: the bucket of 64
+    assert "rmsnorm|torch|auto float32 width 96 rows 0..7 (tuned at 1)" in lines
+    assert "rmsnorm|triton|auto float32 width 96 rows 8.. (tuned at 64)" in lines
+    assert sum("|auto " in line for line in lines) == 2  # each bucket traced once
+    # an untuned dtype: the platform default (Triton first), no bucket line
+    trace.write_text("")
+    x = torch.randn(3, 96, dtype=torch.float16)
+    assert_close(dispatch.slot("rmsnorm").call(x, w.half(), 1e-6), reference(x, w.half(), 1e-6))
+    assert "|auto " not in trace.read_text()
+
+
+def test_auto_nearest_width_and_refusal_falls_back(cuda_platform, tmp_path):
+    _save(cuda_platform, [_entry("rmsnorm", "float32", 1024, 1, "triton")])
+    trace = tmp_path / "trace.txt"
+    dispatch.configure(backend="auto", trace_path=str(trace))
+    x, w = torch.randn(2, 700, dtype=torch.float64), torch.randn(700, dtype=torch.float64)
+    dispatch.configure(backend="auto", trace_path=str(trace))
+    # float64 is not tuned: platform default, whose Triton refuses fp64: the reference serves
+    assert_close(dispatch.slot("rmsnorm").call(x, w, 1e-6), registry.BY_OP["rmsnorm"][Backend.TORCH].load()(x, w, 1e-6))
+    x, w = x.float(), w.float()
+    dispatch.slot("rmsnorm").call(x, w, 1e-6)
+    assert "rmsnorm|triton|auto float32 width 1024 rows 0.. (tuned at 1)" in trace.read_text().splitlines()
+
+
+def test_auto_without_a_table_serves_the_platform_default_and_says_so_once(cuda_platform, capfd):
+    dispatch.configure(backend="auto")
+    x, w = torch.randn(3, 96), torch.randn(96)
+    for op in ("rmsnorm", "gemma_rmsnorm", "rmsnorm"):
+        dispatch.slot(op).call(x, w, 1e-6)
+    err = capfd.readouterr().err
+    assert err.count("no tuned table for pretend H200 sm_90") == 1
+    assert "DEEPINFER_OPS_BACKEND=auto: the platform default serves every op" in err
+
+
+def test_bucket_lookup_costs_under_half_a_microsecond():
+    auto, without = tune.lookup_cost_us()
+    print(f"auto: {auto:.3f} µs a call, the same wrapper without the lookup {without:.3f}: it adds {auto - without:.3f}")
+    assert auto - without < 0.5
+
+
+def test_inventory_shows_the_auto_choices(cuda_platform, capsys):
+    from torch_kernels.__main__ import _auto_choices
+
+    dispatch.configure(backend="auto")
+    assert "no usable tuned table here" in _auto_choices(cuda_platform)
+    _save(cuda_platform, RMSNORM_TABLE)
+    dispatch.configure(backend="auto")
+    text = _auto_choices(cuda_platform)
+    assert "(3 buckets;" in text
+    assert any(line.split() == ["rmsnorm", "float32", "w96:", "1:torch", "64:triton;", "float32", "w1024:", "1:triton"]
+               for line in text.splitlines())
+    assert any(line.split()[:2] == ["silu_and_mul", "not"] for line in text.splitlines())
+
+
+# --- tune ----------------------------------------------------------------------------------------------
+
+
+def _row(op, key, us, bucket=("bfloat16", 4096, 32), check="ok"):
+    return {"op": op, "key": key, "device_us": us, "check": check, "bucket": list(bucket)}
+
+
+def test_tune_winners_keep_the_default_within_the_spread():
+    result = {"header": {"cuda_key_serves": {"rmsnorm": ["tilelang", "triton", "torch"],
+                                             "top_k_top_p_sampling_from_probs": ["triton", "flashinfer", "torch"]}},
+              "rows": [_row("rmsnorm", "tilelang", 10.0), _row("rmsnorm", "triton", 9.95),  # within 1%: default
+                       _row("rmsnorm", "tilelang", 10.0, ("bfloat16", 4096, 4096)),
+                       _row("rmsnorm", "triton", 9.0, ("bfloat16", 4096, 4096)),  # 10% faster: wins
+                       _row("rmsnorm", "triton", 5.0, ("bfloat16", 7168, 1)),  # TileLang refused: Triton is the default
+                       _row("rmsnorm", "flashinfer", 1.0, ("bfloat16", 7168, 1), check="MISMATCH: x"),  # never a winner
+                       _row("top_k_top_p_sampling_from_probs", "triton", 100.0, ("float32", 128256, 64)),
+                       _row("top_k_top_p_sampling_from_probs", "flashinfer", 50.0, ("float32", 128256, 64))]}
+    got = {(e["op"], e["width"], e["rows"]): (e["winner"], e["default"]) for e in tune.winners(result)}
+    assert got == {("rmsnorm", 4096, 32): ("tilelang", "tilelang"), ("rmsnorm", 4096, 4096): ("triton", "tilelang"),
+                   ("rmsnorm", 7168, 1): ("triton", "triton"),
+                   # FlashInfer samples from its own random stream: auto never switches an op's samples
+                   ("top_k_top_p_sampling_from_probs", 128256, 64): ("triton", "triton")}
+    assert "| rmsnorm | bfloat16 | 4096 | 4096 | triton | tilelang | 1.111 |" in tune.report(tune.winners(result))
+
+
+def test_tune_needs_a_gpu():
+    r = subprocess.run([sys.executable, "-m", "torch_kernels", "tune"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 2 and "this machine has no CUDA GPU" in r.stderr

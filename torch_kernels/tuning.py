@@ -1,0 +1,262 @@
+"""Measured backend choice: the table behind ``DEEPINFER_OPS_BACKEND=auto``.
+
+``python -m torch_kernels tune`` (``benchmarks/tune.py``) times every usable backend of every op over
+shape buckets on this GPU and stores the winners here; with ``DEEPINFER_OPS_BACKEND=auto`` each op's
+CUDA entry dispatches every call to the winner of its bucket (``dispatch.OpSlot``).
+
+A bucket is (dtype, width, rows) of the op's data argument: the dtype, the last dimension, and the
+number of rows, ``numel // width`` (tokens for the norms, activations, quant and rope, tokens x heads
+for the merge, batch rows for sampling). A call takes the winner of the nearest tuned width (on a log
+scale) of its dtype, and of the nearest tuned row count (boundaries at the geometric means between
+the tuned counts); a dtype never tuned takes the platform default.
+
+The table is one JSON file per GPU model, ``<gpu>-sm<cc>.json``, looked up in ``DEEPINFER_OPS_TUNE_DIR``
+(default ``~/.cache/torch_kernels/tune``), then among the tables shipped in ``torch_kernels/tuned/``. It
+is keyed by the GPU name, the compute capability and the versions of torch, torch_kernels and each
+backend: a table whose key differs (stale), that does not parse (corrupt) or that misses fields or
+names unknown ops or backends (partial) is ignored with one notice, and the platform default serves.
+Writers merge into the file under an exclusive lock and replace it atomically, so two processes tuning
+at once leave one complete table.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fcntl
+import json
+import math
+import os
+import re
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import registry
+from .spec import FRAMEWORK_PACKAGE, Backend, Platform
+
+ENV_TUNE_DIR = "DEEPINFER_OPS_TUNE_DIR"
+SCHEMA = 1
+PACKAGED_DIR = Path(__file__).resolve().parent / "tuned"
+#: A backend other than the platform default's wins a bucket only when it is faster by more than this
+#: fraction: below it the two are within the run-to-run spread of graph replay (about 1% on the H200),
+#: and the default keeps its lower host cost and its fallbacks.
+MIN_GAIN = 0.01
+_DISTRIBUTIONS = {"torch": "torch", "triton": "triton", "tilelang": "tilelang", "flashinfer": "flashinfer-python"}
+_MEMO_LIMIT = 1 << 16  # (dtype, shape) pairs remembered per op, then forgotten all at once
+
+
+class TableError(ValueError):
+    """Why a table file cannot be used (corrupt, partial, stale): the notice names the file."""
+
+
+def _version(distribution: str) -> Optional[str]:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def table_key(platform: Platform) -> Dict[str, object]:
+    """What a table was measured on: a table answers only the same GPU and versions."""
+    from . import __version__
+
+    key: Dict[str, object] = {"gpu": platform.device_name,
+                              "capability": ".".join(map(str, platform.compute_capability or ())),
+                              "torch_kernels": __version__}
+    for backend in Backend:
+        key[backend.value] = _version(_DISTRIBUTIONS[backend.value]) if FRAMEWORK_PACKAGE.get(backend) else None
+    import torch
+
+    key["torch"] = torch.__version__  # the running build (a local version suffix included)
+    return key
+
+
+def file_name(platform: Platform) -> str:
+    gpu = re.sub(r"[^a-z0-9]+", "-", platform.device_name.lower()).strip("-") or "gpu"
+    return f"{gpu}-sm{''.join(map(str, platform.compute_capability or ()))}.json"
+
+
+def user_dir() -> Path:
+    env = os.environ.get(ENV_TUNE_DIR)
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_kernels" / "tune"
+
+
+def bucket_features(x) -> Tuple[str, int, int]:
+    """(dtype, width, rows) of a data argument: the axes of the table."""
+    width = int(x.shape[-1]) if x.dim() else 1
+    return str(x.dtype).replace("torch.", ""), width, x.numel() // (width or 1)
+
+
+class Table:
+    """A validated table: per op, per dtype, per tuned width, the tuned row counts and their winners."""
+
+    def __init__(self, key: dict, entries: List[dict], path: Optional[Path] = None) -> None:
+        self.key, self.entries, self.path = key, entries, path
+        self.ops: Dict[str, Dict[str, Dict[int, List[Tuple[int, str]]]]] = {}
+        for e in entries:
+            per_width = self.ops.setdefault(e["op"], {}).setdefault(e["dtype"], {})
+            per_width.setdefault(e["width"], []).append((e["rows"], e["winner"]))
+        for per_dtype in self.ops.values():
+            for per_width in per_dtype.values():
+                for w, points in per_width.items():
+                    per_width[w] = sorted(dict(points).items())
+
+    @classmethod
+    def from_json(cls, data: object, path: Optional[Path] = None) -> "Table":
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise TableError(f"not a schema-{SCHEMA} table")
+        key, entries = data.get("key"), data.get("entries")
+        if not isinstance(key, dict) or not isinstance(entries, list):
+            raise TableError("partial: no key or no entries")
+        known = {b.value for b in Backend}
+        for i, e in enumerate(entries):
+            if not isinstance(e, dict):
+                raise TableError(f"partial: entry {i} is not an object")
+            if e.get("op") not in registry.BY_OP:
+                raise TableError(f"entry {i} names unknown op {e.get('op')!r}")
+            if e.get("winner") not in known or Backend(e["winner"]) not in registry.BY_OP[e["op"]]:
+                raise TableError(f"entry {i} ({e['op']}) names backend {e.get('winner')!r}, which does not implement it")
+            if not (isinstance(e.get("dtype"), str) and isinstance(e.get("width"), int) and isinstance(e.get("rows"), int)
+                    and e["width"] > 0 and e["rows"] >= 0):
+                raise TableError(f"partial: entry {i} ({e['op']}) lacks dtype, width or rows")
+        return cls(key, entries, path)
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, "key": self.key, "entries": self.entries}
+
+    def summary(self, op: str) -> str:
+        """One line: the winners of ``op`` per dtype and width, by tuned row count."""
+        parts = []
+        for dtype, per_width in sorted(self.ops.get(op, {}).items()):
+            for width, points in sorted(per_width.items()):
+                parts.append(f"{dtype} w{width}: " + " ".join(f"{r}:{b}" for r, b in points))
+        return "; ".join(parts)
+
+
+def _read(path: Path, key: dict) -> Table:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TableError(f"corrupt: {type(e).__name__}: {str(e)[:120]}") from None
+    table = Table.from_json(data, path)
+    if table.key != key:
+        diff = sorted(k for k in set(key) | set(table.key) if key.get(k) != table.key.get(k))
+        raise TableError("stale: tuned for " + ", ".join(f"{k} {table.key.get(k)}" for k in diff)
+                         + "; here " + ", ".join(f"{k} {key.get(k)}" for k in diff))
+    return table
+
+
+def find(platform: Platform) -> Tuple[Optional[Table], List[str]]:
+    """The table for this platform (the user's, else a shipped one) and the notices of the files
+    looked at and ignored; ``(None, [why])`` when there is none."""
+    key, name, notices = table_key(platform), file_name(platform), []
+    for folder in (user_dir(), PACKAGED_DIR):
+        path = folder / name
+        if not path.exists():
+            continue
+        try:
+            return _read(path, key), notices
+        except TableError as e:
+            notices.append(f"tuned table {path} ignored ({e})")
+    if not notices:
+        notices.append(f"no tuned table for {platform.device_name} sm_{''.join(map(str, platform.compute_capability or ()))}"
+                       f" in {user_dir()} or {PACKAGED_DIR}")
+    return None, notices
+
+
+def save(entries: List[dict], key: dict, path: Path) -> Table:
+    """Merge ``entries`` into the table at ``path`` (kept where its key matches; a new measurement of a
+    bucket replaces the old) under an exclusive lock, and replace the file atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(path) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        merged: Dict[tuple, dict] = {}
+        if path.exists():
+            try:
+                old = _read(path, key)
+                merged = {(e["op"], e["dtype"], e["width"], e["rows"]): e for e in old.entries}
+            except TableError:
+                pass  # stale or corrupt: replaced whole
+        merged.update({(e["op"], e["dtype"], e["width"], e["rows"]): e for e in entries})
+        table = Table.from_json({"schema": SCHEMA, "key": key, "entries": sorted(merged.values(), key=lambda e: (
+            e["op"], e["dtype"], e["width"], e["rows"]))}, path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(table.to_json(), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    return table
+
+
+def _bounds(rows: Sequence[int]) -> List[float]:
+    """Boundaries between consecutive tuned row counts: their geometric means (rows 0 counts as 1)."""
+    return [math.sqrt(max(a, 1) * max(b, 1)) for a, b in zip(rows, rows[1:])]
+
+
+def winner(table: Table, op: str, x) -> Optional[Tuple[str, str]]:
+    """(backend, bucket) the table names for data argument ``x`` of ``op``, or ``None`` (dtype or op
+    not tuned): the nearest tuned width of its dtype (log scale), the nearest tuned row count."""
+    dtype, width, rows = bucket_features(x)
+    widths = table.ops.get(op, {}).get(dtype)
+    if not widths:
+        return None
+    nearest = min(widths, key=lambda w: (abs(math.log(w) - math.log(max(width, 1))), w))
+    points = widths[nearest]
+    bounds = _bounds([r for r, _ in points])
+    i = bisect.bisect_right(bounds, rows)
+    lo = 0 if i == 0 else math.ceil(bounds[i - 1])
+    hi = "" if i == len(bounds) else math.ceil(bounds[i]) - 1
+    return points[i][1], f"{dtype} width {nearest} rows {lo}..{hi} (tuned at {points[i][0]})"
+
+
+def auto_call(table: Table, op: str, data_arg: int,
+              chains: Dict[Backend, Tuple[Callable, Callable[[tuple], Optional[Callable]]]], default: Callable,
+              trace: Callable[[str, str], None]) -> Optional[Callable]:
+    """The CUDA entry's per-call function under ``auto``: each call to its bucket's winner. ``chains``:
+    per usable backend, the chain with that backend first and ``direct(args)``, the backend function
+    itself when it takes every call of that dtype (else ``None``); ``default``: the platform default's
+    chain, for buckets with no winner usable here. ``trace(backend, bucket)`` runs when a bucket is
+    first chosen. ``None`` if the table has nothing for ``op``.
+
+    The choice is remembered per (dtype, shape) of the data argument, as the backend function itself
+    where it can be, so a shape seen before costs one dict lookup: it added 0.37 µs a call on the CPU
+    machine (``benchmarks/tune.py:lookup_cost_us``), where computing the bucket each call added 0.6
+    (``x.shape[-1]`` and ``x.numel()`` take 0.1-0.2 µs each there)."""
+    if not table.ops.get(op):
+        return None
+    traced: set = set()
+    memo: Dict[tuple, Callable] = {}
+
+    def resolve(x, args: tuple) -> Callable:
+        chosen = winner(table, op, x)
+        if chosen is None:
+            fn = default
+        else:
+            backend, bucket = chosen
+            chain, direct = chains.get(Backend(backend), (default, None))
+            fn = (direct and direct(args)) or chain
+            if bucket not in traced:
+                traced.add(bucket)
+                trace(backend if chain is not default else "platform default", bucket)
+        if len(memo) >= _MEMO_LIMIT:
+            memo.clear()
+        memo[(x.dtype, x.shape)] = fn
+        return fn
+
+    get = memo.get
+
+    def call(*args):
+        x = args[data_arg]
+        fn = get((x.dtype, x.shape))
+        if fn is None:
+            fn = resolve(x, args)
+        return fn(*args)
+    return call
