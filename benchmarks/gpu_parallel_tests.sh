@@ -5,13 +5,14 @@
 # files ran past 320 s (2026-11-29), so the host's 16 cores take 14 shards; the kernels' disk cache
 # is safe to share.
 #   bash benchmarks/gpu_parallel_tests.sh OUT [seconds] [shards] [pytest args]
+# SHARD_BY=item shares out single tests instead of whole functions.
 set -uo pipefail
 out=${1:?output folder}; limit=${2:-540}; n=${3:-14}; shift $(( $# < 3 ? $# : 3 ))
 logs=$(mktemp -d)
 . .gpu-pkgs/setup.sh
 export PYTHONPATH=$PYTHONPATH:$(pwd)/.gpu-pkgs/extra
 for ((i = 0; i < n; i++)); do
-  ( DEEPINFER_TEST_SHARD=$i/$n timeout "$limit" python -m pytest -m gpu -q -p no:cacheprovider --durations=3 "${@:-tests/}" \
+  ( DEEPINFER_TEST_SHARD=$i/$n${SHARD_BY:+/$SHARD_BY} timeout "$limit" python -m pytest -m gpu -q -p no:cacheprovider --durations=3 "${@:-tests/}" \
       > "$logs/p$i.txt" 2>&1; echo "rc=$?" >> "$logs/p$i.txt" ) &
 done
 wait

@@ -40,14 +40,16 @@ def pytest_collection_modifyitems(config, items):
 def _keep_shard(config, items):
     """``DEEPINFER_TEST_SHARD=i/n`` keeps one n-th of the tests, whole test functions at a time (the
     parametrisations of one function share TileLang specialisations, which cost ~3 s of nvcc each
-    on the GPU host): ``benchmarks/gpu_parallel_tests.sh`` runs the shards side by side."""
+    on the GPU host); ``i/n/item`` shares out single tests, for a few heavy functions.
+    ``benchmarks/gpu_parallel_tests.sh`` runs the shards side by side."""
     shard = os.environ.get("DEEPINFER_TEST_SHARD")
     if not shard:
         return
-    i, n = (int(v) for v in shard.split("/"))
+    i, n, *by = shard.split("/")
     keep, drop = [], []
     for item in items:
-        (keep if zlib.crc32(item.nodeid.split("[")[0].encode()) % n == i else drop).append(item)
+        name = item.nodeid if by == ["item"] else item.nodeid.split("[")[0]
+        (keep if zlib.crc32(name.encode()) % int(n) == int(i) else drop).append(item)
     items[:] = keep
     config.hook.pytest_deselected(items=drop)
 

@@ -114,11 +114,13 @@ DEFAULT_CUDA_PRIORITY: Tuple[Backend, ...] = (Backend.TILELANG, Backend.TRITON, 
 #: which keep the exact erff/tanhf; silu ties (4363 vs 4362) and keeps TileLang for its host cost (12 µs
 #: a call against Triton's 30).
 _TRITON_FIRST = (Backend.TRITON, Backend.TILELANG, Backend.FLASHINFER, Backend.TORCH)
-#: TileLang's rope, quant and merge kernels compile for sm_90 in CI but have not run on the H200 yet
-#: (the session's device time ran out): Triton, measured there, serves them by default until they have.
+#: rotary_embedding too: Triton 85.7 µs against TileLang 87.1 at 16384 tokens (32+8 heads x 128), 1.50
+#: against 1.95 at one token (docs/benchmarks/tune/winners.md, H200, bf16). TileLang's quant and merge
+#: kernels serve by default: quant ties Triton on the device (87.0 against 94.0 µs at 16384x7168, 1.64
+#: against 1.57 at one token) at a third of its host cost (34 against 81 µs a call); merge was faster at
+#: every tuned size (25.9 against 26.7 µs at 4096x32x128, 1.59 against 1.78 at one token).
 CUDA_PRIORITY: Dict[str, Tuple[Backend, ...]] = {
-    op: _TRITON_FIRST for op in ("gelu_and_mul", "gelu_tanh_and_mul",
-                                 "rotary_embedding", "per_token_group_quant_fp8", "merge_attn_states")}
+    op: _TRITON_FIRST for op in ("gelu_and_mul", "gelu_tanh_and_mul", "rotary_embedding")}
 
 # ------------------------------------------------------------------------------------------------
 # Compiled routes: what an op becomes below Dynamo's one node when torch.compile traces it on CUDA
