@@ -258,6 +258,37 @@ NORM_SIZES = [1, 2, 3, 8, 64, 96, 100, 128, 257, 1000, 2048, 4096, 5120, 7168, 8
               20000, 65536, 131072]
 
 
+def test_self_check_compiles_tilelang_kernels_from_several_threads(monkeypatch, cuda_platform):
+    """``python -m torch_kernels`` first runs every TileLang kernel of its check from a thread pool, so
+    that their compiles overlap (nvcc is a subprocess); each (op, dtype, sample) once, errors left to
+    the check."""
+    import torch_kernels.__main__ as main
+    from torch_kernels import ops
+
+    class Usable:
+        def is_available(self, platform):
+            return True
+
+    threads, calls = set(), []
+
+    def fake_kernel(*args):
+        threads.add(threading.get_ident())
+        calls.append(args)
+        time.sleep(0.02)  # a compile's worth of waiting, so that the pool's threads overlap
+        if len(calls) % 7 == 0:
+            raise RuntimeError("a kernel that fails here is reported by the check, not by the warm-up")
+
+    with_tilelang = {"rmsnorm", "silu_and_mul"}
+    monkeypatch.setattr(registry, "BY_OP", {op: ({**per, Backend.TILELANG: Usable()} if op in with_tilelang else
+                                                 {b: k for b, k in per.items() if b is not Backend.TILELANG})
+                                            for op, per in registry.BY_OP.items()})
+    monkeypatch.setattr(main, "as_dispatched", lambda spec: fake_kernel)
+    expected = sum(len(list(ops.BY_NAME[op].samples("cpu", d))) for op in with_tilelang for d in main.CHECK_DTYPES)
+    assert main._compile_tilelang_in_parallel(cuda_platform, "cpu") == expected == len(calls) > 0
+    assert len(threads) == min(os.cpu_count() or 1, expected)
+
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_norm_layouts(dtype):
     from torch_kernels.impl.tilelang import norm
