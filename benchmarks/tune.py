@@ -69,7 +69,7 @@ def report(entries: List[dict]) -> str:
 def lookup_cost_us() -> Tuple[float, float]:
     """µs a call of the CUDA entry's function under auto (``tuning.auto_call``, over a do-nothing kernel)
     and of the same wrapper without the bucket lookup, on shapes seen before, as in a serving loop; the
-    best of 7 rounds. (The platform default's own per-call path is a wrapper too: a dtype check.)"""
+    best of 31 short rounds. (The platform default's own per-call path is a wrapper too: a dtype check.)"""
     import timeit
 
     import torch
@@ -90,9 +90,9 @@ def lookup_cost_us() -> Tuple[float, float]:
     for x in xs:
         auto(x, w, 1e-6)
     best = {auto: float("inf"), without_lookup: float("inf")}
-    for _ in range(9):  # interleaved, so that both see the same load on a shared machine
+    for _ in range(31):  # short rounds, interleaved: both see the same load on a shared machine
         for fn in best:
-            best[fn] = min(best[fn], timeit.timeit(lambda: [fn(x, w, 1e-6) for x in xs], number=2500) / 10000 * 1e6)
+            best[fn] = min(best[fn], timeit.timeit(lambda: [fn(x, w, 1e-6) for x in xs], number=500) / 2000 * 1e6)
     return best[auto], best[without_lookup]
 
 

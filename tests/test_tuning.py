@@ -178,10 +178,11 @@ def test_auto_without_a_table_serves_the_platform_default_and_says_so_once(cuda_
 def test_bucket_lookup_costs_under_half_a_microsecond():
     auto, without = tune.lookup_cost_us()
     print(f"auto: {auto:.3f} µs a call, the same wrapper without the lookup {without:.3f}: it adds {auto - without:.3f}")
-    # 0.37 µs on the CPU machine, 0.40 on the H200 host. On a loaded CI runner every Python call slows
-    # down alike (a 2-core run measured 0.80 against a bare wrapper of 0.44): there the lookup is held
-    # to 2.5 such calls instead.
-    assert auto - without < max(0.5, 2.5 * without)
+    # 0.37 µs on the CPU machine, 0.40 on the H200 host. On a loaded runner every Python call slows
+    # down alike (a 2-core CI run measured 0.80 against a bare wrapper of 0.44; runs on the CPU machine
+    # swing between 0.37 and 0.73 with the wrapper at 0.19-0.37, at most 2.3 wrappers): there the
+    # lookup is held to 3 such calls instead.
+    assert auto - without < max(0.5, 3 * without)
 
 
 def test_inventory_shows_the_auto_choices(cuda_platform, capsys):

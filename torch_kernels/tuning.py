@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import registry
-from .spec import FRAMEWORK_PACKAGE, Backend, Platform
+from .spec import Backend, Platform
 
 ENV_TUNE_DIR = "DEEPINFER_OPS_TUNE_DIR"
 SCHEMA = 1
@@ -42,7 +42,7 @@ PACKAGED_DIR = Path(__file__).resolve().parent / "tuned"
 #: fraction: below it the two are within the run-to-run spread of graph replay (about 1% on the H200),
 #: and the default keeps its lower host cost and its fallbacks.
 MIN_GAIN = 0.01
-_DISTRIBUTIONS = {"torch": "torch", "triton": "triton", "tilelang": "tilelang", "flashinfer": "flashinfer-python"}
+_DISTRIBUTIONS = {Backend.TRITON: "triton", Backend.TILELANG: "tilelang", Backend.FLASHINFER: "flashinfer-python"}
 _MEMO_LIMIT = 1 << 16  # (dtype, shape) pairs remembered per op, then forgotten all at once
 
 
@@ -64,11 +64,11 @@ def table_key(platform: Platform) -> Dict[str, object]:
     key: Dict[str, object] = {"gpu": platform.device_name,
                               "capability": ".".join(map(str, platform.compute_capability or ())),
                               "torch_kernels": __version__}
-    for backend in Backend:
-        key[backend.value] = _version(_DISTRIBUTIONS[backend.value]) if FRAMEWORK_PACKAGE.get(backend) else None
     import torch
 
     key["torch"] = torch.__version__  # the running build (a local version suffix included)
+    for backend in (Backend.TRITON, Backend.TILELANG, Backend.FLASHINFER):
+        key[backend.value] = _version(_DISTRIBUTIONS[backend])
     return key
 
 
