@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# One GPU-host session, results under OUT (8 files come back from the device tool, so the
-# benchmark results travel as one bench.tgz):
-#   bash benchmarks/gpu_session.sh tests OUT            # pytest -m gpu, then python -m torch_kernels
+# One GPU-host session, results under OUT (8 files come back from the device tool, so results travel
+# as archives):
+#   bash benchmarks/gpu_session.sh tests OUT            # the gpu tests in 15 parallel shards, then python -m torch_kernels
+#   bash benchmarks/gpu_session.sh suite OUT            # python -m torch_kernels tune, then the bench suite under auto
 #   bash benchmarks/gpu_session.sh bench OUT [names]    # benchmarks/bench_<name>.py (default: all)
 # BUDGET=<seconds> stops starting new steps once that much time has passed; TESTS="<pytest args>"
-# narrows the test run (default: tests/).
+# narrows the test run (default: tests/). On the H200 (2026-11-29): tune 127 s, the suite 114 s; the gpu tests
+# about 250 s in 15 shards (estimated from two partial sharded runs; TileLang's nvcc dominates).
 # Needs the bundles of shared/gpu/README.md (. .gpu-pkgs/setup.sh); expecttest travels in .gpu-pkgs/extra.
 set -uo pipefail
-what=${1:?tests|bench}; out=${2:?output folder}; budget=${BUDGET:-100000}
+what=${1:?tests|suite|bench}; out=${2:?output folder}; budget=${BUDGET:-100000}
 . .gpu-pkgs/setup.sh
 export PYTHONPATH=$PYTHONPATH:$(pwd)/.gpu-pkgs/extra
 left() { echo $((budget - SECONDS)); }
 if [ "$what" = tests ]; then
-  timeout "$(left)" python -m pytest -m gpu -q -p no:cacheprovider --durations=10 ${TESTS:-tests/} > "$out/pytest_gpu.txt" 2>&1
-  echo "pytest rc=$?" | tee -a "$out/pytest_gpu.txt"
-  grep -E "passed|failed|FAILED|^E  " "$out/pytest_gpu.txt" | tail -30
+  SHARD_BY=item bash benchmarks/gpu_parallel_tests.sh "$out" "$(( $(left) > 300 ? $(left) - 120 : $(left) ))" 15 ${TESTS:-tests/} \
+    | sort | uniq -c | sort -rn | head -30
   [ "$(left)" -gt 30 ] && { timeout "$(left)" python -m torch_kernels > "$out/main.txt" 2>&1; echo "main rc=$?" | tee -a "$out/main.txt"; grep -vE " ok$" "$out/main.txt" | tail -25; }
+elif [ "$what" = suite ]; then
+  export DEEPINFER_OPS_TUNE_DIR=$out/table
+  timeout "$(left)" python -m torch_kernels tune --budget $(( $(left) / 2 )) --out "$out/tune" > "$out/tune.log" 2>&1
+  echo "tune rc=$? at ${SECONDS}s"; grep -E "^\[tune\]" "$out/tune.log"
+  DEEPINFER_OPS_BACKEND=auto timeout "$(left)" python -m torch_kernels bench --budget $(( $(left) - 60 )) --out "$out/suite" > "$out/bench.log" 2>&1
+  echo "bench rc=$? at ${SECONDS}s"; grep -E "^\[bench\]" "$out/bench.log"; sed -n '/## Goals/,/^## [a-z]/p' "$out"/suite/*.md | head -45
+  rm -f "$out"/table/*.lock; tar czf "$out/results.tgz" -C "$out" suite tune && rm -rf "$out/suite" "$out/tune"
 else
   mkdir -p "$out/b"
   names=${3:-$(ls benchmarks/bench_*.py | sed 's|benchmarks/bench_||; s|\.py$||')}
