@@ -40,7 +40,7 @@ SCHEMA = 1
 PACKAGED_DIR = Path(__file__).resolve().parent / "tuned"
 #: A backend other than the platform default's wins a bucket only when it is faster by more than this
 #: fraction: below it the two are within the run-to-run spread of graph replay (about 1% on the H200),
-#: and the default keeps the bucket (with its fallbacks and its place under torch.compile).
+#: and the default keeps the bucket.
 MIN_GAIN = 0.01
 _DISTRIBUTIONS = {Backend.TRITON: "triton", Backend.TILELANG: "tilelang", Backend.FLASHINFER: "flashinfer-python"}
 _MEMO_LIMIT = 1 << 16  # (dtype, shape) pairs remembered per op, then forgotten all at once
