@@ -62,6 +62,18 @@ def pytest_runtest_call(item):
         pytest.skip(f"kernel unavailable: {e}")
 
 
+@pytest.fixture
+def triton_world(monkeypatch):
+    """The inventory filtered to the reference and Triton: TileLang and FlashInfer implement nothing.
+    Their kernels cannot run on the CPU tensors of CI, and a backend that lacks every op is what the
+    selection rules (lacking, fallback, strict) need."""
+    from torch_kernels import registry
+    from torch_kernels.spec import Backend
+
+    monkeypatch.setattr(registry, "BY_OP", {op: {b: k for b, k in per_op.items() if b in (Backend.TORCH, Backend.TRITON)}
+                                            for op, per_op in registry.BY_OP.items()})
+
+
 def implementations_on(op, device):
     """(name, callable): the registered op, then every implementation of ``op`` that runs on
     ``device`` here (Triton on CPU tensors only in its interpreter). A call an implementation refuses

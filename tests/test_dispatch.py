@@ -15,7 +15,6 @@ import threading
 import pytest
 import torch
 
-import torch_kernels
 from torch_kernels import dispatch, registry, spec
 from torch_kernels.dispatch import KernelUnavailableError, Selection
 from torch_kernels.spec import Backend, KernelSpec, Platform
@@ -33,14 +32,11 @@ DEV = "cuda" if HAS_CUDA else "cpu"
 # The rules are tested in a world of two backends, Triton and the reference, where TileLang and
 # FlashInfer implement nothing: their kernels cannot run on the CPU tensors of CI, and a backend that
 # lacks every op is what the lacking/fallback/strict rules need. In-process, the inventory is filtered
-# (`_triton_world`); in subprocesses, the two packages are hidden, so that they cannot run here.
+# (the `triton_world` fixture, tests/conftest.py); in subprocesses, the two packages are hidden, so that they cannot run here.
 _HIDE_OTHER_BACKENDS = "import sys; sys.modules['tilelang'] = sys.modules['flashinfer'] = None\n"
 
 
-@pytest.fixture(autouse=True)
-def _triton_world(monkeypatch):
-    monkeypatch.setattr(registry, "BY_OP", {op: {b: k for b, k in per_op.items() if b in (Backend.TORCH, Backend.TRITON)}
-                                            for op, per_op in registry.BY_OP.items()})
+pytestmark = pytest.mark.usefixtures("triton_world")
 
 
 def _args():

@@ -294,7 +294,7 @@ def test_norm_layouts(dtype):
     from torch_kernels.impl.tilelang import norm
     for n in NORM_SIZES:
         vec, tr, bm, width = norm._layout(n, dtype)
-        assert vec * norm._BYTES[dtype] <= 16 and n % vec == 0 and vec & (vec - 1) == 0, n
+        assert vec * _jit.ELEMENT_BYTES[dtype] <= 16 and n % vec == 0 and vec & (vec - 1) == 0, n
         assert tr & (tr - 1) == 0 and tr * bm <= norm._MAX_THREADS, n  # the row sum is one butterfly
         assert width % (tr * vec) == 0, n  # whole stripes of vectors
         per_thread = width // tr
@@ -316,7 +316,7 @@ def test_activation_tiles():
         assert bn >= min(d, activation._TILE) and (bm == 1 or bn < max(2 * d, 2 * activation._PER_THREAD)), d
         for dtype in ("float16", "bfloat16", "float32"):
             vec = activation._vec(d, dtype)
-            assert d % vec == 0 and vec * activation._BYTES[dtype] <= 16 and activation._PER_THREAD % vec == 0
+            assert d % vec == 0 and vec * _jit.ELEMENT_BYTES[dtype] <= 16 and activation._PER_THREAD % vec == 0
 
 
 def test_ci_kernels_cover_every_variant():

@@ -55,7 +55,7 @@ def test_rope_layouts():
             for dtype in ("float16", "bfloat16", "float32"):
                 for neox in (True, False):
                     vec = rope._vec(rot_dim, neox, dtype)
-                    assert vec * (1 if neox else 2) * rope._BYTES[dtype] <= 16 and rot_dim // 2 % vec == 0
+                    assert vec * (1 if neox else 2) * _jit.ELEMENT_BYTES[dtype] <= 16 and rot_dim // 2 % vec == 0
                     lanes, par, iters, tokens = rope._layout(heads, rot_dim, vec)
                     assert lanes * vec == rot_dim // 2
                     assert par * iters >= heads > par * (iters - 1), "every round but the last is full"
@@ -69,13 +69,13 @@ def test_quant_and_merge_layouts():
         e = quant._per_thread(group)
         assert group % e == 0 and group // e <= 32, "a group's lanes share a warp (shuffles)"
         for dtype in ("float16", "bfloat16", "float32"):
-            assert e % quant._vec(group, dtype) == 0 and quant._vec(group, dtype) * quant._BYTES[dtype] <= 16
+            assert e % quant._vec(group, dtype) == 0 and quant._vec(group, dtype) * _jit.ELEMENT_BYTES[dtype] <= 16
     assert quant._per_thread(128) == 16 and quant._vec(128, "bfloat16") == 8  # 2 loads, 1 fp8 store of 16 B
     for d in (1, 3, 40, 64, 80, 96, 128, 512, 1500):
         e = attention._per_thread(d)
         assert d % e == 0 and e & (e - 1) == 0 and e <= attention._PER_THREAD
         for dtype in ("float16", "bfloat16", "float32"):
-            assert e % attention._vec(d, dtype) == 0 and attention._vec(d, dtype) * attention._BYTES[dtype] <= 16
+            assert e % attention._vec(d, dtype) == 0 and attention._vec(d, dtype) * _jit.ELEMENT_BYTES[dtype] <= 16
 
 
 def test_ci_kernels_cover_the_variants():
@@ -90,7 +90,7 @@ def test_ci_kernels_cover_the_variants():
     assert any(k[0] > 32 * quant._PER_THREAD for k in keys) and BENCH_KEYS[quant] in keys
     keys = [k for _, _, k in attention.ci_kernels()]
     assert {k[2] for k in keys} == {"float16", "bfloat16", "float32"} and {k[3] for k in keys} == {True, False}
-    assert any(attention._vec(k[1], k[2]) * attention._BYTES[k[2]] < 16 for k in keys)
+    assert any(attention._vec(k[1], k[2]) * _jit.ELEMENT_BYTES[k[2]] < 16 for k in keys)
     assert BENCH_KEYS[attention] in keys
 
 
@@ -131,15 +131,20 @@ def _offset(shape, dtype, elements=1):
     return torch.randn(torch.Size(shape).numel() + elements, dtype=dtype)[elements:].view(shape)
 
 
+def _rope_matches_reference(args, what: str = "") -> None:
+    """Run the TileLang rope on ``args`` in place and compare query and key with the reference's."""
+    want = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    rope_ref.rotary_embedding(*want)
+    assert rope.rotary_embedding(*args) is None
+    assert_close(args[1], want[1], msg=f"{what}query")
+    assert_close(args[2], want[2], msg=f"{what}key")
+
+
 def test_rope_keys(monkeypatch):
     keys = _stand_in(monkeypatch, rope, _rope_stand_in)
     for tokens in (1, 7, 300, 4096):
         args = rope_op.make_args(tokens, 4, 2, 64, 64, True, "qkv", "cpu", torch.bfloat16, max_position=64)
-        want = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        rope_ref.rotary_embedding(*want)
-        rope.rotary_embedding(*args)
-        assert_close(args[1], want[1])
-        assert_close(args[2], want[2])
+        _rope_matches_reference(args)
     assert keys == [(4, 2, 64, 64, True, "bfloat16", "float32", "int64", 2, True)] * 4
     cache = rope_op.make_cos_sin_cache(16, 64)
     pos = torch.tensor([3])
@@ -458,11 +463,7 @@ def test_rope_generated_code_on_cpu(key, cases, monkeypatch, emulated):
                           layout)
         base = args[1]._base
         before = None if base is None else base.clone()
-        want = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        rope_ref.rotary_embedding(*want)
-        assert rope.rotary_embedding(*args) is None
-        assert_close(args[1], want[1], msg=f"{tokens} {layout}: query")
-        assert_close(args[2], want[2], msg=f"{tokens} {layout}: key")
+        _rope_matches_reference(args, f"{tokens} {layout}: ")
         if base is not None:  # the rest of the fused tensor is untouched
             expected = before.clone()
             for x in args[1:3]:
@@ -574,11 +575,7 @@ def test_one_compiled_kernel_serves_every_batch_size(tmp_path):
     sizes = []
     for tokens in (1, 7, 300, 4096):
         args = rope_op.make_args(tokens, 32, 8, 128, 128, True, "qkv", "cuda", torch.bfloat16, max_position=8192)
-        want = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        rope_ref.rotary_embedding(*want)
-        rope.rotary_embedding(*args)
-        assert_close(args[1], want[1])
-        assert_close(args[2], want[2])
+        _rope_matches_reference(args)
         x = torch.randn(tokens, 7168, device="cuda", dtype=torch.bfloat16)
         compare_quant(list(quant.per_token_group_quant_fp8(x, 128, 1e-10, True, False)),
                       list(quant_ref.per_token_group_quant_fp8(x, 128, 1e-10, True, False)))

@@ -10,12 +10,10 @@ import multiprocessing
 import os
 import subprocess
 import sys
-import timeit
 
 import pytest
 import torch
 
-import torch_kernels
 from torch_kernels import dispatch, registry, tuning
 from torch_kernels.dispatch import Selection
 from torch_kernels.spec import Backend
@@ -27,9 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
-def _triton_world(monkeypatch, tmp_path):
-    monkeypatch.setattr(registry, "BY_OP", {op: {b: k for b, k in per_op.items() if b in (Backend.TORCH, Backend.TRITON)}
-                                            for op, per_op in registry.BY_OP.items()})
+def _triton_world(triton_world, monkeypatch, tmp_path):
     monkeypatch.setenv(tuning.ENV_TUNE_DIR, str(tmp_path / "tune"))
     yield
     dispatch.configure(Selection())

@@ -32,6 +32,7 @@ import torch
 from flashinfer.utils import device_support_pdl
 from torch import Tensor
 
+from .._rows import rows_view
 from . import _module
 
 _MAX_VEC = 8  # elements per 16-byte load of fp16/bf16: the kernels use gcd(8, N)
@@ -41,16 +42,6 @@ _UINT32 = 2**32  # row offsets are uint32 products row * stride
 
 def _kernels():
     return _module.jit_module("norm", fi_norm.gen_norm_module, fi_norm.get_norm_module)
-
-
-def _rows_view(t: Tensor) -> Optional[Tensor]:
-    """``(..., N)`` as a ``(T, N)`` view of the same memory, or ``None`` when there is none."""
-    if t.dim() == 2:
-        return t
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return None
 
 
 def _refuses(input: Tensor, weight: Tensor, residual: Optional[Tensor] = None) -> Optional[str]:
@@ -64,7 +55,7 @@ def _refuses(input: Tensor, weight: Tensor, residual: Optional[Tensor] = None) -
     for name, t in (("input", input), ("residual", residual)):
         if t is None:
             continue
-        rows = _rows_view(t)
+        rows = rows_view(t)
         if rows is None:
             return f"the leading dims of {name} do not collapse into one row stride"
         if rows.data_ptr() % align or (rows.shape[0] > 1 and rows.stride(0) % vec):
@@ -82,7 +73,7 @@ def _refuses(input: Tensor, weight: Tensor, residual: Optional[Tensor] = None) -
 
 def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
     out = torch.empty(input.shape, dtype=input.dtype, device=input.device)
-    rows = _rows_view(input)
+    rows = rows_view(input)
     if rows.shape[0]:  # a grid of 0 blocks is a launch error
         kernels = _kernels()
         (kernels.gemma_rmsnorm if gemma else kernels.rmsnorm)(
@@ -91,7 +82,7 @@ def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
 
 
 def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool) -> None:
-    x, res = _rows_view(input), _rows_view(residual)
+    x, res = rows_view(input), rows_view(residual)
     if x.shape[0]:
         kernels = _kernels()
         (kernels.gemma_fused_add_rmsnorm if gemma else kernels.fused_add_rmsnorm)(

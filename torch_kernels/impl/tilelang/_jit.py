@@ -42,6 +42,9 @@ SM90 = {"kind": "cuda", "arch": "sm_90"}
 #: for the current stream and calls through ctypes on every launch; 'nvrtc' launches from Python.
 EXECUTION_BACKEND = "tvm_ffi"
 
+#: Bytes per element of the data dtypes the kernels take.
+ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
 _kernels: Dict[Tuple[str, tuple], Any] = {}
 _key_locks: Dict[Tuple[str, tuple], threading.Lock] = {}
 _lock = threading.Lock()
@@ -53,6 +56,34 @@ def target() -> Any:
     if not text:
         return "cuda"
     return json.loads(text) if text.startswith("{") else text
+
+
+def lanes(dtype: str) -> int:
+    """Elements of ``dtype`` in one 16-byte access, the widest a thread makes."""
+    return 16 // ELEMENT_BYTES[dtype]
+
+
+def vector_width(n: int, dtype: str) -> int:
+    """Elements per vector access along rows of ``n``: 16 bytes of ``dtype``, down to the largest power
+    of two dividing ``n`` (so that every row starts on a vector boundary)."""
+    return min(lanes(dtype), n & -n)
+
+
+def in_bounds(num_tokens: Any, block_rows: int, n: int, tile: int) -> Callable[[Any, Any], Any]:
+    """``live(row, col)``: whether a vector at (row, col) lies inside a ``(num_tokens, n)`` tensor that
+    blocks of ``block_rows`` rows and tiles of ``tile`` columns cover (``n`` a multiple of the vector
+    width, so a vector is wholly in or out); a Python True where the tiling proves it, so that the
+    generated code carries no test there."""
+    import tilelang.language as T
+
+    def live(row: Any, col: Any) -> Any:
+        ok = True
+        if block_rows > 1:
+            ok = row < num_tokens
+        if n % tile:
+            ok = col < n if ok is True else T.And(ok, col < n)
+        return ok
+    return live
 
 
 def compiled(name: str, build: Callable[..., Any], *key: Any) -> Any:

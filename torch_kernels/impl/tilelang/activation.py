@@ -26,7 +26,6 @@ from . import _jit
 
 _NAME = "act_and_mul"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # Outputs a block writes, over 4 warps: 8 a thread, one 16-byte vector of the gate, the up half and
 # the output in bf16/fp16. The Triton kernel's tile (triton/activation.py), which ran 8192 x 2*14336
 # bf16 at 4363 GB/s on the H200.
@@ -36,10 +35,7 @@ _PER_THREAD = _TILE // _THREADS
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
-def _vec(d: int, dtype: str) -> int:
-    """Elements per vector access: 16 bytes of ``dtype``, down to the largest power of two dividing ``d``
-    (the up half starts ``d`` elements after the gate)."""
-    return min(16 // _BYTES[dtype], d & -d)
+_vec = _jit.vector_width  # over d: the up half starts d elements after the gate
 
 
 def _tile(d: int):
@@ -69,15 +65,7 @@ def _build(d: int, dtype: str, act: str):
     num_tokens = T.dynamic("num_tokens")
     x_stride = T.dynamic("x_row_stride", "int64")
 
-    def live(row, col):
-        """Whether the vector at (row, col) is inside the output (``VEC`` divides ``d``, so a vector is
-        wholly in or out): a Python True where the tiling proves it."""
-        ok = True
-        if BM > 1:
-            ok = row < num_tokens
-        if d % BN:
-            ok = col < d if ok is True else T.And(ok, col < d)
-        return ok
+    live = _jit.in_bounds(num_tokens, BM, d, BN)  # of the output
 
     @T.prim_func
     def act_and_mul(

@@ -27,7 +27,6 @@ from . import _jit
 
 _NAME = "merge_attn_states"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # Values a thread merges (at most): 16 puts two 16-byte vectors of each bf16 partial in flight.
 _PER_THREAD = 16
 _THREADS = 256
@@ -43,7 +42,7 @@ def _per_thread(head_size: int) -> int:
 
 def _vec(head_size: int, dtype: str) -> int:
     """Values per access: 16 bytes, or what the head size allows."""
-    return min(_per_thread(head_size), 16 // _BYTES[dtype])
+    return min(_per_thread(head_size), _jit.lanes(dtype))
 
 
 def _build(num_heads: int, head_size: int, dtype: str, aligned: bool):

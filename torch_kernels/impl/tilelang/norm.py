@@ -19,17 +19,17 @@ the vector, are rare: the launcher then runs the kernel on aligned copies, with 
 """
 
 import math
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Tuple
 
 import tilelang.language as T
 import torch
 from torch import Tensor
 
+from .._rows import rows_view
 from . import _jit
 
 _NAME = "rmsnorm"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
-_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # Elements a thread holds. The Triton sweep on the H200 (triton/norm.py `_num_warps`, bf16) peaked
 # at 16 a thread: 8192 over 16 warps .974 of the copy ceiling, 4096 over 8 warps .874, 5120 over 8
 # warps .899 (20 a thread).
@@ -45,9 +45,7 @@ _ONE_PASS_MAX = 16384
 _CHUNK_THREADS = 512
 
 
-def _vec(n: int, dtype: str) -> int:
-    """Elements per vector access: 16 bytes of ``dtype``, down to the largest power of two dividing ``n``."""
-    return min(16 // _BYTES[dtype], n & -n)
+_vec = _jit.vector_width
 
 
 def _layout(n: int, dtype: str) -> Tuple[int, int, int, int]:
@@ -68,14 +66,7 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool):
     num_tokens = T.dynamic("num_tokens")
     x_stride, r_stride = T.dynamic("x_row_stride, r_row_stride", "int64")
 
-    def live(row, col):
-        """Whether (row, col) is inside the tensor: a Python True where the layout proves it."""
-        ok = True
-        if BM > 1:
-            ok = row < num_tokens
-        if n % WIDTH:
-            ok = col < n if ok is True else T.And(ok, col < n)
-        return ok
+    live = _jit.in_bounds(num_tokens, BM, n, WIDTH)
 
     def load(X, R, row, col):
         """``x`` (plus ``residual`` when fused) at (row, col) in fp32; 0 outside the tensor."""
@@ -182,16 +173,6 @@ def _aligned_copy(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _rows_view(t: Tensor) -> Optional[Tensor]:
-    """``(..., N)`` as a ``(T, N)`` view of the same memory, or ``None`` when there is none."""
-    if t.dim() == 2:
-        return t
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return None
-
-
 def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
     n = input.shape[-1]
     x = input if input.dim() == 2 else input.reshape(-1, n)
@@ -209,7 +190,7 @@ def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemm
     if input.numel() == 0:
         return
     fn, vec = _function(n, input.dtype, weight.dtype, True, gemma)
-    x, res = _rows_view(input), _rows_view(residual)
+    x, res = rows_view(input), rows_view(residual)
     if (x is None or res is None or (x.data_ptr() | res.data_ptr() | weight.data_ptr()) & 15
             or x.stride(0) % vec or res.stride(0) % vec):
         # Leading dims that do not collapse, or misaligned rows (rare): run on aligned copies, write back.

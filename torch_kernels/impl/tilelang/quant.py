@@ -38,7 +38,6 @@ from . import _jit
 
 _NAME = "per_token_group_quant_fp8"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # Values a thread quantises: 16 makes the fp8 store one 16-byte vector and puts 32 bytes of bf16 (64
 # of fp32) in flight per thread; group 128 then takes 8 lanes. Wider groups than 32 x 16 take
 # group_size / 32 a thread, so that a group's lanes stay in one warp (the shuffles).
@@ -56,7 +55,7 @@ def _per_thread(group_size: int) -> int:
 
 def _vec(group_size: int, dtype: str) -> int:
     """Values per access of the input: 16 bytes, or one group when it is smaller."""
-    return min(_per_thread(group_size), 16 // _BYTES[dtype])
+    return min(_per_thread(group_size), _jit.lanes(dtype))
 
 
 def _build(group_size: int, dtype: str, ue8m0: bool, exact_div: bool, aligned: bool):

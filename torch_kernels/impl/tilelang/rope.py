@@ -28,7 +28,6 @@ from . import _jit
 _NAME = "rotary_embedding"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _POSITION_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
-_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # (thread, head) tasks a block aims at: 128 threads. The benchmark shape (32+8 heads x 128 bf16
 # neox: 8 lanes a head) then runs 112-thread blocks of one token, each thread rotating 3 heads with
 # 96 bytes of q/k in flight.
@@ -38,7 +37,7 @@ _BLOCK_THREADS = 128
 def _vec(rot_dim: int, is_neox: bool, dtype: str) -> int:
     """Pairs per thread: one 16-byte access per half-row (neox) or per pair row (GPT-J, two values a
     pair), down to what divides ``rot_dim/2``."""
-    widest = 16 // _BYTES[dtype] // (1 if is_neox else 2)
+    widest = _jit.lanes(dtype) // (1 if is_neox else 2)
     half = rot_dim // 2
     return min(widest, half & -half)
 

@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .._rows import rows
+
 # Output elements per program. 1024 over 4 warps is 8 elements a thread: one 16-byte load of the gate
 # and one of the up half in bf16/fp16 (two in fp32). Not measured yet: modelled on Inductor's usual
 # large-pointwise configuration (1024 elements, 4 warps), and torch.compile of the reference ran this
@@ -143,15 +145,10 @@ def _launch_one(x, out, n_rows, n_cols, up_offset, act, block_m, block_n, num_wa
     )
 
 
-def _rows(t: Tensor) -> Tensor:
-    """``(..., N)`` as ``(T, N)`` rows: a view when the leading dims collapse, else a copy."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
 def act_and_mul(input: Tensor, act: str, wrap=None) -> Tensor:
     d = int(input.shape[-1]) // 2
     out = torch.empty((*input.shape[:-1], d), dtype=input.dtype, device=input.device)
-    launch(_rows(input), out.view(-1, d), act, *tile(d), wrap=wrap)
+    launch(rows(input), out.view(-1, d), act, *tile(d), wrap=wrap)
     return out
 
 

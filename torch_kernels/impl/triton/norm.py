@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .._rows import rows, rows_view
+
 # 16384 fp32 values per row over 8 warps is 64 registers a thread: no spills. Wider rows (up to the
 # 65536+ the op allows) loop over 4096-element chunks and re-read the row, which then comes from L2.
 _ONE_PASS_MAX = 16384
@@ -102,29 +104,14 @@ def _num_warps(n: int) -> int:
     return 1 << min(max(round(math.log2(max(n, 1) / 512)), 0), 4)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """``(..., N)`` as ``(T, N)`` rows: a view when the leading dims collapse, else a copy."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
-def _rows_view(t: Tensor):
-    """``(..., N)`` as a ``(T, N)`` view of the same memory, or ``None`` when there is none."""
-    if t.dim() == 2:
-        return t
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return None
-
-
 def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool, wrap) -> Tensor:
     out = torch.empty(input.shape, dtype=input.dtype, device=input.device)
-    _launch(_rows(input), None, _rows(out), weight, eps, gemma, wrap)
+    _launch(rows(input), None, rows(out), weight, eps, gemma, wrap)
     return out
 
 
 def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool, wrap) -> None:
-    x, res = _rows_view(input), _rows_view(residual)
+    x, res = rows_view(input), rows_view(residual)
     if x is None or res is None:  # leading dims that do not collapse: work on copies, write back
         x, res = input.reshape(-1, input.shape[-1]).clone(), residual.reshape(-1, residual.shape[-1]).clone()
         _launch(x, res, x, weight, eps, gemma, wrap)
