@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh suite OUT            # python -m torch_kernels tune, then the bench suite under auto
 #   bash benchmarks/gpu_session.sh bench OUT [names]    # benchmarks/bench_<name>.py (default: all)
 # BUDGET=<seconds> stops starting new steps once that much time has passed; TESTS="<pytest args>"
-# narrows the test run (default: tests/). On the H200 (2026-11-29): tune 127 s, the suite 114 s; the gpu tests
+# narrows the test run (default: tests/), SHARDS=<n> sets its processes (default 15, for 16 cores). On the H200 (2026-11-29): tune 127 s, the suite 114 s; the gpu tests
 # about 250 s in 15 shards (estimated from two partial sharded runs; TileLang's nvcc dominates).
 # Needs the bundles of shared/gpu/README.md (. .gpu-pkgs/setup.sh); expecttest travels in .gpu-pkgs/extra.
 set -uo pipefail
@@ -14,7 +14,7 @@ what=${1:?tests|suite|bench}; out=${2:?output folder}; budget=${BUDGET:-100000}
 export PYTHONPATH=$PYTHONPATH:$(pwd)/.gpu-pkgs/extra
 left() { echo $((budget - SECONDS)); }
 if [ "$what" = tests ]; then
-  SHARD_BY=item bash benchmarks/gpu_parallel_tests.sh "$out" "$(( $(left) > 300 ? $(left) - 120 : $(left) ))" 15 ${TESTS:-tests/} \
+  SHARD_BY=item bash benchmarks/gpu_parallel_tests.sh "$out" "$(( $(left) > 300 ? $(left) - 120 : $(left) ))" ${SHARDS:-15} ${TESTS:-tests/} \
     | sort | uniq -c | sort -rn | head -30
   [ "$(left)" -gt 30 ] && { timeout "$(left)" python -m torch_kernels > "$out/main.txt" 2>&1; echo "main rc=$?" | tee -a "$out/main.txt"; grep -vE " ok$" "$out/main.txt" | tail -25; }
 elif [ "$what" = suite ]; then

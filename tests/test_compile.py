@@ -147,17 +147,18 @@ def test_forced_routes_are_part_of_the_compile_cache_key():
 def test_inventory_shows_each_compiled_route(cuda_platform):
     from torch_kernels.__main__ import _inventory
 
-    torch_kernels.configure(compile_route="rmsnorm=opaque")
+    torch_kernels.configure(compile_route="rmsnorm=opaque,topk_softmax=inductor_triton")
     header, *rows = _inventory(cuda_platform)
     routes = {r[0]: r[-1] for r in rows}
     assert header[-1] == "compiled route" and set(routes) == set(registry.OPS)
     assert routes["rmsnorm"] == "opaque (forced)"
     assert routes["silu_and_mul"] == registry.COMPILE_ROUTE["silu_and_mul"]
-    assert routes["topk_softmax"] == INDUCTOR_TRITON
+    assert routes["grouped_topk"] == registry.COMPILE_ROUTE["grouped_topk"]
+    assert routes["topk_softmax"] == "inductor_triton (forced)"
     torch_kernels.configure(backend="torch")
     routes = {r[0]: r[-1] for r in _inventory(cuda_platform)[1:]}
     assert routes["topk_softmax"].startswith(
-        "inductor_triton -> opaque  [op 'topk_softmax' compiled as 'opaque', not 'inductor_triton': "
+        "inductor_triton (forced) -> opaque  [op 'topk_softmax' compiled as 'opaque', not 'inductor_triton': "
         "the CUDA key selects 'torch'")
 
 

@@ -15,6 +15,7 @@ against the reference. The numerics over dtypes and awkward shapes are also cove
 
 import concurrent.futures
 import importlib
+import itertools
 import importlib.util
 import json
 import os
@@ -292,8 +293,8 @@ def test_self_check_compiles_tilelang_kernels_from_several_threads(monkeypatch, 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_norm_layouts(dtype):
     from torch_kernels.impl.tilelang import norm
-    for n in NORM_SIZES:
-        vec, tr, bm, width = norm._layout(n, dtype)
+    for n, fused in itertools.product(NORM_SIZES, (False, True)):
+        vec, tr, bm, width = norm._layout(n, dtype, fused)
         assert vec * _jit.ELEMENT_BYTES[dtype] <= 16 and n % vec == 0 and vec & (vec - 1) == 0, n
         assert tr & (tr - 1) == 0 and tr * bm <= norm._MAX_THREADS, n  # the row sum is one butterfly
         assert width % (tr * vec) == 0, n  # whole stripes of vectors
@@ -301,11 +302,13 @@ def test_norm_layouts(dtype):
         if n <= norm._ONE_PASS_MAX:
             assert width >= n and width - n < tr * vec, n  # one pass, less than a stripe of padding
             assert bm == 1 or tr * bm == norm._BLOCK_THREADS, n
-            assert per_thread <= 2 * norm._ELEMENTS_PER_THREAD, n
+            assert per_thread <= 2 * norm._elements_per_thread(n, fused), n
         else:
             assert bm == 1 and per_thread == norm._ELEMENTS_PER_THREAD, n
-    # the benchmark row: 512 threads, two 16-byte vectors each
-    assert norm._layout(8192, "bfloat16") == (8, 512, 1, 8192)
+    # the benchmark rows: 256 threads, four 16-byte vectors each; fused, 512 threads with two
+    assert norm._layout(8192, "bfloat16") == (8, 256, 1, 8192)
+    assert norm._layout(8192, "bfloat16", fused=True) == (8, 512, 1, 8192)
+    assert norm._layout(4096, "bfloat16", fused=True) == (8, 128, 1, 4096)
 
 
 def test_activation_tiles():
@@ -325,7 +328,7 @@ def test_ci_kernels_cover_every_variant():
     assert {k[1] for k in keys} == {"float16", "bfloat16", "float32"}
     assert {(k[3], k[4]) for k in keys} == {(f, g) for f in (False, True) for g in (False, True)}
     assert any(k[1] != k[2] for k in keys)  # a weight dtype other than the input's
-    layouts = {norm._layout(k[0], k[1])[1:3] for k in keys}
+    layouts = {norm._layout(k[0], k[1], k[3])[1:3] for k in keys}
     assert any(bm > 1 for _, bm in layouts) and any(k[0] > norm._ONE_PASS_MAX for k in keys)
     assert any(norm._vec(k[0], k[1]) == 1 for k in keys)
     keys = [key for _, _, key in activation.ci_kernels()]

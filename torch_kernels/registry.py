@@ -161,9 +161,13 @@ COMPILE_ROUTE: Dict[str, str] = {
     # the op alone 12.4 against 12.3 (bench_compile.py, H200, 2026-11-29); plain torch compiled: 25.9
     # and 25.2 (the decomposition is closed to it: NO_COMPILE_ROUTE)
     "per_token_group_quant_fp8": OPAQUE,
-    # compile 112 µs against ours 14 (8192 tokens x 256 experts, top-8); grouped 485 against 23
-    "topk_softmax": INDUCTOR_TRITON,
-    "grouped_topk": INDUCTOR_TRITON,
+    # compile 112 µs against ours 14 (8192 tokens x 256 experts, top-8); grouped 485 against 23.
+    # Opaque over Inductor launching our kernel, 4096 tokens (bench_compile.py, H200, 2026-11-29):
+    # x*2 -> topk_softmax -> +1 13.3 µs against 14.4, alone 8.6 both; grouped 20.1 against 20.4,
+    # alone 15.5 against 15.4; plain torch compiled 53.7 and 231.8. Opaque also keeps `auto`'s
+    # per-call choice under torch.compile.
+    "topk_softmax": OPAQUE,
+    "grouped_topk": OPAQUE,
     # compile 4045 GB/s, 0.95 of copy (8192x32x128, shared/gpu/README.md): as good as a kernel gets
     "merge_attn_states": DECOMPOSE,
     # no decomposition worth it (sort-based; Inductor failed on the reference's int64 cumsum)

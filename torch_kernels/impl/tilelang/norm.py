@@ -8,7 +8,7 @@ dtype. One kernel per (N, dtype, weight dtype, fused, gemma); the token count is
 (``T.dynamic``), so a batch-size change never compiles again.
 
 Each row is spread over ``TR`` threads (a power of two, so the sum of squares is one butterfly
-all-reduce), about :data:`_ELEMENTS_PER_THREAD` elements each in 16-byte vectors; short rows share a
+all-reduce), about :func:`_elements_per_thread` elements each in 16-byte vectors; short rows share a
 block of :data:`_BLOCK_THREADS` threads. The row is padded to ``TR * VEC * k`` columns and the tail is
 masked, so odd hidden sizes take the same path with narrower vectors. Rows of up to
 :data:`_ONE_PASS_MAX` elements are read once and kept in registers; wider ones are summed in a first
@@ -34,6 +34,12 @@ _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: 
 # at 16 a thread: 8192 over 16 warps .974 of the copy ceiling, 4096 over 8 warps .874, 5120 over 8
 # warps .899 (20 a thread).
 _ELEMENTS_PER_THREAD = 16
+# Rows that measured faster at 32 a thread (half the threads, four vectors in flight each):
+# benchmarks/sweep_tilelang.py on the H200 (2026-11-29, bf16, GB/s against 16 a thread): rmsnorm
+# 16384x8192 4058 vs 3958 (Triton 4058); fused_add_rmsnorm 4096x4096 3798 vs 3672, 8192x4096 3916 vs
+# 3845 (Triton 3730, 3893). Not elsewhere: rmsnorm 8192x4096 3776 vs 3858, fused 16384x8192 3983 vs
+# 4021, and 7168 (not a power of two) pads its row to 8192 at 256 threads (fused 3855 vs 4045).
+_THIRTY_TWO_A_THREAD = {(8192, False), (4096, True)}  # (hidden size, fused)
 _MAX_THREADS = 1024
 # Short rows (TR < 128 threads) share a block of 128 threads, several rows to it.
 _BLOCK_THREADS = 128
@@ -48,19 +54,23 @@ _CHUNK_THREADS = 512
 _vec = _jit.vector_width
 
 
-def _layout(n: int, dtype: str) -> Tuple[int, int, int, int]:
+def _elements_per_thread(n: int, fused: bool) -> int:
+    return 32 if (n, fused) in _THIRTY_TWO_A_THREAD else _ELEMENTS_PER_THREAD
+
+
+def _layout(n: int, dtype: str, fused: bool = False) -> Tuple[int, int, int, int]:
     """``(VEC, TR, BM, WIDTH)``: vector width, threads per row (a power of two), rows per block, and
     columns a pass covers (the padded row, or a chunk of it when the row is wider than one pass)."""
     vec = _vec(n, dtype)
     if n > _ONE_PASS_MAX:
         return vec, _CHUNK_THREADS, 1, _CHUNK_THREADS * _ELEMENTS_PER_THREAD
-    tr = 1 << min(max(round(math.log2(n / _ELEMENTS_PER_THREAD)), 0), _MAX_THREADS.bit_length() - 1)
+    tr = 1 << min(max(round(math.log2(n / _elements_per_thread(n, fused))), 0), _MAX_THREADS.bit_length() - 1)
     step = tr * vec
     return vec, tr, max(1, _BLOCK_THREADS // tr), -(-n // step) * step
 
 
 def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool):
-    VEC, TR, BM, WIDTH = _layout(n, dtype)
+    VEC, TR, BM, WIDTH = _layout(n, dtype, fused)
     PASSES = -(-n // WIDTH)
     f32 = "float32"
     num_tokens = T.dynamic("num_tokens")
