@@ -1,7 +1,8 @@
-"""Launch-parameter sweeps of the TileLang norm and merge kernels on the GPU host, beside the Triton
-backend and FlashInfer's API in the same run: where the constants of ``impl/tilelang/norm.py``
-(``_ELEMENTS_PER_THREAD``, ``_THIRTY_TWO_A_THREAD``, ``_BLOCK_THREADS``) and ``impl/tilelang/attention.py`` (``_PER_THREAD``,
-``_THREADS``) come from.
+"""Launch-parameter sweeps of TileLang kernels on the GPU host, beside the Triton backend and
+FlashInfer's API in the same run: where the constants of ``impl/tilelang/norm.py``
+(``_ELEMENTS_PER_THREAD``, ``_THIRTY_TWO_A_THREAD``, ``_BLOCK_THREADS``), ``impl/tilelang/attention.py``
+(``_PER_THREAD``, ``_THREADS``) and ``impl/tilelang/rope.py`` (``_BLOCK_THREADS``) come from, and the
+GELUs of ``impl/tilelang/activation.py`` against the Triton backend's.
 
     . .gpu-pkgs/setup.sh && python benchmarks/sweep_tilelang.py --out sweep.json
 
@@ -15,20 +16,33 @@ import concurrent.futures
 import itertools
 import os
 import sys
+import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import cases, harness  # noqa: E402
-from torch_kernels.impl.tilelang import _jit, attention as tl_merge, norm as tl_norm  # noqa: E402
-from torch_kernels.impl.torch import attention as ref_merge, norm as ref_norm  # noqa: E402
-from torch_kernels.impl.triton import attention as tr_merge, norm as tr_norm  # noqa: E402
+from torch_kernels.impl.tilelang import _jit, activation as tl_act, attention as tl_merge, norm as tl_norm  # noqa: E402
+from torch_kernels.impl.tilelang import rope as tl_rope  # noqa: E402
+from torch_kernels.impl.torch import activation as ref_act, attention as ref_merge, norm as ref_norm  # noqa: E402
+from torch_kernels.impl.torch import rope as ref_rope  # noqa: E402
+from torch_kernels.impl.triton import activation as tr_act, attention as tr_merge, norm as tr_norm  # noqa: E402
+from torch_kernels.impl.triton import rope as tr_rope  # noqa: E402
 
 NORM_SHAPES = ((16384, 8192), (16384, 7168), (4096, 4096), (8192, 4096))
 NORM_VARIANTS = tuple(itertools.product((8, 16, 32), (128, 512, 1024)))  # (elements a thread, block threads)
 MERGE_TOKENS = (4096, 8192, 16384)
 MERGE_VARIANTS = tuple(itertools.product((4, 8, 16), (128, 256, 512)))  # (values a thread, block threads)
+ROPE_TOKENS = (4096, 16384)
+ROPE_VARIANTS = (64, 128, 256, 512)  # block threads
+ACT_SHAPES = ((16384, 8192), (4096, 4096), (8192, 14336))  # (tokens, d)
+
+
+def _row(op: str, shape: str, label: str, nbytes: int, us: float, ceiling: float) -> dict:
+    row = {"op": op, "shape": shape, "impl": label, "us": us, "GB/s": nbytes / us / 1e3, "of copy": nbytes / us / 1e3 / ceiling}
+    print(row, flush=True)
+    return row
 
 
 def _patched(module, values: dict, build, *key):
@@ -142,18 +156,67 @@ def merge_rows(ceiling: float) -> list:
     return rows
 
 
+def rope_rows(ceiling: float) -> list:
+    key = (32, 8, 128, 128, True, "bfloat16", "float32", "int64", 2, True)  # cases' rope shape, aligned
+    prims = {bt: _patched(tl_rope, {"_BLOCK_THREADS": bt}, tl_rope._build, *key) for bt in ROPE_VARIANTS}
+    fns = _compile_all(prims)
+    rows = []
+    for tokens in ROPE_TOKENS:
+        args = cases.build("rotary_embedding", tokens, None, cases.PROFILES["gpu"], "cuda", torch.bfloat16)
+        positions, q, k, hs, cache, neox = args
+        want_q, want_k = q.clone(), k.clone()
+        ref_rope.rotary_embedding(positions, want_q, want_k, hs, cache, neox)
+        nbytes = cases.nbytes("rotary_embedding", args)
+        peer = cases.flashinfer_api("rotary_embedding", args)
+        impls = {f"tilelang block {bt}": (lambda fn: lambda p, q_, k_: fn(p, q_, k_, cache))(fns[bt]) for bt in ROPE_VARIANTS}
+        impls["triton backend"] = lambda p, q_, k_: tr_rope.rotary_embedding(p, q_, k_, hs, cache, neox)
+        impls["flashinfer api"] = lambda p, q_, k_: peer.fn(p, q_, k_, hs, cache, neox)
+        for label, fn in impls.items():
+            qq, kk = q.clone(), k.clone()
+            fn(positions, qq, kk)
+            torch.testing.assert_close(qq, want_q, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(kk, want_k, atol=2e-2, rtol=2e-2)
+            rows.append(_row("rotary_embedding", f"{tokens}x(32+8)x128", label, nbytes,
+                             harness.replay_us(lambda: fn(positions, qq, kk)), ceiling))
+    return rows
+
+
+def act_rows(ceiling: float) -> list:
+    import flashinfer.activation
+
+    prims = {(d, act): tl_act._build(d, "bfloat16", act) for (_, d) in ACT_SHAPES for act in ("gelu", "gelu_tanh")}
+    fns = _compile_all(prims)
+    rows = []
+    for (tokens, d), act in itertools.product(ACT_SHAPES, ("gelu", "gelu_tanh")):
+        x = torch.randn(tokens, 2 * d, device="cuda", dtype=torch.bfloat16) * 2
+        want = ref_act.gelu_and_mul(x, "none" if act == "gelu" else "tanh")
+        nbytes = x.numel() * 2 * 3 // 2
+        out = torch.empty(tokens, d, device="cuda", dtype=torch.bfloat16)
+        fi = flashinfer.activation.gelu_and_mul if act == "gelu" else flashinfer.activation.gelu_tanh_and_mul
+        impls = {"tilelang": lambda: (fns[(d, act)](x, out), out)[1],
+                 "triton backend": lambda: tr_act.act_and_mul(x, act),
+                 "flashinfer api": lambda: fi(x)}
+        for label, fn in impls.items():
+            torch.testing.assert_close(fn(), want, atol=2e-2, rtol=2e-2)
+            rows.append(_row(f"{act}_and_mul", f"{tokens}x2*{d}", label, nbytes, harness.replay_us(fn), ceiling))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="JSON file for the results")
-    parser.add_argument("--only", default="norm,merge", help="norm, merge or both")
+    parser.add_argument("--only", default="norm,merge,rope,act", help="comma list of norm, merge, rope, act")
     args = parser.parse_args()
     torch.manual_seed(0)
     ceiling = harness.copy_ceiling_gbps()
     rows = []
-    if "merge" in args.only:
-        rows += merge_rows(ceiling)
-    if "norm" in args.only:
-        rows += norm_rows(ceiling)
+    for name, sweep in (("merge", merge_rows), ("norm", norm_rows), ("rope", rope_rows), ("act", act_rows)):
+        if name in args.only.split(","):
+            try:
+                rows += sweep(ceiling)
+            except Exception:  # noqa: BLE001  (the other sweeps still run; the traceback is the result)
+                traceback.print_exc()
+                rows.append({"op": name, "status": "failed: see the log"})
     if args.out:
         harness.write_json(args.out, {**harness.header(), "copy GB/s": ceiling, "rows": rows})
     print(f"\ncopy ceiling {ceiling:.0f} GB/s\n")
