@@ -30,8 +30,11 @@ from torch_kernels.impl.torch import rope as ref_rope  # noqa: E402
 from torch_kernels.impl.triton import activation as tr_act, attention as tr_merge, norm as tr_norm  # noqa: E402
 from torch_kernels.impl.triton import rope as tr_rope  # noqa: E402
 
-NORM_SHAPES = ((16384, 8192), (16384, 7168), (4096, 4096), (8192, 4096))
-NORM_VARIANTS = tuple(itertools.product((8, 16, 32), (128, 512, 1024)))  # (elements a thread, block threads)
+NORM_SHAPES = ((1, 4096), (1, 8192), (32, 8192), (16384, 8192), (16384, 7168), (4096, 4096))
+# label -> the module constants it patches. The sweep of 2026-11-29 (elements a thread 8/16/32 x block
+# threads 128/512/1024 at 16384x8192, 16384x7168, 4096x4096, 8192x4096) set _THIRTY_TWO_A_THREAD; this
+# one times the weight prefetch against the same layouts without it.
+NORM_VARIANTS = {"tilelang": {}, "tilelang, no weight prefetch": {"_PREFETCH_WEIGHT": False}}
 MERGE_TOKENS = (4096, 8192, 16384)
 MERGE_VARIANTS = tuple(itertools.product((4, 8, 16), (128, 256, 512)))  # (values a thread, block threads)
 ROPE_TOKENS = (4096, 16384)
@@ -72,9 +75,9 @@ def _compile_all(funcs: dict) -> dict:
 def norm_rows(ceiling: float) -> list:
     import flashinfer.norm
 
-    keys = {(n, fused, ept, bt) for (_, n), fused, (ept, bt) in itertools.product(NORM_SHAPES, (False, True), NORM_VARIANTS)}
-    prims = {k: _patched(tl_norm, {"_ELEMENTS_PER_THREAD": k[2], "_BLOCK_THREADS": k[3], "_THIRTY_TWO_A_THREAD": set()}, tl_norm._build,
-                         k[0], "bfloat16", "bfloat16", k[1], False) for k in keys}
+    keys = {(n, fused, label) for (_, n), fused, label in itertools.product(NORM_SHAPES, (False, True), NORM_VARIANTS)}
+    prims = {k: _patched(tl_norm, NORM_VARIANTS[k[2]], tl_norm._build, k[0], "bfloat16", "bfloat16", k[1], False)
+             for k in keys}
     fns = _compile_all(prims)
     rows = []
     for (tokens, n), fused in itertools.product(NORM_SHAPES, (False, True)):
@@ -89,7 +92,7 @@ def norm_rows(ceiling: float) -> list:
             ref_norm.fused_add_rmsnorm(want_x, want_r, w, cases.EPS)
         else:
             want = ref_norm.rmsnorm(x, w, cases.EPS)
-        impls = {f"tilelang {ept}/thread, block {bt}": fns[(n, fused, ept, bt)] for ept, bt in NORM_VARIANTS}
+        impls = {label: fns[(n, fused, label)] for label in NORM_VARIANTS}
         impls["triton backend"] = "triton"
         impls["flashinfer api"] = "flashinfer"
         for label, fn in impls.items():

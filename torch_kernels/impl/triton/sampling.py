@@ -1,4 +1,5 @@
-"""Triton sampling family: one program per row, bit-identical to the reference.
+"""Triton sampling family: bit-identical to the reference, one program per row after an optional
+split prepass.
 
 The semantics (``torch_kernels/impl/torch/sampling.py``) reduce every op to one threshold ``T`` on the
 row's fp32 bit patterns (kept: ``bits(p) >= T``) and the kept mass ``M`` in 64-bit fixed point; the
@@ -19,8 +20,23 @@ whatever the summation order. Two routes per row:
   the buffer (one more read) and the search ends in registers. Then a sampling scan that stops at
   the sampled token (or the renormalised row is written).
 
+**Split prepass** (``V > CAP`` with top-k given): the streaming pass is latency-bound, one program
+walking 31 chunks of 4096 at ``V = 128256`` with block-wide reductions and a scan in each (~135 µs a
+row on the H200, whatever the batch). So a first kernel (``_slice_candidates_kernel``, grid
+``(B, SLICES)``) cuts each row into ``SLICES`` contiguous slices of ``L = cdiv(V, SLICES)`` values
+(4008 at 32 slices), each held in registers by its own program, which finds with a multi-pivot count
+search a lower bound ``tau_s`` of its slice's k-th largest pattern (0 if the slice has fewer than k
+values) and a cover pattern ``cover_s`` (``tau_s``, or ``tau_s + 1`` above a tie too large) such that
+at most ``SLICE_CAP = CAP / SLICES`` of its values are ``>= cover_s``; those it writes, in index order,
+into its ``SLICE_CAP`` slots of the row's buffer (-1 fills the rest). ``tau = max_s tau_s`` is a lower
+bound of the row's ``t_k``; when every ``cover_s <= tau`` the buffer holds every value of the row
+``>= tau`` in index order, and the filter kernel goes straight to the register part of the candidate
+route (no streaming pass). Otherwise (``k > SLICE_CAP``, ties, or fewer positive values than k) the
+row takes the routes above as if there were no prepass.
+
 Exactness does not depend on the launch parameters: ``tests/test_sampling.py`` runs every route with
-a 64-slot buffer on rows of 1000 against the reference.
+a 64-slot buffer on rows of 1000 against the reference, with and without the split prepass (4 and 16
+slices: 16 and 4 slots a slice).
 
 Arguments arrive validated (``torch_kernels.ops.sampling``): probs ``(B, V)`` fp32 with a contiguous
 last dim, ``top_k`` int32/int64 ``(B,)``, ``top_p`` fp32 ``(B,)``, seed and offset int64 one-element
@@ -38,9 +54,9 @@ from ..torch.sampling import fixed_point_bits
 
 
 class Config(NamedTuple):
-    """Launch parameters (powers of two; ``k_small <= cap``). Chosen by register budget, not yet by
-    measurement (108 registers a thread at 16 warps for sm_90, no spills): ``benchmarks/bench_sampling.py
-    --sweep`` times the alternatives on the H200."""
+    """Launch parameters (powers of two; ``k_small <= cap``, ``slices <= cap``). Chosen by register
+    budget, not yet by measurement (108 registers a thread at 16 warps for sm_90, no spills):
+    ``benchmarks/bench_sampling.py --sweep`` times the alternatives on the H200."""
     cap: int = 4096  # candidate buffer slots per row (int32 bits + int32 index)
     chunk: int = 4096  # elements per step of the streaming candidate pass
     k_small: int = 1024  # the candidate route takes 0 < top_k <= k_small
@@ -49,6 +65,11 @@ class Config(NamedTuple):
     np_mass: int = 8  # pivots per pass of the exact top-p mass search (int64 sums: fewer, 3.2 bits a pass)
     np_float: int = 8  # pivots per pass of the fp32 top-p search: [chunk_g, 8] fp32 + int32 accumulators, 64 registers
     num_warps: int = 16  # one program per row: 64 rows fill half the H200's SMs, so wide programs
+    # split prepass (V > cap with top-k given; 0 slices: none). cap // slices slots a slice (128): a row
+    # can split only when top_k <= min(cap // slices, k_small)
+    slices: int = 32  # slices per row: 4008 values a slice at V = 128256, 32 programs for one row
+    np_slice: int = 16  # pivots per round of a slice's count search ([16, 4096] compares per round)
+    slice_warps: int = 8  # warps of a slice program: 16 values and 16 x 16 compares per thread a round
 
 
 DEFAULT = Config()
@@ -161,11 +182,22 @@ def _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, lim
                      HAS_P: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr):
     """(threshold pattern, kept mass, sampled token) of a row whose buffer holds every value ``>= t_k``
     (the ``n`` slots at ``buf_bits``/``buf_idx``, in index order): everything in registers."""
-    token = tl.full([], 0, tl.int32)
     # ---- candidate route: everything >= t_k is in the buffer, in index order -----------------
     tl.debug_barrier()
     vb = tl.load(buf_bits + slots, mask=slots < n, other=-1)
     vi = tl.load(buf_idx + slots, mask=slots < n, other=0)
+    return _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_scale, seed_ptr, offset_ptr, row,
+                                    HAS_P, SAMPLE, CAP)
+
+
+@triton.jit
+def _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_scale, seed_ptr, offset_ptr, row,
+                             HAS_P: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr):
+    """(threshold pattern, kept mass, sampled token) from the candidates ``vb`` (bit patterns) and
+    ``vi`` (token ids): every value of the row ``>= tau`` (a lower bound of ``t_k``) is there once, in
+    index order along ``slots``; other slots hold patterns below ``tau`` (-1 for none), which no
+    threshold, mass or prefix sum below counts."""
+    token = tl.full([], 0, tl.int32)
     thr = _kth_in_registers(vb, k, tau, mx + 1, 0)
     q = _fixed(vb, e_max, q_bits)
     mass = tl.sum(tl.where(vb >= thr, q, 0), axis=0)
@@ -339,39 +371,11 @@ def _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bit
 
 
 @triton.jit
-def _filter_kernel(
-    probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
-    top_k_ptr, top_k_stride,  # (B,) int32/int64; <= 0 or >= V keeps all (read when HAS_K)
-    top_p_ptr, top_p_stride,  # (B,) fp32 (read when HAS_P)
-    seed_ptr, offset_ptr,  # one int64 each (read when SAMPLE)
-    out_ptr, out_row_stride,  # SAMPLE: (B,) int32 ids; else (B, V) fp32 renormalised rows
-    buf_bits_ptr, buf_idx_ptr,  # (B, CAP) int32 scratch: candidate bit patterns and token ids
-    V,  # vocabulary size (elements per row)
-    q_bits,  # fixed-point bits Q of the row's largest value (fixed_point_bits(V))
-    HAS_K: tl.constexpr,  # apply top-k
-    HAS_P: tl.constexpr,  # apply top-p (to the top-k survivors)
-    SAMPLE: tl.constexpr,  # write one sampled id per row, else the renormalised row
-    CAP: tl.constexpr,  # candidate buffer slots per row
-    CHUNK: tl.constexpr,  # elements per step of the streaming pass
-    K_SMALL: tl.constexpr,  # the candidate route takes top_k <= K_SMALL
-    CHUNK_G: tl.constexpr,  # elements per step of a full pass
-    NP_COUNT: tl.constexpr,  # pivots per top-k search pass
-    NP_MASS: tl.constexpr,  # pivots per exact top-p search pass
-    NP_FLOAT: tl.constexpr,  # pivots per fp32 top-p search pass
-    FITS: tl.constexpr,  # V <= CAP: the buffer holds a whole row, the candidate route is the only one
-):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = probs_ptr + row * probs_row_stride
-    buf_bits = buf_bits_ptr + row * CAP
-    buf_idx = buf_idx_ptr + row * CAP
-    offs = tl.arange(0, CHUNK)
-    slots = tl.arange(0, CAP)
-
-    k = V
-    if HAS_K:
-        k64 = tl.load(top_k_ptr + row * top_k_stride).to(tl.int64)
-        k = tl.where((k64 > 0) & (k64 < V), k64, V).to(tl.int32)
-
+def _stream_candidates(row_ptr, V, k, buf_bits, buf_idx, offs, slots,
+                       CAP: tl.constexpr, CHUNK: tl.constexpr, K_SMALL: tl.constexpr, FITS: tl.constexpr):
+    """Pass 1 of a row without a split: ``(tau, n, overflow, mx)``: the row's largest bit pattern ``mx``
+    and, unless ``overflow`` (the row takes the full-pass route), the ``n`` values ``>= tau`` (a lower
+    bound of ``t_k``) in the buffer, in index order."""
     # ---- pass 1: the row's largest bit pattern; candidates >= tau into the buffer -------------------
     # overflow == 1: the row takes the full-pass route (not a candidate row, or ties beyond CAP).
     overflow = tl.where((k <= K_SMALL) | (V <= CAP), 0, 1)
@@ -421,25 +425,170 @@ def _filter_kernel(
                 tl.store(buf_idx + pos, cols, mask=sel)
                 n += cnt
     mx = tl.max(mxv, axis=0)  # the row's largest bit pattern
-    e_max = tl.maximum(mx >> 23, 1)
+    return tau, n, overflow, mx
+
+
+@triton.jit
+def _slice_candidates_kernel(
+    probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
+    top_k_ptr, top_k_stride,  # (B,) int32/int64; <= 0 or >= V keeps all
+    stats_ptr,  # (B, 4, SLICES) int32 out: per slice tau_s, largest pattern, n_s (-1: no split), cover_s
+    cand_bits_ptr, cand_idx_ptr,  # (B, SLICES, SLICE_CAP) int32 out: the filter kernel's (B, CAP) buffers
+    V,  # vocabulary size
+    L,  # values a slice: cdiv(V, SLICES)
+    SLICES: tl.constexpr,  # slices a row (grid axis 1)
+    SLICE: tl.constexpr,  # next power of two >= L: a slice in registers
+    SLICE_CAP: tl.constexpr,  # candidate slots a slice: CAP // SLICES
+    K_SPLIT: tl.constexpr,  # min(SLICE_CAP, K_SMALL): rows with a larger k are not split
+    NP: tl.constexpr,  # pivots per round of the count search
+):
+    """The split prepass of one slice ``[s*L, min((s+1)*L, V))`` of one row (module docstring).
+
+    With ``f(t)`` = the number of the slice's values ``>= t``, it writes ``tau_s`` with ``f(tau_s) >= k``
+    (0 when the slice has fewer than k values: no bound at all), the slice's largest pattern, and a
+    cover ``cover_s`` with ``n_s = f(cover_s) <= SLICE_CAP``: those values, in index order, into the
+    slice's slots, -1 in the slots after them. ``cover_s = tau_s`` unless ties at the slice's k-th
+    largest pattern ``t`` exceed ``SLICE_CAP`` (``f(t) > SLICE_CAP``, e.g. hundreds of exact zeros when
+    the slice has fewer than k positive values): then ``cover_s = t + 1`` (``f(t + 1) < k``) and the row
+    splits only if another slice bounds ``t_k`` above ``t``. ``n_s = -1`` (nothing else written): the
+    row's k exceeds ``K_SPLIT``, and the slice is not even read."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    row_ptr = probs_ptr + row * probs_row_stride
+    stats = stats_ptr + row * (4 * SLICES) + s
+    k64 = tl.load(top_k_ptr + row * top_k_stride).to(tl.int64)
+    k = tl.where((k64 > 0) & (k64 < V), k64, V).to(tl.int32)
+    split = k <= K_SPLIT
+
+    offs = tl.arange(0, SLICE)
+    cols = s * L + offs
+    in_slice = (offs < L) & (cols < V)  # the last slices may be short or empty
+    b = _value_bits(row_ptr, cols, in_slice & split)  # -1 outside the slice (and everywhere without a split)
+    mx = tl.max(b, axis=0)  # -1: an empty slice
+
+    # multi-pivot count search: f(lo) >= k > f(hi) (f(mx + 1) = 0), until f(lo) <= SLICE_CAP. It starts
+    # only when f(0) = the slice's length exceeds SLICE_CAP >= k, so the slice has k values; a shorter
+    # slice keeps tau_s = 0 and all its values (fewer than SLICE_CAP).
+    lo = tl.full([], 0, tl.int32)
+    hi = mx + 1
+    c_lo = tl.sum((b >= 0).to(tl.int32), axis=0)
+    c_hi = tl.full([], 0, tl.int32)
+    jp = tl.arange(0, NP).to(tl.int64) + 1
+    while (hi - lo > 1) & (c_lo > SLICE_CAP):
+        # NP pivots in (lo, hi): the bracket shrinks 17-fold a round (31 bits in <= 8 rounds, ~3 in
+        # practice: the search stops once f(lo) <= SLICE_CAP, not at t exactly)
+        piv = lo + ((hi - lo).to(tl.int64) * jp // (NP + 1)).to(tl.int32)
+        # pivots on the leading axis: Triton's default layout spreads the last axis over the threads,
+        # so each thread compares its own SLICE / (32 * warps) values (16 at 4096 and 8 warps) with all
+        # NP pivots; [SLICE, NP] would replicate SLICE / 2 / warps values in each thread (256)
+        counts = tl.sum((b[None, :] >= piv[:, None]).to(tl.int32), axis=1)
+        ok = counts >= k
+        # counts fall as the pivot rises: the largest passing pivot has the least count
+        lo = tl.max(tl.where(ok, piv, lo), axis=0)
+        c_lo = tl.min(tl.where(ok, counts, c_lo), axis=0)
+        hi = tl.min(tl.where(ok, hi, piv), axis=0)
+        c_hi = tl.max(tl.where(ok, c_hi, counts), axis=0)
+    # the search ended with hi = lo + 1 where f(lo) > SLICE_CAP: lo is the slice's k-th largest, tied
+    # beyond SLICE_CAP; the values above it (f(hi) < k <= SLICE_CAP) still fit
+    fits = c_lo <= SLICE_CAP
+    cover = tl.where(fits, lo, hi)
+    n = tl.where(fits, c_lo, c_hi)
+    tl.store(stats, lo)
+    tl.store(stats + SLICES, mx)
+    tl.store(stats + 2 * SLICES, tl.where(split, n, -1))
+    tl.store(stats + 3 * SLICES, cover)
+
+    sel = b >= cover  # cover >= 0 > -1: never outside the slice; n values, at most SLICE_CAP
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    dst = (row * SLICES + s) * SLICE_CAP
+    tl.store(cand_bits_ptr + dst + pos, b, mask=sel)
+    tl.store(cand_idx_ptr + dst + pos, cols, mask=sel)
+    rest = tl.arange(0, SLICE_CAP)
+    tl.store(cand_bits_ptr + dst + rest, tl.full([SLICE_CAP], -1, tl.int32), mask=split & (rest >= n))
+
+
+@triton.jit
+def _filter_kernel(
+    probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
+    top_k_ptr, top_k_stride,  # (B,) int32/int64; <= 0 or >= V keeps all (read when HAS_K)
+    top_p_ptr, top_p_stride,  # (B,) fp32 (read when HAS_P)
+    seed_ptr, offset_ptr,  # one int64 each (read when SAMPLE)
+    out_ptr, out_row_stride,  # SAMPLE: (B,) int32 ids; else (B, V) fp32 renormalised rows
+    buf_bits_ptr, buf_idx_ptr,  # (B, CAP) int32 scratch: candidate bit patterns and token ids
+    stats_ptr,  # SPLIT: (B, 4, SLICES) int32 from the prepass (tau_s, largest pattern, n_s, cover_s)
+    V,  # vocabulary size (elements per row)
+    q_bits,  # fixed-point bits Q of the row's largest value (fixed_point_bits(V))
+    HAS_K: tl.constexpr,  # apply top-k
+    HAS_P: tl.constexpr,  # apply top-p (to the top-k survivors)
+    SAMPLE: tl.constexpr,  # write one sampled id per row, else the renormalised row
+    CAP: tl.constexpr,  # candidate buffer slots per row
+    CHUNK: tl.constexpr,  # elements per step of the streaming pass
+    K_SMALL: tl.constexpr,  # the candidate route takes top_k <= K_SMALL
+    CHUNK_G: tl.constexpr,  # elements per step of a full pass
+    NP_COUNT: tl.constexpr,  # pivots per top-k search pass
+    NP_MASS: tl.constexpr,  # pivots per exact top-p search pass
+    NP_FLOAT: tl.constexpr,  # pivots per fp32 top-p search pass
+    FITS: tl.constexpr,  # V <= CAP: the buffer holds a whole row, the candidate route is the only one
+    SPLIT: tl.constexpr,  # the split prepass ran: its rows skip pass 1 (buffers in slice layout)
+    SLICES: tl.constexpr,  # slices a row of the prepass (SPLIT)
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = probs_ptr + row * probs_row_stride
+    buf_bits = buf_bits_ptr + row * CAP
+    buf_idx = buf_idx_ptr + row * CAP
+    offs = tl.arange(0, CHUNK)
+    slots = tl.arange(0, CAP)
+
+    k = V
+    if HAS_K:
+        k64 = tl.load(top_k_ptr + row * top_k_stride).to(tl.int64)
+        k = tl.where((k64 > 0) & (k64 < V), k64, V).to(tl.int32)
 
     limit_scale = 0.0
     if HAS_P:
         limit_scale = tl.load(top_p_ptr + row * top_p_stride).to(tl.float64)
-    if FITS:
-        # the whole row fits in the buffer: the candidate route always suffices. The full-pass route is
-        # not even compiled then: with V == 1 (Triton makes it a constant) its search loops are provably
-        # never entered, and Triton 3.6's coalescing pass asserts on memory ops in unreachable code.
-        thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, limit_scale,
-                                            seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+
+    split_row = 0  # a Python 0 without the prepass: the branches below are then resolved at compile time
+    if SPLIT:
+        # Why the buffer then holds what the candidate route needs. Each tau_s is 0 or has k values of
+        # its slice >= it, so the row has k values >= tau = max_s tau_s: tau <= t_k (also when slices
+        # are shorter than k or empty: their tau_s is 0). Slice s wrote ALL its values >= cover_s; where
+        # cover_s <= tau for every s, that includes all its values >= tau, so the values >= tau of the
+        # row are all in the buffer, in index order (slices are contiguous and in order, and so are
+        # the slots); the other slots are below tau or -1. At most SLICES * SLICE_CAP <= CAP of them.
+        sl = tl.arange(0, SLICES)
+        stats = stats_ptr + row * (4 * SLICES)
+        tau = tl.max(tl.load(stats + sl), axis=0)
+        n_min = tl.min(tl.load(stats + 2 * SLICES + sl), axis=0)
+        cover_max = tl.max(tl.load(stats + 3 * SLICES + sl), axis=0)
+        split_row = tl.where((n_min >= 0) & (cover_max <= tau) & (k <= K_SMALL), 1, 0)
+    if split_row == 1:
+        # ---- split row: the prepass wrote the candidates; no streaming pass -------------------------
+        mx = tl.max(tl.load(stats + SLICES + sl), axis=0)  # the row's largest bit pattern
+        e_max = tl.maximum(mx >> 23, 1)
+        vb = tl.load(buf_bits + slots)  # SLICES x SLICE_CAP slots: every one written (-1 after n_s)
+        vb = tl.where(vb >= tau, vb, -1)
+        vi = tl.load(buf_idx + slots, mask=vb >= 0, other=0)
+        thr, mass, token = _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_scale,
+                                                    seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
     else:
-        if overflow == 0:
-            thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, limit_scale,
-                                                seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+        tau, n, overflow, mx = _stream_candidates(row_ptr, V, k, buf_bits, buf_idx, offs, slots,
+                                                  CAP, CHUNK, K_SMALL, FITS)
+        e_max = tl.maximum(mx >> 23, 1)
+        if FITS:
+            # the whole row fits in the buffer: the candidate route always suffices. The full-pass route is
+            # not even compiled then: with V == 1 (Triton makes it a constant) its search loops are provably
+            # never entered, and Triton 3.6's coalescing pass asserts on memory ops in unreachable code.
+            thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits,
+                                                limit_scale, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
         else:
-            thr, mass, token = _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bits, slots,
-                                                seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK_G,
-                                                NP_COUNT, NP_MASS, NP_FLOAT)
+            if overflow == 0:
+                thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits,
+                                                    limit_scale, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+            else:
+                thr, mass, token = _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bits,
+                                                    slots, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK_G,
+                                                    NP_COUNT, NP_MASS, NP_FLOAT)
 
     if SAMPLE:
         tl.store(out_ptr + row, token)
@@ -457,6 +606,22 @@ def _filter_kernel(
             tl.store(out_row + cols, tl.where(b >= thr, p * inv, 0.0), mask=cols < V)
 
 
+def _slice_prepass(probs: Tensor, top_k: Tensor, buf_bits: Tensor, buf_idx: Tensor, config: Config) -> Tensor:
+    """Run ``_slice_candidates_kernel`` over ``(B, config.slices)``: writes the slices' candidates into
+    ``buf_bits``/``buf_idx`` (``(B, cap)``, as ``(B, slices, cap // slices)``) and returns their
+    ``(B, 4, slices)`` int32 stats (``tau_s``, largest pattern, ``n_s``, ``cover_s``)."""
+    B, V = probs.shape
+    slices = config.slices
+    slice_len = triton.cdiv(V, slices)
+    stats = torch.empty((B, 4, slices), dtype=torch.int32, device=probs.device)
+    _slice_candidates_kernel[(B, slices)](
+        probs, probs.stride(0), top_k, top_k.stride(0), stats, buf_bits, buf_idx, V, slice_len,
+        SLICES=slices, SLICE=triton.next_power_of_2(slice_len), SLICE_CAP=config.cap // slices,
+        K_SPLIT=min(config.cap // slices, config.k_small), NP=config.np_slice, num_warps=config.slice_warps,
+    )
+    return stats
+
+
 def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Config = DEFAULT) -> Tensor:
     B, V = probs.shape
     if sample:
@@ -469,17 +634,22 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
     buf_bits = torch.empty((B, cap), dtype=torch.int32, device=probs.device)
     buf_idx = torch.empty((B, cap), dtype=torch.int32, device=probs.device)
     dummy = out  # stands in for the pointers a mode does not read
+    # the prepass pays where the streaming pass would walk several chunks; without top-k no row is a
+    # candidate row unless it fits
+    split = top_k is not None and V > cap and config.slices > 0
+    stats = _slice_prepass(probs, top_k, buf_bits, buf_idx, config) if split else dummy
     _filter_kernel[(B,)](
         probs, probs.stride(0),
         top_k if top_k is not None else dummy, top_k.stride(0) if top_k is not None else 0,
         top_p if top_p is not None else dummy, top_p.stride(0) if top_p is not None else 0,
         seed if seed is not None else dummy, offset if offset is not None else dummy,
         out, out.stride(0) if not sample else 1,
-        buf_bits, buf_idx,
+        buf_bits, buf_idx, stats,
         V, fixed_point_bits(V),
         HAS_K=top_k is not None, HAS_P=top_p is not None, SAMPLE=sample,
         CAP=cap, CHUNK=config.chunk, K_SMALL=config.k_small, CHUNK_G=config.chunk_g,
         NP_COUNT=config.np_count, NP_MASS=config.np_mass, NP_FLOAT=config.np_float, FITS=V <= cap,
+        SPLIT=split, SLICES=config.slices if split else 1,
         num_warps=config.num_warps,
     )
     return out
