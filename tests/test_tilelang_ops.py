@@ -60,8 +60,8 @@ def test_rope_layouts():
                     assert lanes * vec == rot_dim // 2
                     assert par * iters >= heads > par * (iters - 1), "every round but the last is full"
                     assert lanes * par * tokens <= max(rope._BLOCK_THREADS + lanes, lanes) <= 1024
-    # the benchmark shape: 112-thread blocks of one token, 3 rounds of 14 heads (42 slots for 40)
-    assert rope._vec(128, True, "bfloat16") == 8 and rope._layout(40, 128, 8) == (8, 14, 3, 1)
+    # the benchmark shape: 160-thread blocks of one token, 2 rounds of 20 heads
+    assert rope._vec(128, True, "bfloat16") == 8 and rope._layout(40, 128, 8) == (8, 20, 2, 1)
 
 
 def test_quant_and_merge_layouts():

@@ -45,22 +45,32 @@ def _tile(d: int):
     return _TILE // bn, bn
 
 
-def _activate(g, act: str):
+def _erfc_t(g):
+    """``t = 1 / (1 + 0.3275911 |g| / sqrt(2))`` of the GELU below, by the approximate reciprocal (as
+    Triton's ``1.0 / x``): kept in a register by the kernel, since its five uses would otherwise be five
+    instructions (the reciprocal is an ``asm volatile``)."""
+    return T.fast_rcp(T.float32(1) + T.float32(0.3275911 * 0.7071067811865476) * T.abs(g))
+
+
+def _activate(g, act: str, t=None):
     """``act(g)`` for an fp32 expression ``g``: silu as ATen's CUDA kernel computes it, the GELUs in the
     Triton backend's forms (``triton/activation.py``: ``_activate``, which says why each is exact
-    enough). With CUDA's ``erff``/``tanhf`` this kernel ran the GELUs at 3686 and 3949 GB/s against
-    silu's 4345 (16384x2*8192 bf16, H200 suite of 2026-11-29): both branch on the argument."""
+    enough); ``t``: :func:`_erfc_t` of ``g`` (erf GELU). With CUDA's ``erff``/``tanhf`` this kernel ran
+    the GELUs at 3686 and 3949 GB/s against silu's 4345 (16384x2*8192 bf16, H200 suite of 2026-11-29):
+    both branch on the argument. With IEEE divisions and an if/else the erf form still ran at 3759
+    against Triton's 3945 (same shape, sweep_tilelang.py)."""
     f = T.float32
     if act == "silu":
         return g / (f(1) + T.exp(-g))
     if act == "gelu":
-        # 1 + erf(g / sqrt(2)) from erfc(z) ~ t * P(t) * exp(-z^2), t = 1 / (1 + 0.3275911 z), z = |g| / sqrt(2)
-        # (Abramowitz & Stegun 7.1.26: within 2.1e-7 absolute of the exact GELU); no cancellation for g < 0
+        # 1 + erf(g / sqrt(2)) from erfc(z) ~ t * P(t) * exp(-z^2), z = |g| / sqrt(2) (Abramowitz &
+        # Stegun 7.1.26: within 2.1e-7 absolute of the exact GELU): 2 - erfc for g >= 0, erfc (no
+        # cancellation) below; erfc appears once, so the generated code has no branch to repeat it in
         z = T.abs(g) * f(0.7071067811865476)
-        t = f(1) / (f(1) + f(0.3275911) * z)
         erfc = t * (f(0.254829592) + t * (f(-0.284496736) + t * (f(1.421413741) + t * (f(-1.453152027) + t * f(1.061405429)))))
-        erfc = erfc * T.exp(-z * z)
-        return f(0.5) * g * T.if_then_else(g >= f(0), f(2) - erfc, erfc)
+        erfc = erfc * T.__exp(-z * z)
+        pos = g >= f(0)
+        return f(0.5) * g * (T.if_then_else(pos, f(2), f(0)) + T.if_then_else(pos, f(-1), f(1)) * erfc)
     # 0.5 * (1 + tanh(u)) == sigmoid(2u): g * sigmoid(2 * sqrt(2/pi) * (g + 0.044715 g^3))
     return g / (f(1) + T.exp(f(-1.5957691216057308) * (g + f(0.044715) * g * g * g)))
 
@@ -97,6 +107,7 @@ def _build(d: int, dtype: str, act: str):
             col = block % COL_TILES * BN + tid % TR * VEC
             gate = T.alloc_local((NV, VEC), dtype)
             up = T.alloc_local((NV, VEC), dtype)
+            t = T.alloc_local((1,), f32)  # the erf GELU's _erfc_t
             for k in T.unroll(NV):  # every load issued before the first use
                 if live(row, col + k * TR * VEC):
                     for v in T.vectorized(VEC):
@@ -106,7 +117,9 @@ def _build(d: int, dtype: str, act: str):
             for k in T.unroll(NV):
                 if live(row, col + k * TR * VEC):
                     for v in T.unroll(VEC):
-                        gate[k, v] = T.cast(_activate(T.cast(gate[k, v], f32), act) * T.cast(up[k, v], f32), dtype)
+                        if act == "gelu":
+                            t[0] = _erfc_t(T.cast(gate[k, v], f32))
+                        gate[k, v] = T.cast(_activate(T.cast(gate[k, v], f32), act, t[0]) * T.cast(up[k, v], f32), dtype)
                     for v in T.vectorized(VEC):
                         O[row, col + k * TR * VEC + v] = gate[k, v]
 

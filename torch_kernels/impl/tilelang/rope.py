@@ -28,10 +28,11 @@ from . import _jit
 _NAME = "rotary_embedding"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _POSITION_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
-# (thread, head) tasks a block aims at: 128 threads. The benchmark shape (32+8 heads x 128 bf16
-# neox: 8 lanes a head) then runs 112-thread blocks of one token, each thread rotating 3 heads with
-# 96 bytes of q/k in flight.
-_BLOCK_THREADS = 128
+# (thread, head) tasks a block aims at: 256 threads. The benchmark shape (32+8 heads x 128 bf16
+# neox: 8 lanes a head) then runs 160-thread blocks of one token, each thread rotating 2 heads with
+# 64 bytes of q/k in flight. sweep_tilelang.py on the H200 (2026-11-29, GB/s at 16384 / 4096 tokens):
+# 64 threads 3935 / 4648, 128 3965 / 4433, 256 4008 / 4485, 512 3716 / 4087; Triton 3999 / 4454.
+_BLOCK_THREADS = 256
 
 
 def _vec(rot_dim: int, is_neox: bool, dtype: str) -> int:
@@ -47,7 +48,7 @@ def _layout(num_heads: int, rot_dim: int, vec: int) -> Tuple[int, int, int, int]
 
     ``lanes * heads * tokens`` threads a block, about :data:`_BLOCK_THREADS`: the head list is split
     into ``iterations`` rounds of ``heads`` heads, the fewest rounds that fit, so that few slots idle
-    (40 heads of 8 lanes: 3 rounds of 14 heads, 42 slots); few heads leave room for several tokens."""
+    (40 heads of 8 lanes: 2 rounds of 20 heads); few heads leave room for several tokens."""
     lanes = rot_dim // 2 // vec
     iterations = -(-num_heads * lanes // _BLOCK_THREADS)
     heads = -(-num_heads // iterations)
