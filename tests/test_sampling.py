@@ -1,8 +1,8 @@
 """The sampling family: the reference against an independent fp64 formula; every backend against the
 reference, exactly (kept sets and sampled ids) over awkward shapes (Triton in its interpreter on CPU,
-with a small launch configuration as well, so that the buffer compaction, its overflow and the
-full-pass route all run on small rows); the sample distribution (chi-square); determinism; CUDA
-graphs; bad input."""
+with small launch configurations as well, so that the buffer compaction, its overflow, the full-pass
+route and the split prepass with its fallbacks all run on small rows); the sample distribution
+(chi-square); determinism; CUDA graphs; bad input."""
 
 import math
 import os
@@ -140,22 +140,36 @@ def test_philox_known_answers():
 
 
 def _small_config():
+    """A 64-slot buffer without the split prepass: the one-program routes on rows of 1000."""
     from torch_kernels.impl.triton import sampling as triton_sampling
-    return triton_sampling.Config(cap=64, chunk=64, k_small=16, chunk_g=512, np_count=16, np_mass=16, num_warps=4)
+    return triton_sampling.Config(cap=64, chunk=64, k_small=16, chunk_g=512, np_count=16, np_mass=16, num_warps=4,
+                                  slices=0)
+
+
+def _small_split_config(slices=4, np_slice=16):
+    """A 64-slot buffer with the split prepass: ``64 // slices`` slots a slice (16 at 4 slices: rows of
+    1000 split at top_k <= 16); k_small = 32 leaves 16 < top_k <= 32 to the unsplit candidate route."""
+    from torch_kernels.impl.triton import sampling as triton_sampling
+    return triton_sampling.Config(cap=64, chunk=64, k_small=32, chunk_g=512, np_count=16, np_mass=16, num_warps=4,
+                                  slices=slices, np_slice=np_slice, slice_warps=4)
+
+
+def _launcher(op, cfg):
+    from torch_kernels.impl.triton import sampling as triton_sampling
+    return {
+        "top_k_renorm_probs": lambda p, k: triton_sampling._launch(p, k, None, None, None, False, cfg),
+        "top_p_renorm_probs": lambda p, t: triton_sampling._launch(p, None, t, None, None, False, cfg),
+        SAMPLING: lambda p, k, t, s, o: triton_sampling._launch(p, k, t, s, o, True, cfg),
+    }[op]
 
 
 def _backends(op, device, small=False):
     """(name, callable) for every implementation that runs on ``device`` here; with ``small``, the
-    Triton kernel with a small buffer as well."""
+    Triton kernel with a small buffer as well, without and with the split prepass."""
     out = implementations_on(op, device)
     if small and any(name.startswith("triton") for name, _ in out):
-        from torch_kernels.impl.triton import sampling as triton_sampling
-        cfg = _small_config()
-        out.append(("triton-small-buffer", {
-            "top_k_renorm_probs": lambda p, k: triton_sampling._launch(p, k, None, None, None, False, cfg),
-            "top_p_renorm_probs": lambda p, t: triton_sampling._launch(p, None, t, None, None, False, cfg),
-            SAMPLING: lambda p, k, t, s, o: triton_sampling._launch(p, k, t, s, o, True, cfg),
-        }[op]))
+        out.append(("triton-small-buffer", _launcher(op, _small_config())))
+        out.append(("triton-small-split", _launcher(op, _small_split_config())))
     return out
 
 
@@ -228,7 +242,8 @@ def test_triton_small_buffer_routes_match_reference(op):
     """With a 64-slot buffer and top_k <= 16 on the candidate route, rows of 1000 exercise the buffer
     compaction (k = 5, 16), ties that overflow it (the tie row) and the full-pass route (top_k 0, 100).
     The last two rows put the top-p limit inside a cluster of 999 tiny values whose whole mass is below
-    the fp32 search's error bound: it cannot decide there, and the exact search must finish."""
+    the fp32 search's error bound: it cannot decide there, and the exact search must finish. The same
+    rows with the split prepass: k = 5, 16 split, the others fall back to the routes above."""
     torch.manual_seed(2)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cluster = torch.cat([torch.tensor([0.5]), 1e-9 * (1 + torch.rand(999))]).to(device)
@@ -239,8 +254,143 @@ def test_triton_small_buffer_routes_match_reference(op):
     top_p = torch.tensor([0.9, 0.5, 0.7, 0.95, 0.95, limit_inside, limit_inside], device=device)
     args = _args(op, probs, top_k, top_p)
     want = registry.BY_OP[op][Backend.TORCH].load()(*args)
-    (name, fn), = [(n, f) for n, f in _backends(op, device, small=True) if n == "triton-small-buffer"]
-    _check(op, name, fn(*args), want)
+    small = [(n, f) for n, f in _backends(op, device, small=True) if n.startswith("triton-small")]
+    assert len(small) == 2
+    for name, fn in small:
+        _check(op, name, fn(*args), want)
+
+
+def _split_rows(device):
+    """(probs, top_k, top_p, split): rows of 1000 for the 4-slice config (16 slots a slice, k_small 32)
+    and whether the prepass splits each (all of the row's values >= tau in its slices' slots)."""
+    V = 1000
+    rows, ks, ps, split = [], [], [], []
+
+    def add(row, k, p, splits):
+        rows.append(row.to(device))
+        ks.append(k)
+        ps.append(p)
+        split.append(splits)
+
+    soft = _softmax(6, V, "cpu", scale=2.0)
+    add(soft[0], 5, 0.9, True)
+    add(soft[1], 16, 0.5, True)  # k = slots a slice
+    add(soft[2], 1, 0.3, True)
+    add(soft[3], 20, 0.95, False)  # slots a slice < k <= k_small: the streaming candidate route
+    add(soft[4], 40, 0.8, False)  # k > k_small: the full-pass route
+    add(soft[5], 0, 0.9, False)  # no top-k (k = V)
+    add(_ties(1, V, "cpu", levels=3)[0], 10, 0.9, False)  # ~83 ties at the top of each slice: fall back
+    sparse = torch.zeros(V)
+    sparse[:100] = torch.softmax(torch.randn(100), -1)
+    add(sparse, 8, 0.9, True)  # slices 1-3 all exact zeros: cover 1 (no value), tau >= 1 from slice 0
+    few = torch.zeros(V)
+    few[[3, 400, 999]] = torch.tensor([0.5, 0.25, 0.25])
+    add(few, 8, 0.9, False)  # 3 positive values, k = 8: t_k = 0, 997 kept zeros
+    tied_slice = torch.softmax(torch.randn(V), -1) + 1e-3
+    tied_slice[250:500] = 1e-4  # slice 1: 250 ties below the row's t_k (its cover: the tie + 1 ulp)
+    add(tied_slice / tied_slice.sum(), 5, 0.7, True)
+    holes = torch.softmax(torch.randn(V) * 2, -1) * (torch.rand(V) > 0.7)
+    add(holes, 12, 1.0, True)  # ~70% exact zeros everywhere
+    add(_odd_values(4, V, "cpu")[0], 6, 0.0, True)  # NaN, negative, -0.0, subnormal entries
+    inf_row = _softmax(1, V, "cpu")[0]
+    inf_row[777] = float("inf")
+    add(inf_row, 3, 0.9, True)
+    t = lambda v, dtype=None: torch.tensor(v, device=device, dtype=dtype)  # noqa: E731
+    return torch.stack(rows), t(ks), t(ps, torch.float32), split
+
+
+def _split_decisions(probs, top_k, cfg):
+    """Whether the filter kernel takes the split path for each row, from the prepass's stats."""
+    from torch_kernels.impl.triton import sampling as triton_sampling
+    B, _ = probs.shape
+    buf = [torch.empty((B, cfg.cap), dtype=torch.int32, device=probs.device) for _ in range(2)]
+    stats = triton_sampling._slice_prepass(probs, top_k, *buf, cfg).cpu()
+    tau, n, cover = stats[:, 0].amax(-1), stats[:, 2].amin(-1), stats[:, 3].amax(-1)
+    k = top_k.cpu().long()
+    k = torch.where((k > 0) & (k < probs.shape[1]), k, probs.shape[1])
+    return ((n >= 0) & (cover <= tau) & (k <= cfg.k_small)).tolist(), stats, buf
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a GPU or Triton's interpreter")
+def test_triton_slice_prepass_keeps_its_contract():
+    """Each slice's stats and candidates against the contract of ``_slice_candidates_kernel``, and the
+    rows of ``_split_rows`` split (or not) as intended, so that the test below runs both paths."""
+    torch.manual_seed(7)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    probs, top_k, _, want_split = _split_rows(device)
+    short = (_softmax(2, 65, device), torch.tensor([16, 3], device=device))  # 4 slices: 17, 17, 17, 14 values
+    empty = (_softmax(2, 65, device), torch.tensor([3, 4], device=device))  # 16 slices of 5: the last 3 empty
+    for (p, k, cfg, want) in [(probs, top_k, _small_split_config(), want_split),
+                              (*short, _small_split_config(), [True, True]),
+                              (*empty, _small_split_config(slices=16, np_slice=4), [True, True])]:
+        split, stats, (cand_bits, cand_idx) = _split_decisions(p, k, cfg)
+        assert split == want, f"{cfg.slices} slices: split rows {split}, want {want}"
+        bits = reference.value_bits(p).cpu()
+        B, V = bits.shape
+        S, L, slots = cfg.slices, -(-V // cfg.slices), cfg.cap // cfg.slices
+        cand_bits, cand_idx = cand_bits.cpu().view(B, S, slots), cand_idx.cpu().view(B, S, slots)
+        for r in range(B):
+            kr = int(k[r]) if 0 < int(k[r]) < V else V
+            for s in range(S):
+                tau_s, mx, n, cover = stats[r, :, s].tolist()
+                x = bits[r, s * L:(s + 1) * L]
+                where = f"row {r} slice {s}"
+                if kr > min(slots, cfg.k_small):
+                    assert n == -1, where
+                    continue
+                assert mx == (x.max().item() if len(x) else -1), where
+                assert tau_s == 0 or (x >= tau_s).sum() >= kr, where  # a lower bound of t_k
+                assert cover == tau_s or ((x >= tau_s).sum() > slots and cover == tau_s + 1), where
+                sel = (x >= cover).nonzero().flatten()
+                assert n == len(sel) <= slots, where
+                assert torch.equal(cand_bits[r, s, :n], x[sel]) and torch.equal(cand_idx[r, s, :n], sel + s * L), where
+                assert (cand_bits[r, s, n:] == -1).all(), where
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a GPU or Triton's interpreter")
+def test_triton_split_rows_skip_the_streaming_pass(monkeypatch):
+    """Sampling reads a split row in the prepass only: with the rows zeroed right after it, the split
+    rows of ``_split_rows`` still draw the reference's token and the others draw 0 (no mass)."""
+    from torch_kernels.impl.triton import sampling as triton_sampling
+    torch.manual_seed(7)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    probs, top_k, top_p, split = _split_rows(device)
+    seed, offset = torch.tensor(3, device=device), torch.tensor([1], device=device)
+    want = reference.top_k_top_p_sampling_from_probs(probs, top_k, top_p, seed, offset).cpu()
+    split = torch.tensor(split)
+    assert (want[~split] != 0).all(), "a falling-back row draws 0 anyway: change the seed"
+    prepass = triton_sampling._slice_prepass
+
+    def prepass_then_zero(p, *rest):
+        stats = prepass(p, *rest)
+        p.zero_()
+        return stats
+    monkeypatch.setattr(triton_sampling, "_slice_prepass", prepass_then_zero)
+    got = triton_sampling._launch(probs.clone(), top_k, top_p, seed, offset, True, _small_split_config()).cpu()
+    assert torch.equal(got[split], want[split]) and (got[~split] == 0).all(), f"{got.tolist()} vs {want.tolist()}"
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a GPU or Triton's interpreter")
+@pytest.mark.parametrize("op", [SAMPLING, "top_k_renorm_probs"])
+def test_triton_split_prepass_matches_reference(op):
+    """The split prepass against the reference: the rows of ``_split_rows`` (split: k <= 16, exact
+    zeros, a slice of ties below t_k, odd values; falling back: k beyond the slots of a slice, k beyond
+    k_small, no top-k, ties at t_k, fewer positive values than k), one split and one falling-back row
+    alone (B = 1), and rows of 65: 4 slices with the last one shorter than k, 16 slices with 3 empty."""
+    torch.manual_seed(7)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = registry.BY_OP[op][Backend.TORCH].load()
+    probs, top_k, top_p, _ = _split_rows(device)
+    short = _softmax(2, 65, device)
+    cases = [(probs, top_k, top_p, _small_split_config()),
+             (probs[:1], top_k[:1], top_p[:1], _small_split_config()),
+             (probs[6:7], top_k[6:7], top_p[6:7], _small_split_config()),
+             (short, torch.tensor([16, 3], device=device), torch.tensor([0.9, 0.6], device=device), _small_split_config()),
+             (short, torch.tensor([3, 4], device=device), torch.tensor([0.9, 0.6], device=device),
+              _small_split_config(slices=16, np_slice=4))]
+    for offset, (p, k, t, cfg) in enumerate(cases):
+        args = _args(op, p, k, t, offset=offset)
+        _check(op, f"triton-split {cfg.slices} slices", _launcher(op, cfg)(*args), ref(*args), args)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -69,7 +69,8 @@ class Config(NamedTuple):
     # can split only when top_k <= min(cap // slices, k_small)
     slices: int = 32  # slices per row: 4008 values a slice at V = 128256, 32 programs for one row
     np_slice: int = 16  # pivots per round of a slice's count search ([16, 4096] compares per round)
-    slice_warps: int = 8  # warps of a slice program: 16 values and 16 x 16 compares per thread a round
+    slice_warps: int = 8  # a slice program: 16 values, 16 x 16 compares per thread a round; 80 registers
+    # for sm_90 without spills (4 warps: 180, so at most 2 programs an SM; 16 warps: 75)
 
 
 DEFAULT = Config()
@@ -429,6 +430,32 @@ def _stream_candidates(row_ptr, V, k, buf_bits, buf_idx, offs, slots,
 
 
 @triton.jit
+def _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots, seed_ptr, offset_ptr, row,
+                 HAS_P: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+                 K_SMALL: tl.constexpr, CHUNK_G: tl.constexpr, NP_COUNT: tl.constexpr, NP_MASS: tl.constexpr,
+                 NP_FLOAT: tl.constexpr, FITS: tl.constexpr):
+    """(threshold pattern, kept mass, sampled token, e_max) of a row without a split: pass 1, then the
+    candidate route or the full-pass route."""
+    tau, n, overflow, mx = _stream_candidates(row_ptr, V, k, buf_bits, buf_idx, offs, slots, CAP, CHUNK, K_SMALL, FITS)
+    e_max = tl.maximum(mx >> 23, 1)
+    if FITS:
+        # the whole row fits in the buffer: the candidate route always suffices. The full-pass route is
+        # not even compiled then: with V == 1 (Triton makes it a constant) its search loops are provably
+        # never entered, and Triton 3.6's coalescing pass asserts on memory ops in unreachable code.
+        thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, limit_scale,
+                                            seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+    else:
+        if overflow == 0:
+            thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, limit_scale,
+                                                seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+        else:
+            thr, mass, token = _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bits, slots,
+                                                seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK_G,
+                                                NP_COUNT, NP_MASS, NP_FLOAT)
+    return thr, mass, token, e_max
+
+
+@triton.jit
 def _slice_candidates_kernel(
     probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
     top_k_ptr, top_k_stride,  # (B,) int32/int64; <= 0 or >= V keeps all
@@ -450,8 +477,8 @@ def _slice_candidates_kernel(
     slice's slots, -1 in the slots after them. ``cover_s = tau_s`` unless ties at the slice's k-th
     largest pattern ``t`` exceed ``SLICE_CAP`` (``f(t) > SLICE_CAP``, e.g. hundreds of exact zeros when
     the slice has fewer than k positive values): then ``cover_s = t + 1`` (``f(t + 1) < k``) and the row
-    splits only if another slice bounds ``t_k`` above ``t``. ``n_s = -1`` (nothing else written): the
-    row's k exceeds ``K_SPLIT``, and the slice is not even read."""
+    splits only if another slice bounds ``t_k`` above ``t``. ``n_s = -1`` and no candidates: the row's
+    k exceeds ``K_SPLIT``, and the slice is not even read."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row_ptr = probs_ptr + row * probs_row_stride
@@ -460,23 +487,25 @@ def _slice_candidates_kernel(
     k = tl.where((k64 > 0) & (k64 < V), k64, V).to(tl.int32)
     split = k <= K_SPLIT
 
-    offs = tl.arange(0, SLICE)
-    cols = s * L + offs
-    in_slice = (offs < L) & (cols < V)  # the last slices may be short or empty
-    b = _value_bits(row_ptr, cols, in_slice & split)  # -1 outside the slice (and everywhere without a split)
+    cols = s * L + tl.arange(0, SLICE)
+    # the slice ends at min((s+1)*L, V): the last slices may be short or empty. The scalar `split` is
+    # folded into the bound (the interpreter rejects a mask of vector & scalar)
+    end = tl.where(split, tl.minimum(s * L + L, V), 0)
+    b = _value_bits(row_ptr, cols, cols < end)  # -1 outside the slice (and everywhere without a split)
     mx = tl.max(b, axis=0)  # -1: an empty slice
 
     # multi-pivot count search: f(lo) >= k > f(hi) (f(mx + 1) = 0), until f(lo) <= SLICE_CAP. It starts
-    # only when f(0) = the slice's length exceeds SLICE_CAP >= k, so the slice has k values; a shorter
-    # slice keeps tau_s = 0 and all its values (fewer than SLICE_CAP).
+    # only when f(0) = the slice's length exceeds SLICE_CAP >= k, so the slice has k values; a slice of
+    # at most SLICE_CAP values keeps tau_s = 0 and all its values.
     lo = tl.full([], 0, tl.int32)
     hi = mx + 1
     c_lo = tl.sum((b >= 0).to(tl.int32), axis=0)
     c_hi = tl.full([], 0, tl.int32)
     jp = tl.arange(0, NP).to(tl.int64) + 1
     while (hi - lo > 1) & (c_lo > SLICE_CAP):
-        # NP pivots in (lo, hi): the bracket shrinks 17-fold a round (31 bits in <= 8 rounds, ~3 in
-        # practice: the search stops once f(lo) <= SLICE_CAP, not at t exactly)
+        # NP pivots in (lo, hi): the bracket shrinks (NP + 1)-fold a round, 31 bits in <= 8 rounds at 16
+        # pivots; but it stops once f(lo) <= SLICE_CAP, not at t: 1.5 rounds on average, 2 at most, for
+        # k = 50 and 128 slots on slices of 4008 softmax values (a numpy model of this loop)
         piv = lo + ((hi - lo).to(tl.int64) * jp // (NP + 1)).to(tl.int32)
         # pivots on the leading axis: Triton's default layout spreads the last axis over the threads,
         # so each thread compares its own SLICE / (32 * warps) values (16 at 4096 and 8 warps) with all
@@ -488,8 +517,8 @@ def _slice_candidates_kernel(
         c_lo = tl.min(tl.where(ok, counts, c_lo), axis=0)
         hi = tl.min(tl.where(ok, hi, piv), axis=0)
         c_hi = tl.max(tl.where(ok, c_hi, counts), axis=0)
-    # the search ended with hi = lo + 1 where f(lo) > SLICE_CAP: lo is the slice's k-th largest, tied
-    # beyond SLICE_CAP; the values above it (f(hi) < k <= SLICE_CAP) still fit
+    # if the search ended at hi = lo + 1 with f(lo) > SLICE_CAP, lo is the slice's k-th largest, tied
+    # beyond SLICE_CAP: the values above it (f(hi) < k <= SLICE_CAP) still fit
     fits = c_lo <= SLICE_CAP
     cover = tl.where(fits, lo, hi)
     n = tl.where(fits, c_lo, c_hi)
@@ -504,7 +533,7 @@ def _slice_candidates_kernel(
     tl.store(cand_bits_ptr + dst + pos, b, mask=sel)
     tl.store(cand_idx_ptr + dst + pos, cols, mask=sel)
     rest = tl.arange(0, SLICE_CAP)
-    tl.store(cand_bits_ptr + dst + rest, tl.full([SLICE_CAP], -1, tl.int32), mask=split & (rest >= n))
+    tl.store(cand_bits_ptr + dst + rest, tl.full([SLICE_CAP], -1, tl.int32), mask=rest >= tl.where(split, n, SLICE_CAP))
 
 
 @triton.jit
@@ -548,7 +577,6 @@ def _filter_kernel(
     if HAS_P:
         limit_scale = tl.load(top_p_ptr + row * top_p_stride).to(tl.float64)
 
-    split_row = 0  # a Python 0 without the prepass: the branches below are then resolved at compile time
     if SPLIT:
         # Why the buffer then holds what the candidate route needs. Each tau_s is 0 or has k values of
         # its slice >= it, so the row has k values >= tau = max_s tau_s: tau <= t_k (also when slices
@@ -561,34 +589,23 @@ def _filter_kernel(
         tau = tl.max(tl.load(stats + sl), axis=0)
         n_min = tl.min(tl.load(stats + 2 * SLICES + sl), axis=0)
         cover_max = tl.max(tl.load(stats + 3 * SLICES + sl), axis=0)
-        split_row = tl.where((n_min >= 0) & (cover_max <= tau) & (k <= K_SMALL), 1, 0)
-    if split_row == 1:
-        # ---- split row: the prepass wrote the candidates; no streaming pass -------------------------
-        mx = tl.max(tl.load(stats + SLICES + sl), axis=0)  # the row's largest bit pattern
-        e_max = tl.maximum(mx >> 23, 1)
-        vb = tl.load(buf_bits + slots)  # SLICES x SLICE_CAP slots: every one written (-1 after n_s)
-        vb = tl.where(vb >= tau, vb, -1)
-        vi = tl.load(buf_idx + slots, mask=vb >= 0, other=0)
-        thr, mass, token = _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_scale,
-                                                    seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
-    else:
-        tau, n, overflow, mx = _stream_candidates(row_ptr, V, k, buf_bits, buf_idx, offs, slots,
-                                                  CAP, CHUNK, K_SMALL, FITS)
-        e_max = tl.maximum(mx >> 23, 1)
-        if FITS:
-            # the whole row fits in the buffer: the candidate route always suffices. The full-pass route is
-            # not even compiled then: with V == 1 (Triton makes it a constant) its search loops are provably
-            # never entered, and Triton 3.6's coalescing pass asserts on memory ops in unreachable code.
-            thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits,
-                                                limit_scale, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+        if (n_min >= 0) & (cover_max <= tau) & (k <= K_SMALL):  # (the prepass flags k > K_SMALL already)
+            # ---- split row: the prepass wrote the candidates; no streaming pass ---------------------
+            mx = tl.max(tl.load(stats + SLICES + sl), axis=0)  # the row's largest bit pattern
+            e_max = tl.maximum(mx >> 23, 1)
+            vb = tl.load(buf_bits + slots)  # SLICES x SLICE_CAP = CAP slots (powers of two), all written
+            vb = tl.where(vb >= tau, vb, -1)  # below tau (a lower cover_s): harmless, but no candidate
+            vi = tl.load(buf_idx + slots, mask=vb >= 0, other=0)
+            thr, mass, token = _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_scale,
+                                                        seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
         else:
-            if overflow == 0:
-                thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits,
-                                                    limit_scale, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
-            else:
-                thr, mass, token = _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bits,
-                                                    slots, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK_G,
-                                                    NP_COUNT, NP_MASS, NP_FLOAT)
+            thr, mass, token, e_max = _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs,
+                                                   slots, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK,
+                                                   K_SMALL, CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT, FITS)
+    else:
+        thr, mass, token, e_max = _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots,
+                                               seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK, K_SMALL,
+                                               CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT, FITS)
 
     if SAMPLE:
         tl.store(out_ptr + row, token)
