@@ -5,8 +5,10 @@
 #   bash benchmarks/gpu_session.sh suite OUT            # python -m torch_kernels tune, then the bench suite under auto
 #   bash benchmarks/gpu_session.sh bench OUT [names]    # benchmarks/bench_<name>.py (default: all)
 # BUDGET=<seconds> stops starting new steps once that much time has passed; TESTS="<pytest args>"
-# narrows the test run (default: tests/), SHARDS=<n> sets its processes (default 15, for 16 cores). On the H200 (2026-11-29): tune 127 s, the suite 114 s; the gpu tests
-# about 250 s in 15 shards (estimated from two partial sharded runs; TileLang's nvcc dominates).
+# narrows the test run (default: tests/), SHARDS=<n> sets its processes (default 15, for 16 cores). On the H200 (2026-11-29): tune 119-127 s,
+# the suite 114-131 s; the gpu tests 190 s in 24 shards (32 cores), 258 s in 16 beside the suite on the
+# other GPU (TileLang's nvcc dominates); python -m torch_kernels 98 s.
+# Two GPUs (kind nvidia-h200-x2): CUDA_VISIBLE_DEVICES=0 ... suite & CUDA_VISIBLE_DEVICES=1 ... tests &
 # Needs the bundles of shared/gpu/README.md (. .gpu-pkgs/setup.sh); expecttest travels in .gpu-pkgs/extra.
 set -uo pipefail
 what=${1:?tests|suite|bench}; out=${2:?output folder}; budget=${BUDGET:-100000}
