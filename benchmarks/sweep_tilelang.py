@@ -114,10 +114,7 @@ def norm_rows(ceiling: float) -> list:
                             fn, lambda fn=fn: fn(xx, w, out, cases.EPS))
                 got = call()
                 torch.testing.assert_close(out if got is None else got, want, atol=2e-2, rtol=2e-2)
-            us = harness.replay_us(call)
-            rows.append({"op": op, "shape": f"{tokens}x{n}", "impl": label, "us": us,
-                         "GB/s": nbytes / us / 1e3, "of copy": nbytes / us / 1e3 / ceiling})
-            print(rows[-1], flush=True)
+            rows.append(_row(op, f"{tokens}x{n}", label, nbytes, harness.replay_us(call), ceiling))
     return rows
 
 
@@ -152,10 +149,7 @@ def merge_rows(ceiling: float) -> list:
                     got = peer.adapt(got)
             torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-3)
-            us = harness.replay_us(call)
-            rows.append({"op": "merge_attn_states", "shape": f"{tokens}x{heads}x{head_size}", "impl": label, "us": us,
-                         "GB/s": nbytes / us / 1e3, "of copy": nbytes / us / 1e3 / ceiling})
-            print(rows[-1], flush=True)
+            rows.append(_row("merge_attn_states", f"{tokens}x{heads}x{head_size}", label, nbytes, harness.replay_us(call), ceiling))
     return rows
 
 
