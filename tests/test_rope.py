@@ -137,10 +137,20 @@ def test_rotary_embedding_backends_match_reference(dtype, device):
                         strided_positions=i % 4 == 3)
 
 
+def _tilelang_rotary_embedding(*args):
+    from torch_kernels.impl.tilelang import rope as tilelang_rope
+    return tilelang_rope.rotary_embedding(*args)
+
+
 @pytest.mark.gpu
-def test_rotary_embedding_large_offsets_past_int32():
+@pytest.mark.parametrize("impl", ["registered op", "tilelang"])
+def test_rotary_embedding_large_offsets_past_int32(impl):
     """A query of more than 2^31 elements: token offsets need 64 bits. Checked on the first and last
-    tokens against the reference run on those tokens alone."""
+    tokens against the reference run on those tokens alone, for the op (Triton serves it first) and
+    for the TileLang kernel, which computes its own offsets."""
+    if impl == "tilelang":
+        pytest.importorskip("tilelang")
+    rotary_embedding = torch.ops.deepinfer.rotary_embedding if impl == "registered op" else _tilelang_rotary_embedding
     t, hq, hk, hs = (1 << 31) // (32 * 128) + 5, 32, 8, 128
     positions = torch.randint(0, 8192, (t,), device="cuda")
     cache = rope.make_cos_sin_cache(8192, hs, device="cuda")
@@ -149,7 +159,7 @@ def test_rotary_embedding_large_offsets_past_int32():
     rows = torch.tensor([0, 1, t - 2, t - 1], device="cuda")
     want_q, want_k = q[rows].clone(), k[rows].clone()
     REFERENCE(positions[rows], want_q, want_k, hs, cache, True)
-    torch.ops.deepinfer.rotary_embedding(positions, q, k, hs, cache, True)
+    rotary_embedding(positions, q, k, hs, cache, True)
     assert_close(q[rows], want_q)
     assert_close(k[rows], want_k)
 
