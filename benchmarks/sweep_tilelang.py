@@ -1,8 +1,9 @@
 """Launch-parameter sweeps of TileLang kernels on the GPU host, beside the Triton backend and
 FlashInfer's API in the same run: where the constants of ``impl/tilelang/norm.py``
-(``_ELEMENTS_PER_THREAD``, ``_THIRTY_TWO_A_THREAD``, ``_BLOCK_THREADS``), ``impl/tilelang/attention.py``
-(``_PER_THREAD``, ``_THREADS``) and ``impl/tilelang/rope.py`` (``_BLOCK_THREADS``) come from, and the
-GELUs of ``impl/tilelang/activation.py`` against the Triton backend's.
+(``_ELEMENTS_PER_THREAD``, ``_THIRTY_TWO_A_THREAD``, ``_PREFETCH_WEIGHT``, ``_TILE_EXACTLY``),
+``impl/tilelang/attention.py`` (``_PER_THREAD``, ``_THREADS``), ``impl/tilelang/rope.py``
+(``_BLOCK_THREADS``), ``impl/tilelang/activation.py`` (``_FAST_MATH``) and ``_jit.dependent_launch``
+come from.
 
     . .gpu-pkgs/setup.sh && python benchmarks/sweep_tilelang.py --out sweep.json
 
@@ -30,16 +31,23 @@ from torch_kernels.impl.torch import rope as ref_rope  # noqa: E402
 from torch_kernels.impl.triton import activation as tr_act, attention as tr_merge, norm as tr_norm  # noqa: E402
 from torch_kernels.impl.triton import rope as tr_rope  # noqa: E402
 
-NORM_SHAPES = ((1, 4096), (1, 8192), (32, 8192), (16384, 8192), (16384, 7168), (4096, 4096))
-# label -> the module constants it patches. The sweep of 2026-11-29 (elements a thread 8/16/32 x block
-# threads 128/512/1024 at 16384x8192, 16384x7168, 4096x4096, 8192x4096) set _THIRTY_TWO_A_THREAD; this
-# one times the weight prefetch against the same layouts without it.
-NORM_VARIANTS = {"tilelang": {}, "tilelang, no weight prefetch": {"_PREFETCH_WEIGHT": False}}
+NORM_SHAPES = ((1, 7168), (32, 8192), (16384, 8192), (16384, 7168), (4096, 7168))
+NORM_OPS = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm")
+# label -> the module constants it patches (names starting DEEPINFER_: environment variables). The
+# sweeps of 2026-11-29 set _THIRTY_TWO_A_THREAD (elements a thread 8/16/32 x block threads 128/512/1024),
+# _PREFETCH_WEIGHT and _TILE_EXACTLY, and ruled out a weight prefetched in fp32 with Gemma's + 1 added,
+# the fused residual stored before the row's sum and fused rows in chunks (norm.py says by how much);
+# this one times programmatic dependent launch (_jit.dependent_launch) against rows padded to a power
+# of two.
+NORM_VARIANTS = {"tilelang": {}, "tilelang, padded rows": {"_TILE_EXACTLY": False},
+                 "tilelang, no PDL": {_jit.ENV_PDL: "0"}}
 MERGE_TOKENS = (4096, 8192, 16384)
 MERGE_VARIANTS = tuple(itertools.product((4, 8, 16), (128, 256, 512)))  # (values a thread, block threads)
 ROPE_TOKENS = (4096, 16384)
 ROPE_VARIANTS = (64, 128, 256, 512)  # block threads
-ACT_SHAPES = ((16384, 8192), (4096, 4096), (8192, 14336))  # (tokens, d)
+ACT_SHAPES = ((1, 8192), (32, 8192), (16384, 8192), (4096, 7168))  # (tokens, d)
+ACT_VARIANTS = {"tilelang": {}, "tilelang, IEEE exp and division": {"_FAST_MATH": False},
+                "tilelang, no PDL": {_jit.ENV_PDL: "0"}}
 
 
 def _row(op: str, shape: str, label: str, nbytes: int, us: float, ceiling: float) -> dict:
@@ -49,14 +57,25 @@ def _row(op: str, shape: str, label: str, nbytes: int, us: float, ceiling: float
 
 
 def _patched(module, values: dict, build, *key):
-    old = {k: getattr(module, k) for k in values}
+    """``build(*key)`` with the module constants in ``values`` patched (names in capitals starting
+    with DEEPINFER_ are environment variables instead)."""
+    env = {k: v for k, v in values.items() if k.startswith("DEEPINFER_")}
+    consts = {k: v for k, v in values.items() if k not in env}
+    old = {k: getattr(module, k) for k in consts}
+    old_env = {k: os.environ.get(k) for k in env}
     try:
-        for k, v in values.items():
+        for k, v in consts.items():
             setattr(module, k, v)
+        os.environ.update(env)
         return build(*key)
     finally:
         for k, v in old.items():
             setattr(module, k, v)
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _compile_all(funcs: dict) -> dict:
@@ -75,45 +94,42 @@ def _compile_all(funcs: dict) -> dict:
 def norm_rows(ceiling: float) -> list:
     import flashinfer.norm
 
-    keys = {(n, fused, label) for (_, n), fused, label in itertools.product(NORM_SHAPES, (False, True), NORM_VARIANTS)}
-    prims = {k: _patched(tl_norm, NORM_VARIANTS[k[2]], tl_norm._build, k[0], "bfloat16", "bfloat16", k[1], False)
-             for k in keys}
+    keys = set(itertools.product({n for _, n in NORM_SHAPES}, NORM_OPS, NORM_VARIANTS))
+    prims = {(n, op, label): _patched(tl_norm, NORM_VARIANTS[label], tl_norm._build, n, "bfloat16", "bfloat16",
+                                      "fused" in op, op.startswith("gemma")) for n, op, label in keys}
     fns = _compile_all(prims)
     rows = []
-    for (tokens, n), fused in itertools.product(NORM_SHAPES, (False, True)):
+    for (tokens, n), op in itertools.product(NORM_SHAPES, NORM_OPS):
+        fused = "fused" in op
         g = torch.Generator(device="cuda").manual_seed(tokens + n)
         x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16, generator=g)
         r = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16, generator=g)
         w = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
         nbytes = x.numel() * 2 * (4 if fused else 2)
-        op = "fused_add_rmsnorm" if fused else "rmsnorm"
         if fused:
             want_x, want_r = x.clone(), r.clone()
-            ref_norm.fused_add_rmsnorm(want_x, want_r, w, cases.EPS)
+            getattr(ref_norm, op)(want_x, want_r, w, cases.EPS)
         else:
-            want = ref_norm.rmsnorm(x, w, cases.EPS)
-        impls = {label: fns[(n, fused, label)] for label in NORM_VARIANTS}
-        impls["triton backend"] = "triton"
-        impls["flashinfer api"] = "flashinfer"
+            want = getattr(ref_norm, op)(x, w, cases.EPS)
+        impls = {label: fns[(n, op, label)] for label in NORM_VARIANTS}
+        impls["triton backend"] = getattr(tr_norm, op)
+        impls["flashinfer api"] = getattr(flashinfer.norm, op)
         for label, fn in impls.items():
-            if isinstance(fn, str) and fn not in ("triton", "flashinfer"):
+            if isinstance(fn, str):
                 rows.append({"op": op, "shape": f"{tokens}x{n}", "impl": label, "status": fn})
                 continue
             xx, rr = x.clone(), r.clone()
             out = torch.empty_like(x)
+            kernel = label.startswith("tilelang")  # a compiled host function: outputs are arguments
             if fused:
-                call = {"triton": lambda: tr_norm.fused_add_rmsnorm(xx, rr, w, cases.EPS),
-                        "flashinfer": lambda: flashinfer.norm.fused_add_rmsnorm(xx, rr, w, cases.EPS)}.get(
-                            fn, lambda fn=fn: fn(xx, rr, w, cases.EPS))
+                call = lambda fn=fn: fn(xx, rr, w, cases.EPS)  # noqa: E731
                 call()
                 torch.testing.assert_close(xx, want_x, atol=2e-2, rtol=2e-2)
                 torch.testing.assert_close(rr, want_r, atol=2e-2, rtol=2e-2)
             else:
-                call = {"triton": lambda: tr_norm.rmsnorm(xx, w, cases.EPS),
-                        "flashinfer": lambda: flashinfer.norm.rmsnorm(xx, w, cases.EPS)}.get(
-                            fn, lambda fn=fn: fn(xx, w, out, cases.EPS))
+                call = (lambda fn=fn: fn(xx, w, out, cases.EPS)) if kernel else (lambda fn=fn: fn(xx, w, cases.EPS))
                 got = call()
-                torch.testing.assert_close(out if got is None else got, want, atol=2e-2, rtol=2e-2)
+                torch.testing.assert_close(out if kernel else got, want, atol=2e-2, rtol=2e-2)
             rows.append(_row(op, f"{tokens}x{n}", label, nbytes, harness.replay_us(call), ceiling))
     return rows
 
@@ -181,19 +197,23 @@ def rope_rows(ceiling: float) -> list:
 def act_rows(ceiling: float) -> list:
     import flashinfer.activation
 
-    prims = {(d, act): tl_act._build(d, "bfloat16", act) for (_, d) in ACT_SHAPES for act in ("gelu", "gelu_tanh")}
+    acts = ("silu", "gelu_tanh")
+    prims = {(d, act, label): _patched(tl_act, ACT_VARIANTS[label], tl_act._build, d, "bfloat16", act)
+             for (_, d) in ACT_SHAPES for act in acts for label in ACT_VARIANTS}
     fns = _compile_all(prims)
     rows = []
-    for (tokens, d), act in itertools.product(ACT_SHAPES, ("gelu", "gelu_tanh")):
+    for (tokens, d), act in itertools.product(ACT_SHAPES, acts):
         x = torch.randn(tokens, 2 * d, device="cuda", dtype=torch.bfloat16) * 2
-        want = ref_act.gelu_and_mul(x, "none" if act == "gelu" else "tanh")
+        want = ref_act.silu_and_mul(x) if act == "silu" else ref_act.gelu_and_mul(x, "tanh")
         nbytes = x.numel() * 2 * 3 // 2
         out = torch.empty(tokens, d, device="cuda", dtype=torch.bfloat16)
-        fi = flashinfer.activation.gelu_and_mul if act == "gelu" else flashinfer.activation.gelu_tanh_and_mul
-        impls = {"tilelang": lambda: (fns[(d, act)](x, out), out)[1],
-                 "triton backend": lambda: tr_act.act_and_mul(x, act),
-                 "flashinfer api": lambda: fi(x)}
+        impls = {label: (lambda fn=fns[(d, act, label)]: (fn(x, out), out)[1]) for label in ACT_VARIANTS}
+        impls["triton backend"] = lambda: tr_act.act_and_mul(x, act)
+        impls["flashinfer api"] = lambda: getattr(flashinfer.activation, f"{act}_and_mul")(x)
         for label, fn in impls.items():
+            if isinstance(fns.get((d, act, label)), str):
+                rows.append({"op": f"{act}_and_mul", "shape": f"{tokens}x2*{d}", "impl": label, "status": fns[(d, act, label)]})
+                continue
             torch.testing.assert_close(fn(), want, atol=2e-2, rtol=2e-2)
             rows.append(_row(f"{act}_and_mul", f"{tokens}x2*{d}", label, nbytes, harness.replay_us(fn), ceiling))
     return rows

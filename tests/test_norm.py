@@ -107,6 +107,18 @@ def test_backends_large_values_and_nonfinite(op, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", FUSED)
+def test_triton_chunked_fused_route_matches_reference(op, device, monkeypatch):
+    """The fused ops' chunked route (the Triton backend takes it from 4096 tokens) at every token
+    count: a row in one chunk, a masked last chunk, several chunks, strided rows."""
+    from torch_kernels.impl.triton import norm as triton_norm
+    monkeypatch.setattr(triton_norm, "_FUSED_CHUNKED_MIN_TOKENS", 1)
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape, stride in (((3, 1000), None), ((2, 5120), None), ((5, 96), 160)):
+            _check_backends(op, device, dtype, shape, stride)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fused_add_non_collapsible_leading_dims(device):
     """Leading dims that are not one stride (a slice in the middle dim) still update in place."""
     base_x, base_r = (torch.randn(3, 4, 160, device=device) for _ in range(2))

@@ -302,13 +302,17 @@ def test_norm_layouts(dtype):
         if n <= norm._ONE_PASS_MAX:
             assert width >= n and width - n < tr * vec, n  # one pass, less than a stripe of padding
             assert bm == 1 or tr * bm == norm._BLOCK_THREADS, n
-            assert per_thread <= 2 * norm._elements_per_thread(n, fused), n
+            # at most twice the target a thread, or a row tiled exactly with up to the exact-tiling budget
+            assert per_thread <= 2 * norm._elements_per_thread(n, fused) or (
+                width == n and per_thread <= norm._EXACT_MAX_PER_THREAD), n
         else:
             assert bm == 1 and per_thread == norm._ELEMENTS_PER_THREAD, n
     # the benchmark rows: 256 threads, four 16-byte vectors each; fused, 512 threads with two
     assert norm._layout(8192, "bfloat16") == (8, 256, 1, 8192)
     assert norm._layout(8192, "bfloat16", fused=True) == (8, 512, 1, 8192)
     assert norm._layout(4096, "bfloat16", fused=True) == (8, 128, 1, 4096)
+    # 7168 tiled exactly by 128 threads of 56 values, not padded to 8192 columns
+    assert norm._layout(7168, "bfloat16") == norm._layout(7168, "bfloat16", fused=True) == (8, 128, 1, 7168)
 
 
 def test_activation_tiles():

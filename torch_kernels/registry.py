@@ -109,20 +109,19 @@ KERNELS: Tuple[KernelSpec, ...] = (
 #: TileLang first as in the DeepInfer dispatcher; Triton before FlashInfer because the one-row Triton
 #: rmsnorm measured 4092 GB/s against FlashInfer's 2762 at 16384x8192 bf16 (shared/gpu/README.md).
 DEFAULT_CUDA_PRIORITY: Tuple[Backend, ...] = (Backend.TILELANG, Backend.TRITON, Backend.FLASHINFER, Backend.TORCH)
-#: Per-op exceptions, from the H200 (docs/benchmarks/suite/, tune/winners.md; bf16): gelu_tanh_and_mul
-#: ties TileLang and Triton at 16384 tokens (4326 against 4330 GB/s at 2*8192) but Triton is faster at
-#: 1-512 tokens (1.41 against 1.71 µs at one token, 8192). TileLang's erf GELU, since it computes the
-#: Triton backend's formula, beats Triton at every tuned size (4082 against 3942 GB/s at 16384x2*8192,
-#: 1.31 against 1.55 µs at one token) and serves first; silu ties (4331 against 4321) and keeps
-#: TileLang for its host cost (12 µs a call against Triton's 30).
+#: Per-op exceptions, from the H200 (docs/benchmarks/suite/, tune/winners.md; bf16). TileLang's
+#: activations serve first: since they compute the Triton backend's formulas with its fast exp and
+#: reciprocal, they tie or beat it (sweep_tilelang.py, 2026-11-29: gelu_tanh 1.32 against 1.41 µs at one
+#: token of 8192, 1.53 against 1.70 at 32, 4331 against 4341 GB/s at 16384x2*8192; erf GELU 4082
+#: against 3942 GB/s in the suite), at under half Triton's host cost (12 µs a call against 30).
+#: rotary_embedding serves Triton first: 85.8 µs against TileLang 86.0 at 16384 tokens (32+8 heads x
+#: 128), 1.53 against 1.73 at one token (docs/benchmarks/tune/winners.md, H200, bf16). TileLang's quant
+#: and merge kernels serve by default: quant ties Triton on the device (87.0 against 94.0 µs at
+#: 16384x7168, 1.64 against 1.57 at one token) at a third of its host cost (34 against 81 µs a call);
+#: merge was faster at every tuned size (25.9 against 26.7 µs at 4096x32x128, 1.59 against 1.78 at one
+#: token).
 _TRITON_FIRST = (Backend.TRITON, Backend.TILELANG, Backend.FLASHINFER, Backend.TORCH)
-#: rotary_embedding too: Triton 85.8 µs against TileLang 86.0 at 16384 tokens (32+8 heads x 128), 1.53
-#: against 1.73 at one token (docs/benchmarks/tune/winners.md, H200, bf16). TileLang's quant and merge
-#: kernels serve by default: quant ties Triton on the device (87.0 against 94.0 µs at 16384x7168, 1.64
-#: against 1.57 at one token) at a third of its host cost (34 against 81 µs a call); merge was faster at
-#: every tuned size (25.9 against 26.7 µs at 4096x32x128, 1.59 against 1.78 at one token).
-CUDA_PRIORITY: Dict[str, Tuple[Backend, ...]] = {
-    op: _TRITON_FIRST for op in ("gelu_tanh_and_mul", "rotary_embedding")}
+CUDA_PRIORITY: Dict[str, Tuple[Backend, ...]] = {"rotary_embedding": _TRITON_FIRST}
 
 # ------------------------------------------------------------------------------------------------
 # Compiled routes: what an op becomes below Dynamo's one node when torch.compile traces it on CUDA

@@ -33,6 +33,11 @@ _TILE = 1024
 _THREADS = 128
 _PER_THREAD = _TILE // _THREADS
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# silu and the tanh GELU by __expf and an approximate reciprocal (as Triton's tl.exp and 1.0 / x lower),
+# not expf and an IEEE division. sweep_tilelang.py on the H200 (2026-11-29, bf16, 2*8192, fast against
+# IEEE): silu 1.33 against 1.68 µs at one token, 1.53 against 1.89 at 32, 4292 against 4319 GB/s at
+# 16384 tokens (within the spread); gelu_tanh 1.32 / 1.53 µs against 1.72 / 1.86, 4331 against 4342.
+_FAST_MATH = True
 
 
 _vec = _jit.vector_width  # over d: the up half starts d elements after the gate
@@ -61,6 +66,8 @@ def _activate(g, act: str, t=None):
     against Triton's 3945 (same shape, sweep_tilelang.py)."""
     f = T.float32
     if act == "silu":
+        if _FAST_MATH:
+            return g * T.fast_rcp(f(1) + T.__exp(-g))
         return g / (f(1) + T.exp(-g))
     if act == "gelu":
         # 1 + erf(g / sqrt(2)) from erfc(z) ~ t * P(t) * exp(-z^2), z = |g| / sqrt(2) (Abramowitz &
@@ -72,10 +79,13 @@ def _activate(g, act: str, t=None):
         pos = g >= f(0)
         return f(0.5) * g * (T.if_then_else(pos, f(2), f(0)) + T.if_then_else(pos, f(-1), f(1)) * erfc)
     # 0.5 * (1 + tanh(u)) == sigmoid(2u): g * sigmoid(2 * sqrt(2/pi) * (g + 0.044715 g^3))
+    if _FAST_MATH:
+        return g * T.fast_rcp(f(1) + T.__exp(f(-1.5957691216057308) * (g + f(0.044715) * g * g * g)))
     return g / (f(1) + T.exp(f(-1.5957691216057308) * (g + f(0.044715) * g * g * g)))
 
 
 def _build(d: int, dtype: str, act: str):
+    pdl = _jit.dependent_launch()
     VEC = _vec(d, dtype)
     NV = _PER_THREAD // VEC  # vectors a thread
     BM, BN = _tile(d)
@@ -99,6 +109,8 @@ def _build(d: int, dtype: str, act: str):
         T.assume(T.Or(num_tokens <= 1, x_stride % VEC == 0))
         Xa = T.view(X, strides=(x_stride // VEC * VEC, 1))
         with T.Kernel(T.ceildiv(num_tokens, BM) * COL_TILES, threads=_THREADS) as block:
+            if pdl:  # before any access: see _jit.dependent_launch
+                T.pdl_sync()
             # Thread t owns row t // TR of the tile and its vectors k = 0..NV-1 at columns
             # (t % TR + k * TR) * VEC: a warp's lanes touch consecutive 16-byte vectors. The loops over
             # registers are explicit because TileLang does not widen a loop that calls erf.

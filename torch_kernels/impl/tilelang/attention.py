@@ -46,6 +46,7 @@ def _vec(head_size: int, dtype: str) -> int:
 
 
 def _build(num_heads: int, head_size: int, dtype: str, aligned: bool):
+    pdl = _jit.dependent_launch()
     H, D = num_heads, head_size
     E = _per_thread(D)
     VEC = _vec(D, dtype)
@@ -83,6 +84,8 @@ def _build(num_heads: int, head_size: int, dtype: str, aligned: bool):
         a_ = T.view(v_a, strides=(sa_t // VEC * VEC, sa_h // VEC * VEC, 1) if aligned else (sa_t, sa_h, 1))
         b_ = T.view(v_b, strides=(sb_t // VEC * VEC, sb_h // VEC * VEC, 1) if aligned else (sb_t, sb_h, 1))
         with T.Kernel(T.ceildiv(Tn * (H * LANES), _THREADS), threads=_THREADS) as block:
+            if pdl:  # before any access: see _jit.dependent_launch
+                T.pdl_sync()
             item = block * _THREADS + T.get_thread_binding()  # (token, head, lane), flat
             t = T.alloc_var("int32")
             h = T.alloc_var("int32")

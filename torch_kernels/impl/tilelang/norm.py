@@ -56,6 +56,19 @@ _CHUNK_THREADS = 512
 # (1.59 / 1.56 µs at 4096, within the spread). A padded row (7168 in 8192 columns) lost 6.6% with it
 # (3799 against 4069): its masked loads are left as they were.
 _PREFETCH_WEIGHT = True
+# Rows that a smaller power of two of threads tiles exactly take it, up to _EXACT_MAX_PER_THREAD values
+# a thread, instead of padding the row to the next power of two (7168 bf16: 128 threads of 56 values,
+# not 512 of 16 over 8192 columns). sweep_tilelang.py on the H200 (2026-11-29, bf16, exact against
+# padded): fused_add_rmsnorm 16384x7168 4048 against 4002 GB/s, 4096x7168 3898 against 3782, Gemma's
+# 4069 against 4022; one token of 7168 1.92 against 2.38 µs (rmsnorm), 2.25 against 2.81 (fused);
+# rmsnorm 16384x7168 4116 against 4158 (Triton 4145 in that run).
+_TILE_EXACTLY = True
+_EXACT_MAX_PER_THREAD = 64
+# Not taken, from sweep_tilelang.py on the H200 (2026-11-29, bf16): the fused ops in chunks of one
+# vector a thread, storing each chunk's residual at once and normalising it re-read, as the Triton
+# kernel does from 4096 tokens (its L2 hints make it 4189 GB/s at 16384x8192): 4013-4073 against 4067
+# one-pass here, 4092-4097 against 4060 at 16384x7168, and 2.5-3.1 against 1.9 µs at one token of 7168.
+# Nor the residual stored before the row's sum (3986 against 4034 at 16384x7168).
 
 
 _vec = _jit.vector_width
@@ -71,12 +84,18 @@ def _layout(n: int, dtype: str, fused: bool = False) -> Tuple[int, int, int, int
     vec = _vec(n, dtype)
     if n > _ONE_PASS_MAX:
         return vec, _CHUNK_THREADS, 1, _CHUNK_THREADS * _ELEMENTS_PER_THREAD
-    tr = 1 << min(max(round(math.log2(n / _elements_per_thread(n, fused))), 0), _MAX_THREADS.bit_length() - 1)
+    tr = default = 1 << min(max(round(math.log2(n / _elements_per_thread(n, fused))), 0), _MAX_THREADS.bit_length() - 1)
+    if _TILE_EXACTLY:
+        while n % (tr * vec) and tr > 1 and 2 * n <= tr * _EXACT_MAX_PER_THREAD:
+            tr //= 2
+        if n % (tr * vec):  # no power of two tiles the row within the register budget
+            tr = default
     step = tr * vec
     return vec, tr, max(1, _BLOCK_THREADS // tr), -(-n // step) * step
 
 
 def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool):
+    pdl = _jit.dependent_launch()
     VEC, TR, BM, WIDTH = _layout(n, dtype, fused)
     PASSES = -(-n // WIDTH)
     f32 = "float32"
@@ -121,6 +140,8 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool):
         # One statement per parallel loop: TileLang then widens each to 16-byte global accesses (a
         # loop storing two buffers was split into 8-byte ones).
         with T.Kernel(T.ceildiv(num_tokens, BM), threads=TR * BM) as block:
+            if pdl:  # before any access: see _jit.dependent_launch
+                T.pdl_sync()
             x = T.alloc_fragment((BM, WIDTH), f32)  # this pass's values of the block's rows
             sq = T.alloc_fragment((BM, WIDTH), f32)  # per-thread sums of squares
             rstd = T.alloc_fragment((BM,), f32)

@@ -59,6 +59,7 @@ def _vec(group_size: int, dtype: str) -> int:
 
 
 def _build(group_size: int, dtype: str, ue8m0: bool, exact_div: bool, aligned: bool):
+    pdl = _jit.dependent_launch()
     GS = group_size
     E = _per_thread(GS)
     LANES = GS // E  # threads a group: a power of two, at most 32
@@ -90,6 +91,8 @@ def _build(group_size: int, dtype: str, ue8m0: bool, exact_div: bool, aligned: b
             T.assume(T.Or(Tn <= 1, sx % VEC == 0))
         xa = T.view(x, strides=(sx // VEC * VEC, 1) if aligned else (sx, 1))
         with T.Kernel(T.ceildiv(Tn * G, GROUPS_PER_BLOCK), threads=_THREADS) as block:
+            if pdl:  # before any access: see _jit.dependent_launch
+                T.pdl_sync()
             tid = T.get_thread_binding()
             pair = block * GROUPS_PER_BLOCK + tid // LANES  # (row, group), flat
             # Row and group kept in registers: one 32-bit division per thread (sizes are positive:

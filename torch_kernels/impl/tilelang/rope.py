@@ -58,6 +58,7 @@ def _layout(num_heads: int, rot_dim: int, vec: int) -> Tuple[int, int, int, int]
 
 def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_neox: bool, dtype: str,
            cache_dtype: str, positions_dtype: str, rank: int, aligned: bool):
+    pdl = _jit.dependent_launch()
     HQ, HK, HS, ROT = num_q_heads, num_k_heads, head_size, rot_dim
     HALF = rot_dim // 2
     VEC = _vec(rot_dim, is_neox, dtype)
@@ -112,6 +113,8 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
                    (k_st, k_sh, 1))
         c = T.view(cache, strides=(c_s // VEC * VEC, 1) if aligned else (c_s, 1))
         with T.Kernel(T.ceildiv(Tn, TPAR), threads=THREADS) as block:
+            if pdl:  # before any access: see _jit.dependent_launch
+                T.pdl_sync()
             tid = T.get_thread_binding()
             t = block * TPAR + tid // (LANES * HPAR)
             h0 = tid // LANES % HPAR

@@ -1,7 +1,8 @@
 """Triton RMSNorm family: one program per row.
 
-Rows of up to ``_ONE_PASS_MAX`` elements are held in registers and read once; wider rows are
-reduced in a first pass and normalised in a second, in chunks of ``_CHUNK``. Arguments arrive
+Rows of up to ``_ONE_PASS_MAX`` elements are held in registers and read once; wider rows, and the
+fused ops' rows from ``_FUSED_CHUNKED_MIN_TOKENS`` tokens, are reduced in a first pass and normalised in
+a second, in chunks of ``_CHUNK``. Arguments arrive
 validated (``torch_kernels.ops.norm``): last dim contiguous, dtype fp16/bf16/fp32, weight ``(N,)``.
 
 Every entry point takes ``wrap``: ``None`` in eager calls; ``torch.library.wrap_triton`` when
@@ -20,9 +21,18 @@ from torch import Tensor
 from .._rows import rows, rows_view
 
 # 16384 fp32 values per row over 8 warps is 64 registers a thread: no spills. Wider rows (up to the
-# 65536+ the op allows) loop over 4096-element chunks and re-read the row, which then comes from L2.
+# 65536+ the op allows) loop over 4096-element chunks and re-read the row, which then comes from L2
+# (the first read asks L2 to keep it, the second to drop it, as Inductor's reductions do).
 _ONE_PASS_MAX = 16384
 _CHUNK = 4096
+# The fused ops from this many tokens take the chunked route at any width, 16 warps, storing each
+# chunk's residual as soon as it is summed and normalising it re-read: sweep_triton_norm.py on the
+# H200 (2026-11-29, bf16, chunked against one pass): 16384x7168 4163 against 4054 GB/s, 16384x8192
+# 4130 against 3992, 16384x4096 4126 against 3980, 4096x4096 3879 against 3780; but 2.03 against
+# 1.75 µs at one token of 4096 and 2.83 against 2.71 at 32x8192, where the row in registers wins.
+# Traced for torch.compile the token count is symbolic: those calls keep the one-pass route.
+_FUSED_CHUNKED_MIN_TOKENS = 4096
+_FUSED_CHUNK_WARPS = 16
 
 
 @triton.jit
@@ -50,7 +60,9 @@ def _rmsnorm_rows(
             x += tl.load(res_row + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(res_row + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        # evict_last: the weight is read by every row (sweep_triton_norm.py: 4064 against 4035 GB/s at
+        # 16384x8192, 4092 against 4054 at 16384x7168)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         if GEMMA:
             w += 1.0
         tl.store(out_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
@@ -58,9 +70,9 @@ def _rmsnorm_rows(
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             mask = start + cols < N
-            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             if HAS_RESIDUAL:
-                x += tl.load(res_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                x += tl.load(res_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
                 tl.store(res_row + start + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
             acc += x * x
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
@@ -68,10 +80,10 @@ def _rmsnorm_rows(
             mask = start + cols < N
             # The second pass re-reads the rounded residual: within one ulp of the fp32 sum.
             if HAS_RESIDUAL:
-                x = tl.load(res_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(res_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             else:
-                x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            w = tl.load(w_ptr + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             if GEMMA:
                 w += 1.0
             tl.store(out_row + start + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
@@ -82,10 +94,11 @@ def _launch(x: Tensor, res, out: Tensor, weight: Tensor, eps: float, gemma: bool
     T, N = x.shape[0], int(x.shape[1])  # int(): traced, the heuristics guard on the hidden size
     if wrap is None and T == 0:
         return
-    one_pass = N <= _ONE_PASS_MAX
-    block = triton.next_power_of_2(N) if one_pass else _CHUNK
-    num_warps = _num_warps(N if one_pass else block)
     has_res = res is not None
+    chunked = has_res and wrap is None and T >= _FUSED_CHUNKED_MIN_TOKENS
+    one_pass = N <= _ONE_PASS_MAX and not chunked
+    block = triton.next_power_of_2(N) if one_pass else _CHUNK
+    num_warps = _FUSED_CHUNK_WARPS if chunked else _num_warps(N if one_pass else block)
     (_rmsnorm_rows if wrap is None else wrap(_rmsnorm_rows))[(T,)](
         x, x.stride(0),
         res if has_res else x, res.stride(0) if has_res else 0,

@@ -1,0 +1,132 @@
+"""The Triton RMSNorm kernel against the structure Inductor generates for the reference, on the GPU
+host, all in one run: where ``impl/triton/norm.py``'s pass structure and cache hints come from.
+
+    . .gpu-pkgs/setup.sh && python benchmarks/sweep_triton_norm.py --out sweep_triton_norm.json
+
+``probe_inductor.py`` (2026-11-29, H200, bf16) had ``torch.compile`` of the reference at 4219 GB/s for
+rmsnorm 16384x8192 against 4059 for the Triton backend (one pass, the row in registers, 16 warps).
+Inductor's kernel reads the row twice (chunks of 2048 or the whole row, 16 warps): first with
+``evict_last``, so the second read (``evict_first``) comes from L2, and the weight with ``evict_last``.
+Each variant below is that kernel with one choice changed, checked against the reference, then timed by
+CUDA-graph replay against a copy measured in the same run.
+"""
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import cases, harness  # noqa: E402
+from torch_kernels.impl.torch import norm as ref_norm  # noqa: E402
+from torch_kernels.impl.triton import norm as tr_norm  # noqa: E402
+
+SHAPES = ((1, 4096), (32, 8192), (4096, 4096), (16384, 4096), (16384, 7168), (16384, 8192))
+
+
+@triton.jit
+def _variant(x_ptr, res_ptr, out_ptr, w_ptr, N, eps,
+             BLOCK: tl.constexpr, TWO_PASS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+             X1: tl.constexpr, X2: tl.constexpr, W: tl.constexpr, PDL: tl.constexpr):
+    """Rows of ``N`` (contiguous); ``X1``/``X2``/``W``: eviction policies of the first read of the row,
+    its second read (TWO_PASS) and the weight ("" for none); ``PDL``: launched as a programmatic
+    dependent launch, so it first waits for the previous kernel on the stream."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    x_row, res_row, out_row = x_ptr + row * N, res_ptr + row * N, out_ptr + row * N
+    cols = tl.arange(0, BLOCK)
+    if TWO_PASS:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            m = start + cols < N
+            x = tl.load(x_row + start + cols, mask=m, other=0.0, eviction_policy=X1).to(tl.float32)
+            if HAS_RESIDUAL:
+                x += tl.load(res_row + start + cols, mask=m, other=0.0, eviction_policy=X1).to(tl.float32)
+                tl.store(res_row + start + cols, x.to(res_ptr.dtype.element_ty), mask=m)
+            acc += x * x
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+        for start in range(0, N, BLOCK):
+            m = start + cols < N
+            if HAS_RESIDUAL:
+                x = tl.load(res_row + start + cols, mask=m, other=0.0, eviction_policy=X2).to(tl.float32)
+            else:
+                x = tl.load(x_row + start + cols, mask=m, other=0.0, eviction_policy=X2).to(tl.float32)
+            w = tl.load(w_ptr + start + cols, mask=m, other=0.0, eviction_policy=W).to(tl.float32)
+            tl.store(out_row + start + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=m)
+    else:
+        m = cols < N
+        x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy=X1).to(tl.float32)
+        if HAS_RESIDUAL:
+            x += tl.load(res_row + cols, mask=m, other=0.0, eviction_policy=X1).to(tl.float32)
+            tl.store(res_row + cols, x.to(res_ptr.dtype.element_ty), mask=m)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0, eviction_policy=W).to(tl.float32)
+        tl.store(out_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _variants(n: int) -> dict:
+    """label -> (BLOCK, TWO_PASS, X1, X2, W, num_warps, PDL)."""
+    row = triton.next_power_of_2(n)
+    warps = tr_norm._num_warps(row)
+    variants = {
+        "one pass (backend)": (row, False, "", "", "", warps),
+        "one pass, PDL": (row, False, "", "", "", warps, True),
+        "one pass, x evict_first, w evict_last": (row, False, "evict_first", "", "evict_last", warps),
+        "one pass, w evict_last": (row, False, "", "", "evict_last", warps),
+        "two pass whole row (inductor)": (row, True, "evict_last", "evict_first", "evict_last", 16),
+        "two pass 2048 (inductor)": (2048, True, "evict_last", "evict_first", "evict_last", 16),
+        "two pass 2048, 8 warps": (2048, True, "evict_last", "evict_first", "evict_last", 8),
+        "two pass 4096": (4096, True, "evict_last", "evict_first", "evict_last", 16),
+        "two pass 2048, no hints": (2048, True, "", "", "", 16),
+    }
+    return {k: v if len(v) == 7 else v + (False,) for k, v in variants.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    ceiling = harness.copy_ceiling_gbps()
+    rows = []
+    for (tokens, n), fused in itertools.product(SHAPES, (False, True)):
+        op = "fused_add_rmsnorm" if fused else "rmsnorm"
+        g = torch.Generator(device="cuda").manual_seed(tokens + n)
+        x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16, generator=g)
+        r = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+        nbytes = x.numel() * 2 * (4 if fused else 2)
+        if fused:
+            want = [x.clone(), r.clone()]
+            ref_norm.fused_add_rmsnorm(*want, w, cases.EPS)
+        else:
+            want = [ref_norm.rmsnorm(x, w, cases.EPS)]
+        for label, (block, two, x1, x2, wp, warps, pdl) in _variants(n).items():
+            xx, rr, out = x.clone(), r.clone(), torch.empty_like(x)
+            dst = xx if fused else out
+
+            def call(block=block, two=two, x1=x1, x2=x2, wp=wp, warps=warps, pdl=pdl, xx=xx, rr=rr, dst=dst):
+                _variant[(tokens,)](xx, rr, dst, w, n, cases.EPS, BLOCK=block, TWO_PASS=two, HAS_RESIDUAL=fused,
+                                    X1=x1, X2=x2, W=wp, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+            call()
+            got = [xx, rr] if fused else [out]
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+            us = harness.replay_us(call)
+            row = {"op": op, "shape": f"{tokens}x{n}", "impl": label, "us": us, "GB/s": nbytes / us / 1e3,
+                   "of copy": nbytes / us / 1e3 / ceiling}
+            print(row, flush=True)
+            rows.append(row)
+    if args.out:
+        harness.write_json(args.out, {**harness.header(), "copy GB/s": ceiling, "rows": rows})
+    print(f"\ncopy ceiling {ceiling:.0f} GB/s\n")
+    print(harness.markdown(rows, ["op", "shape", "impl", "us", "GB/s", "of copy"]))
+
+
+if __name__ == "__main__":
+    main()
