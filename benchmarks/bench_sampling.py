@@ -3,7 +3,7 @@ replay beside the peers in the same run: FlashInfer's ``top_k_top_p_sampling_fro
 sampling case in shared/gpu/README.md) and torch sort + multinomial (1172 µs there) for the sampling
 cases; torch.compile of the reference for the main case only (each compile costs tens of seconds: the
 whole run must stay within two minutes); the eager reference. ``--sweep`` also times the Triton
-kernel's launch alternatives.
+kernel's launch alternatives (buffer and warps; the renormalised row's write; the histogram route).
 
 FlashInfer is called only through its sampling JIT module (the one saved for the host): see
 ``_flashinfer``.
@@ -185,6 +185,33 @@ def sweep() -> list:
             us = repr(e)[:60]
         rows.append({"case": off[0], "chunk_g": chunk_g, "pivots": f"{np_count}/{np_mass}", "warps": warps, "us": us,
                      "default": "<-" if cfg == triton_sampling.DEFAULT else ""})
+    for with_top_k in (True, False):  # the histogram route's launches in a call whose rows all cut at top_k = 50
+        cfg = triton_sampling.Config(hist_with_top_k=with_top_k)
+        fn = lambda: triton_sampling._launch(*args, sample=True, config=cfg)  # noqa: E731
+        rows.append({"case": name, "hist": f"with top-k: {with_top_k}", "us": harness.graph_us(fn),
+                     "default": "<-" if cfg == triton_sampling.DEFAULT else ""})
+    renorm_k = cases()[3]  # the renormalised row's write (_renorm_write_kernel)
+    for block, warps in [(4096, 8), (4096, 4), (2048, 4), (8192, 8), (8192, 16)]:
+        cfg = triton_sampling.Config(write_block=block, write_warps=warps)
+        fn = lambda: triton_sampling._launch(*renorm_k[2], None, None, None, sample=False, config=cfg)  # noqa: E731
+        try:
+            us = harness.graph_us(fn)
+        except Exception as e:  # noqa: BLE001
+            us = repr(e)[:60]
+        rows.append({"case": renorm_k[0], "write": f"{block}/{warps}w", "us": us,
+                     "default": "<-" if cfg == triton_sampling.DEFAULT else ""})
+    renorm_p = cases()[4]  # the histogram route (0 slices: the full-pass route it replaces)
+    for slices, buckets, shift, warps in [(32, 2048, 17, 8), (32, 1024, 18, 8), (32, 4096, 16, 8), (16, 2048, 17, 8),
+                                          (64, 2048, 17, 4), (32, 2048, 17, 4), (0, 2048, 17, 8)]:
+        cfg = triton_sampling.Config(hist_slices=slices, hist_buckets=buckets, hist_shift=shift, hist_warps=warps)
+        fn = lambda: triton_sampling._launch(renorm_p[2][0], None, renorm_p[2][1], None, None, sample=False,  # noqa: E731
+                                             config=cfg)
+        try:
+            us = harness.graph_us(fn)
+        except Exception as e:  # noqa: BLE001
+            us = repr(e)[:60]
+        rows.append({"case": renorm_p[0], "hist": f"{slices}x{buckets} 2^{shift} {warps}w", "us": us,
+                     "default": "<-" if cfg == triton_sampling.DEFAULT else ""})
     return rows
 
 
@@ -203,7 +230,8 @@ def main() -> None:
         harness.write_json(args.out, result)
     print(f"\n{result['gpu']}  torch {result['versions']['torch']}  CUDA key: {result['cuda_key_serves'][OPS[0]]}\n")
     if swept:
-        print(harness.markdown(swept, ["case", "cap", "chunk", "chunk_g", "pivots", "warps", "us", "default"]))
+        print(harness.markdown(swept, ["case", "cap", "chunk", "chunk_g", "pivots", "warps", "write", "hist", "us",
+                                       "default"]))
         print()
     print(harness.markdown(rows, ["case", "impl", "us", "timing", "GB/s", "vs flashinfer", "matches"]))
 

@@ -1,5 +1,6 @@
 """Triton sampling family: bit-identical to the reference, one program per row after an optional
-split prepass.
+split prepass (top-k) or histogram prepasses (top-p without top-k), then a parallel write of
+renormalised rows.
 
 The semantics (``torch_kernels/impl/torch/sampling.py``) reduce every op to one threshold ``T`` on the
 row's fp32 bit patterns (kept: ``bits(p) >= T``) and the kept mass ``M`` in 64-bit fixed point; the
@@ -18,7 +19,8 @@ whatever the summation order. Two routes per row:
   a multi-pivot search over the bit pattern, one read of the row (from L2 at the benchmark's 33 MB)
   per round of pivots, until the bracket left holds at most ``CAP`` values; those are compacted into
   the buffer (one more read) and the search ends in registers. Then a sampling scan that stops at
-  the sampled token (or the renormalised row is written).
+  the sampled token (renormalising: ``_renorm_write_kernel`` writes the row). Top-p rows without a
+  top-k cut take the histogram route below instead (unless ``Config.hist_slices == 0``).
 
 **Split prepass** (``V > CAP`` with top-k given): the streaming pass is latency-bound, one program
 walking 31 chunks of 4096 at ``V = 128256`` with block-wide reductions and a scan in each (~135 µs a
@@ -34,9 +36,41 @@ bound of the row's ``t_k``; when every ``cover_s <= tau`` the buffer holds every
 route (no streaming pass). Otherwise (``k > SLICE_CAP``, ties, or fewer positive values than k) the
 row takes the routes above as if there were no prepass.
 
+**Histogram route** (``V > CAP``, top-p, top-k keeping the whole row: all of ``top_p_renorm_probs``,
+and the sampling rows with ``top_k <= 0`` or ``>= V``): the full-pass route's searches are one program
+reading the row once a round (~340 µs a row on the H200). Instead, four small launches find the top-p
+threshold's bracket in parallel, exactly:
+
+1. ``_hist_prepass_kernel`` (grid ``(B, HIST_SLICES)``): each slice's largest pattern, which fixes the
+   row's fixed point (``e_max``: the masses below need it, and a per-slice fixed point would not sum
+   exactly); zeroes the row's histogram. One read of the row: ~3 µs at 1 row (32 programs of 16 KB),
+   ~10 µs at 64 (33 MB from HBM), + a launch.
+2. ``_hist_kernel`` (same grid): per bucket of ``2^hist_shift`` bit patterns (64 an octave over the 32
+   octaves below the top of the row's largest; everything smaller in bucket 0), the exact fixed-point
+   mass (int64) and count, by relaxed atomics (integer sums: exact in any order). The second read is
+   mostly from L2 (33 MB at 64 rows); ~128K atomics a row on ~400 addresses, at most a few hundred on
+   one for softmax rows: ~4 µs at 1 row, ~10-15 µs at 64, + a launch.
+3. ``_hist_bracket_kernel`` (grid ``(B,)``): scans a row's 2048 buckets: the bucket where the top-p
+   test turns (a prefix sum), i.e. ``lo`` failing and ``hi`` passing with the exact masses and counts
+   above them, the invariants of the full-pass route's search. ~2 µs + a launch.
+4. ``_bracket_compact_kernel`` (grid ``(B, HIST_SLICES)``): when the bracket holds at most ``CAP``
+   values (~240 at p = 0.9 for a softmax of randn * 3 at V = 128256), each slice appends its own to
+   the row's buffer (slots from an atomic counter; the order does not matter to sums and counts).
+   A third read, from L2: ~3 µs at 1 row, ~8 µs at 64, + a launch.
+
+The filter kernel then ends the search in registers (``_top_p_in_registers`` over the bracket's
+``2^hist_shift`` patterns: 17 bisection steps, ~10-15 µs), or, when the bracket is larger (ties, flat
+rows, a threshold among the tiny values of bucket 0), goes on with the exact full-pass search inside
+the bracket. Sampling then scans the row in index order up to the token, as on the full-pass route.
+
+**Renormalised rows** are written by ``_renorm_write_kernel`` (grid ``(B, cdiv(V, write_block))``) from
+the ``(threshold, 1/S)`` the filter kernel leaves per row: one program walking a whole row was
+latency-bound.
+
 Exactness does not depend on the launch parameters: ``tests/test_sampling.py`` runs every route with
 a 64-slot buffer on rows of 1000 against the reference, with and without the split prepass (4 and 16
-slices: 16 and 4 slots a slice).
+slices: 16 and 4 slots a slice) and the histogram route (64 buckets of 2^20 patterns: the route and
+its fallback).
 
 Arguments arrive validated (``torch_kernels.ops.sampling``): probs ``(B, V)`` fp32 with a contiguous
 last dim, ``top_k`` int32/int64 ``(B,)``, ``top_p`` fp32 ``(B,)``, seed and offset int64 one-element
@@ -71,6 +105,25 @@ class Config(NamedTuple):
     np_slice: int = 16  # pivots per round of a slice's count search ([16, 4096] compares per round)
     slice_warps: int = 8  # a slice program: 16 values, 16 x 16 compares per thread a round; 80 registers
     # for sm_90 without spills (4 warps: 180, so at most 2 programs an SM; 16 warps: 75)
+    # the renormalised row's write (_renorm_write_kernel, grid (B, cdiv(V, write_block))): 4096 values
+    # a program, 16 a thread at 8 warps: four 16-byte loads and stores in flight per thread, 32 programs
+    # a row at V = 128256 (2048 at 64 rows: a few waves over 132 SMs, enough to hide HBM latency),
+    # and few enough programs that the launch's block scheduling stays under a microsecond
+    write_block: int = 4096
+    write_warps: int = 8
+    # the histogram route (top-p rows that top-k leaves whole, V > cap; 0 slices: none). A row's
+    # fixed-point mass by bucket of 2^hist_shift bit patterns (2^17: 64 buckets an octave), over the
+    # hist_buckets * 2^hist_shift patterns (32 octaves) below the top of the row's largest octave, all
+    # smaller values in bucket 0. The bucket of the top-p threshold holds ~240 values of a softmax of
+    # randn * 3 at p = 0.9 and V = 128256, ~800 at randn * 1: well under cap, so one compaction.
+    hist_slices: int = 32  # slices a row of the histogram kernels (4008 values at V = 128256)
+    hist_buckets: int = 2048  # a power of two: 24 KB a row of int64 masses and int32 counts
+    hist_shift: int = 17
+    hist_warps: int = 8  # a slice program: 16 values a thread, as the slice prepass
+    # sampling calls too: their rows with top_k <= 0 or >= V would take the route, but the four
+    # launches run (and exit at once) when every row's top-k cuts, ~2 µs each in a CUDA graph, on the
+    # top_k=50 sampling call measured at 30.5 µs a row: off until bench_sampling.py --sweep times both
+    hist_with_top_k: bool = False
 
 
 DEFAULT = Config()
@@ -326,49 +379,69 @@ def _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bit
                 g_hi_acc += tl.where(b > hi, q, 0)
             g_lo = tl.sum(g_lo_acc, axis=0)
             g_hi = tl.sum(g_hi_acc, axis=0)
-        jm = tl.arange(0, NP_MASS).to(tl.int64) + 1
-        while (hi - lo > 1) & (c_lo - c_hi > CAP):
-            piv = lo + ((hi - lo).to(tl.int64) * jm // (NP_MASS + 1)).to(tl.int32)
-            g = tl.zeros([NP_MASS], dtype=tl.int64)
-            c = tl.zeros([NP_MASS], dtype=tl.int32)
-            for start in range(0, V, CHUNK_G):
-                cols = start + offs_g
-                b = _value_bits(row_ptr, cols, cols < V)
-                above = b[:, None] > piv[None, :]
-                g += tl.sum(tl.where(above, _fixed(b, e_max, q_bits)[:, None], 0), axis=0)
-                c += tl.sum(above.to(tl.int32), axis=0)
-            ok = _top_p_pred(g, limit)
-            # mass and count fall as the pivot rises: the largest failing pivot has the least,
-            # the smallest passing one the most
-            lo = tl.max(tl.where(ok, lo, piv), axis=0)
-            g_lo = tl.min(tl.where(ok, g_lo, g), axis=0)
-            c_lo = tl.min(tl.where(ok, c_lo, c), axis=0)
-            hi = tl.min(tl.where(ok, piv, hi), axis=0)
-            g_hi = tl.max(tl.where(ok, g, g_hi), axis=0)
-            c_hi = tl.max(tl.where(ok, c, c_hi), axis=0)
-        if hi - lo > 1:
-            nb = _compact(row_ptr, V, lo, hi, buf_bits, CHUNK_G, CAP)
-            vb = tl.load(buf_bits + slots, mask=slots < nb, other=-1)
-            hi, g_lo = _top_p_in_registers(vb, _fixed(vb, e_max, q_bits), limit, lo, hi, g_lo, g_hi)
-        thr = hi
-        mass = g_lo
+        thr, mass = _exact_top_p(row_ptr, V, lo, hi, g_lo, g_hi, c_lo, c_hi, limit, e_max, q_bits, buf_bits, slots,
+                                 CAP, CHUNK_G, NP_MASS)
     if SAMPLE:
-        target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
-        run = tl.zeros([], dtype=tl.int64)
-        found = 0
-        for start in range(0, V, CHUNK_G):
-            if found == 0:  # stops reading once the token is found
-                cols = start + offs_g
-                b = _value_bits(row_ptr, cols, cols < V)
-                kq = tl.where(b >= thr, _fixed(b, e_max, q_bits), 0)
-                total = tl.sum(kq, axis=0)
-                if run + total > target:  # the token is in this chunk: the one prefix sum of the scan
-                    cum = run + tl.cumsum(kq, axis=0)
-                    token = tl.min(tl.where(cum > target, cols, V), axis=0)
-                    found = 1
-                run += total
-
+        token = _sample_scan(row_ptr, V, thr, mass, e_max, q_bits, seed_ptr, offset_ptr, row, CHUNK_G)
     return thr, mass, token
+
+
+@triton.jit
+def _exact_top_p(row_ptr, V, lo, hi, g_lo, g_hi, c_lo, c_hi, limit, e_max, q_bits, buf_bits, slots,
+                 CAP: tl.constexpr, CHUNK_G: tl.constexpr, NP_MASS: tl.constexpr):
+    """(threshold pattern, kept mass) of the top-p test from a bracket: ``lo`` fails, ``hi`` passes,
+    ``g_*``/``c_*``: the exact mass and the count of the row's values above them. Multi-pivot passes
+    over the row with exact fixed-point sums until the bracket holds at most ``CAP`` values, which are
+    compacted into the buffer; the search ends in registers."""
+    offs_g = tl.arange(0, CHUNK_G)
+    jm = tl.arange(0, NP_MASS).to(tl.int64) + 1
+    while (hi - lo > 1) & (c_lo - c_hi > CAP):
+        piv = lo + ((hi - lo).to(tl.int64) * jm // (NP_MASS + 1)).to(tl.int32)
+        g = tl.zeros([NP_MASS], dtype=tl.int64)
+        c = tl.zeros([NP_MASS], dtype=tl.int32)
+        for start in range(0, V, CHUNK_G):
+            cols = start + offs_g
+            b = _value_bits(row_ptr, cols, cols < V)
+            above = b[:, None] > piv[None, :]
+            g += tl.sum(tl.where(above, _fixed(b, e_max, q_bits)[:, None], 0), axis=0)
+            c += tl.sum(above.to(tl.int32), axis=0)
+        ok = _top_p_pred(g, limit)
+        # mass and count fall as the pivot rises: the largest failing pivot has the least,
+        # the smallest passing one the most
+        lo = tl.max(tl.where(ok, lo, piv), axis=0)
+        g_lo = tl.min(tl.where(ok, g_lo, g), axis=0)
+        c_lo = tl.min(tl.where(ok, c_lo, c), axis=0)
+        hi = tl.min(tl.where(ok, piv, hi), axis=0)
+        g_hi = tl.max(tl.where(ok, g, g_hi), axis=0)
+        c_hi = tl.max(tl.where(ok, c, c_hi), axis=0)
+    if hi - lo > 1:
+        nb = _compact(row_ptr, V, lo, hi, buf_bits, CHUNK_G, CAP)
+        vb = tl.load(buf_bits + slots, mask=slots < nb, other=-1)
+        hi, g_lo = _top_p_in_registers(vb, _fixed(vb, e_max, q_bits), limit, lo, hi, g_lo, g_hi)
+    return hi, g_lo
+
+
+@triton.jit
+def _sample_scan(row_ptr, V, thr, mass, e_max, q_bits, seed_ptr, offset_ptr, row, CHUNK_G: tl.constexpr):
+    """The sampled token of a row kept at ``bits >= thr`` with kept mass ``mass``: a scan in index
+    order that stops reading at the chunk holding the token (0 for a row without mass)."""
+    offs_g = tl.arange(0, CHUNK_G)
+    token = tl.full([], 0, tl.int32)
+    target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
+    run = tl.zeros([], dtype=tl.int64)
+    found = 0
+    for start in range(0, V, CHUNK_G):
+        if found == 0:  # stops reading once the token is found
+            cols = start + offs_g
+            b = _value_bits(row_ptr, cols, cols < V)
+            kq = tl.where(b >= thr, _fixed(b, e_max, q_bits), 0)
+            total = tl.sum(kq, axis=0)
+            if run + total > target:  # the token is in this chunk: the one prefix sum of the scan
+                cum = run + tl.cumsum(kq, axis=0)
+                token = tl.min(tl.where(cum > target, cols, V), axis=0)
+                found = 1
+            run += total
+    return token
 
 
 @triton.jit
@@ -456,6 +529,46 @@ def _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, sl
 
 
 @triton.jit
+def _top_k_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots, stats_ptr, seed_ptr, offset_ptr,
+               row, HAS_P: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+               K_SMALL: tl.constexpr, CHUNK_G: tl.constexpr, NP_COUNT: tl.constexpr, NP_MASS: tl.constexpr,
+               NP_FLOAT: tl.constexpr, FITS: tl.constexpr, SPLIT: tl.constexpr, SLICES: tl.constexpr):
+    """(threshold pattern, kept mass, sampled token, e_max) of a row off the histogram route: the split
+    candidates when the prepass split it, else pass 1 and the candidate or full-pass route."""
+    if SPLIT:
+        # Why the buffer then holds what the candidate route needs. Each tau_s is 0 or has k values of
+        # its slice >= it, so the row has k values >= tau = max_s tau_s: tau <= t_k (also when slices
+        # are shorter than k or empty: their tau_s is 0). Slice s wrote ALL its values >= cover_s; where
+        # cover_s <= tau for every s, that includes all its values >= tau, so the values >= tau of the
+        # row are all in the buffer, in index order (slices are contiguous and in order, and so are
+        # the slots); the other slots are below tau or -1. At most SLICES * SLICE_CAP <= CAP of them.
+        sl = tl.arange(0, SLICES)
+        stats = stats_ptr + row * (4 * SLICES)
+        tau = tl.max(tl.load(stats + sl), axis=0)
+        n_min = tl.min(tl.load(stats + 2 * SLICES + sl), axis=0)
+        cover_max = tl.max(tl.load(stats + 3 * SLICES + sl), axis=0)
+        if (n_min >= 0) & (cover_max <= tau) & (k <= K_SMALL):  # (the prepass flags k > K_SMALL already)
+            # ---- split row: the prepass wrote the candidates; no streaming pass ---------------------
+            mx = tl.max(tl.load(stats + SLICES + sl), axis=0)  # the row's largest bit pattern
+            e_max = tl.maximum(mx >> 23, 1)
+            vb = tl.load(buf_bits + slots)  # SLICES x SLICE_CAP = CAP slots (powers of two), all written
+            vb = tl.where(vb >= tau, vb, -1)  # below tau (a lower cover_s): harmless, but no candidate
+            vi = tl.load(buf_idx + slots, mask=vb >= 0, other=0)
+            thr, mass, token = _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_scale,
+                                                        seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+        else:
+            thr, mass, token, e_max = _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs,
+                                                   slots, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK,
+                                                   K_SMALL, CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT, FITS)
+    else:
+        thr, mass, token, e_max = _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots,
+                                               seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK, K_SMALL,
+                                               CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT, FITS)
+
+    return thr, mass, token, e_max
+
+
+@triton.jit
 def _slice_candidates_kernel(
     probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
     top_k_ptr, top_k_stride,  # (B,) int32/int64; <= 0 or >= V keeps all
@@ -537,12 +650,203 @@ def _slice_candidates_kernel(
 
 
 @triton.jit
+def _hist_window(mx, NB: tl.constexpr, SHIFT: tl.constexpr):
+    """(e_max, base) of a row whose largest pattern is ``mx``: bucket ``j >= 1`` holds the patterns
+    ``[base + j * 2^SHIFT, base + (j + 1) * 2^SHIFT)``, bucket 0 every pattern below ``base + 2^SHIFT``
+    as well; the window ends at the top of the largest value's octave, ``(e_max + 1) * 2^23``."""
+    e_max = tl.maximum(mx >> 23, 1)
+    base = ((e_max + 1).to(tl.int64) << 23) - (NB << SHIFT)
+    return e_max, base
+
+
+@triton.jit
+def _hist_prepass_kernel(
+    probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
+    top_k_ptr, top_k_stride,  # (B,) int32/int64 (read when HAS_K): the route takes rows that keep all
+    hist_max_ptr,  # (B, SLICES) int32 out: each slice's largest pattern; -1 everywhere: not on the route
+    hist_mass_ptr, hist_count_ptr,  # (B, NB) int64 / int32 out: zeroed for the rows on the route
+    fill_ptr,  # (B,) int32 out: zeroed (the compaction's slot counter)
+    V, L,  # vocabulary size; values a slice: cdiv(V, SLICES)
+    HAS_K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr,  # SLICE: next power of two >= L
+    NB: tl.constexpr, ZERO: tl.constexpr,  # buckets a row; buckets a slice zeroes (cdiv(NB, SLICES), a power of two)
+):
+    """Histogram route, launch 1 of 4 (grid ``(B, SLICES)``): the slice's largest pattern, which
+    fixes the row's fixed point (``e_max``) for the histogram; and the row's histogram zeroed, a
+    part by each slice, so that no memset launch is needed."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    on = True
+    if HAS_K:
+        k = tl.load(top_k_ptr + row * top_k_stride).to(tl.int64)
+        on = (k <= 0) | (k >= V)
+    cols = s * L + tl.arange(0, SLICE)
+    end = tl.where(on, tl.minimum(s * L + L, V), 0)  # (a scalar folded into the bound: see the slice prepass)
+    b = _value_bits(probs_ptr + row * probs_row_stride, cols, cols < end)
+    tl.store(hist_max_ptr + row * SLICES + s, tl.max(b, axis=0))  # -1: off the route (or an empty slice)
+    z = s * ZERO + tl.arange(0, ZERO)
+    z_end = tl.where(on, NB, 0)
+    tl.store(hist_mass_ptr + row * NB + z, tl.zeros([ZERO], dtype=tl.int64), mask=z < z_end)
+    tl.store(hist_count_ptr + row * NB + z, tl.zeros([ZERO], dtype=tl.int32), mask=z < z_end)
+    tl.store(fill_ptr + row, 0, mask=s == 0)
+
+
+@triton.jit
+def _hist_kernel(
+    probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
+    hist_max_ptr,  # (B, SLICES) int32: the slice maxima
+    hist_mass_ptr, hist_count_ptr,  # (B, NB) int64 / int32, zeroed: += the slice's fixed-point mass and count
+    V, L, q_bits,  # vocabulary size; values a slice; fixed-point bits Q
+    SLICES: tl.constexpr, SLICE: tl.constexpr,
+    NB: tl.constexpr, SHIFT: tl.constexpr,  # buckets a row; log2 of the patterns a bucket
+):
+    """Histogram route, launch 2 of 4 (grid ``(B, SLICES)``): each value of the slice adds its
+    fixed-point mass ``q`` (the filter kernel's, from the row's ``e_max``) and 1 to its bucket, by
+    atomics: integer sums, so the histogram is exact whatever their order. The slice's lowest bucket
+    (all of it, for a slice of ties or zeros) is summed in registers first: one atomic, not thousands
+    on one address."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    mx = tl.max(tl.load(hist_max_ptr + row * SLICES + tl.arange(0, SLICES)), axis=0)
+    if mx >= 0:  # the row is on the route
+        e_max, base = _hist_window(mx, NB, SHIFT)
+        cols = s * L + tl.arange(0, SLICE)
+        b = _value_bits(probs_ptr + row * probs_row_stride, cols, cols < tl.minimum(s * L + L, V))
+        valid = b >= 0
+        q = _fixed(b, e_max, q_bits)
+        key = tl.minimum(tl.maximum((b.to(tl.int64) - base) >> SHIFT, 0), NB - 1).to(tl.int32)
+        k_min = tl.min(tl.where(valid, key, NB), axis=0)
+        k_max = tl.max(tl.where(valid, key, -1), axis=0)
+        mass_row = hist_mass_ptr + row * NB
+        count_row = hist_count_ptr + row * NB
+        if k_min <= k_max:  # (a slice with values)
+            # the slice's lowest bucket by one reduction and one atomic: exact zeros (masked-out tokens)
+            # and the tiny values of bucket 0 would otherwise queue thousands of atomics on one address
+            low = valid & (key == k_min)
+            tl.atomic_add(mass_row + k_min, tl.sum(tl.where(low, q, 0), axis=0), sem="relaxed")
+            tl.atomic_add(count_row + k_min, tl.sum(low.to(tl.int32), axis=0), sem="relaxed")
+            if k_min < k_max:
+                rest = valid & (key != k_min)
+                tl.atomic_add(mass_row + key, q, mask=rest & (q != 0), sem="relaxed")  # (no mass: no atomic)
+                tl.atomic_add(count_row + key, tl.full([SLICE], 1, tl.int32), mask=rest, sem="relaxed")
+
+
+@triton.jit
+def _hist_bracket_kernel(
+    top_p_ptr, top_p_stride,  # (B,) fp32
+    hist_max_ptr, hist_mass_ptr, hist_count_ptr,  # the slice maxima and the row's histogram
+    bracket_ptr,  # (B, 8) int64 out: lo, hi, n = values in (lo, hi] (-1: off the route), g_lo, g_hi, c_lo, c_hi, M
+    SLICES: tl.constexpr, NB: tl.constexpr, SHIFT: tl.constexpr,
+):
+    """Histogram route, launch 3 of 4 (grid ``(B,)``, one small program a row): the
+    bucket where the top-p threshold lies. With ``S_j`` the mass of buckets ``>= j`` (exact: sums of
+    the exact bucket masses), the lower edge of bucket ``j`` minus one has ``S_j`` above it, its upper
+    edge ``S_{j+1}``: the first bucket whose upper edge passes the top-p test (``S_{j+1} == 0`` or
+    ``< top_p * M``; the top bucket always does) has a lower edge that fails (or it is bucket 0, whose
+    ``lo = -1`` fails by the convention of the full-pass route). So ``lo`` fails and ``hi`` passes with
+    the exact masses and counts above them: the same invariants as the full-pass route's search."""
+    row = tl.program_id(0).to(tl.int64)
+    mx = tl.max(tl.load(hist_max_ptr + row * SLICES + tl.arange(0, SLICES)), axis=0)
+    out = bracket_ptr + row * 8
+    if mx >= 0:
+        _, base = _hist_window(mx, NB, SHIFT)
+        j = tl.arange(0, NB)
+        m = tl.load(hist_mass_ptr + row * NB + j)
+        c = tl.load(hist_count_ptr + row * NB + j)
+        total = tl.sum(m, axis=0)
+        count = tl.sum(c, axis=0)
+        above = total - tl.cumsum(m, axis=0)  # S_{j+1}: the mass above bucket j
+        c_above = count - tl.cumsum(c, axis=0)
+        limit = tl.load(top_p_ptr + row * top_p_stride).to(tl.float64) * total.to(tl.float64)
+        js = tl.min(tl.where(_top_p_pred(above, limit), j, NB - 1), axis=0)
+        g_hi = tl.sum(tl.where(j == js, above, 0), axis=0)
+        c_hi = tl.sum(tl.where(j == js, c_above, 0), axis=0)
+        g_lo = g_hi + tl.sum(tl.where(j == js, m, 0), axis=0)
+        c_lo = c_hi + tl.sum(tl.where(j == js, c, 0), axis=0)
+        edge = base + (js.to(tl.int64) << SHIFT)  # the bucket's lower edge (bucket 0: all below the next)
+        lo = tl.where(js == 0, -1, tl.maximum(edge, 0) - 1)
+        # the bracket (lo, hi] is the bucket's patterns, so n below counts it. hi < -1 only for an empty
+        # bucket 0 that passes (everything does): -1 then, an empty bracket, and the threshold -1 keeps
+        # every value (no pattern is negative), as 0 would
+        hi = tl.maximum(edge + (1 << SHIFT) - 1, -1)
+        tl.store(out, lo)
+        tl.store(out + 1, hi)
+        tl.store(out + 2, (c_lo - c_hi).to(tl.int64))
+        tl.store(out + 3, g_lo)
+        tl.store(out + 4, g_hi)
+        tl.store(out + 5, c_lo.to(tl.int64))
+        tl.store(out + 6, c_hi.to(tl.int64))
+        tl.store(out + 7, total)
+    else:
+        tl.store(out + 2, -1)
+
+
+@triton.jit
+def _bracket_compact_kernel(
+    probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
+    bracket_ptr,  # (B, 8) int64 from _hist_bracket_kernel
+    buf_bits_ptr,  # (B, CAP) int32 out: the row's values in the bracket, in no particular order
+    fill_ptr,  # (B,) int32, zeroed: slots taken so far
+    V, L,
+    CAP: tl.constexpr, SLICE: tl.constexpr,
+):
+    """Histogram route, launch 4 of 4 (grid ``(B, SLICES)``): when the row's bracket holds at most
+    ``CAP`` values, each slice appends its own to the row's buffer at slots reserved by an atomic on
+    the row's counter. Their order varies from run to run, but the filter kernel only sums and counts
+    them (the top-p test): its results do not depend on it. A larger bracket: nothing (the filter
+    kernel narrows it with full passes)."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    n = tl.load(bracket_ptr + row * 8 + 2)
+    if (n >= 0) & (n <= CAP):
+        lo = tl.load(bracket_ptr + row * 8).to(tl.int32)
+        hi = tl.load(bracket_ptr + row * 8 + 1).to(tl.int32)
+        cols = s * L + tl.arange(0, SLICE)
+        b = _value_bits(probs_ptr + row * probs_row_stride, cols, cols < tl.minimum(s * L + L, V))
+        sel = (b > lo) & (b <= hi)
+        cnt = tl.sum(sel.to(tl.int32), axis=0)
+        if cnt > 0:
+            first = tl.atomic_add(fill_ptr + row, cnt, sem="relaxed")
+            pos = first + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(buf_bits_ptr + row * CAP + pos, b, mask=sel & (pos < CAP))  # (n <= CAP: all of them)
+
+
+@triton.jit
+def _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr, bracket_ptr, seed_ptr, offset_ptr, row,
+              SAMPLE: tl.constexpr, CAP: tl.constexpr, CHUNK_G: tl.constexpr, NP_MASS: tl.constexpr,
+              HIST_SLICES: tl.constexpr):
+    """(threshold pattern, kept mass, sampled token, e_max) of a row on the histogram route (top-p,
+    top-k keeping all): from the bracket of ``_hist_bracket_kernel``, in registers when the compaction
+    ran (at most ``CAP`` values in it), else by the exact full-pass search inside the bracket."""
+    mx = tl.max(tl.load(hist_max_ptr + row * HIST_SLICES + tl.arange(0, HIST_SLICES)), axis=0)
+    e_max = tl.maximum(mx >> 23, 1)
+    br = bracket_ptr + row * 8
+    lo = tl.load(br).to(tl.int32)
+    hi = tl.load(br + 1).to(tl.int32)
+    n = tl.load(br + 2)
+    g_lo = tl.load(br + 3)
+    g_hi = tl.load(br + 4)
+    limit = limit_scale * tl.load(br + 7).to(tl.float64)
+    if n <= CAP:
+        vb = tl.load(buf_bits + slots, mask=slots < n, other=-1)
+        thr, mass = _top_p_in_registers(vb, _fixed(vb, e_max, q_bits), limit, lo, hi, g_lo, g_hi)
+    else:
+        c_lo = tl.load(br + 5).to(tl.int32)
+        c_hi = tl.load(br + 6).to(tl.int32)
+        thr, mass = _exact_top_p(row_ptr, V, lo, hi, g_lo, g_hi, c_lo, c_hi, limit, e_max, q_bits, buf_bits, slots,
+                                 CAP, CHUNK_G, NP_MASS)
+    token = tl.full([], 0, tl.int32)
+    if SAMPLE:
+        token = _sample_scan(row_ptr, V, thr, mass, e_max, q_bits, seed_ptr, offset_ptr, row, CHUNK_G)
+    return thr, mass, token, e_max
+
+
+@triton.jit
 def _filter_kernel(
     probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
     top_k_ptr, top_k_stride,  # (B,) int32/int64; <= 0 or >= V keeps all (read when HAS_K)
     top_p_ptr, top_p_stride,  # (B,) fp32 (read when HAS_P)
     seed_ptr, offset_ptr,  # one int64 each (read when SAMPLE)
-    out_ptr, out_row_stride,  # SAMPLE: (B,) int32 ids; else (B, V) fp32 renormalised rows
+    out_ptr,  # SAMPLE: (B,) int32 ids; else (B, 2) int32: threshold pattern, bits of the fp32 1/S
     buf_bits_ptr, buf_idx_ptr,  # (B, CAP) int32 scratch: candidate bit patterns and token ids
     stats_ptr,  # SPLIT: (B, 4, SLICES) int32 from the prepass (tau_s, largest pattern, n_s, cover_s)
     V,  # vocabulary size (elements per row)
@@ -560,6 +864,10 @@ def _filter_kernel(
     FITS: tl.constexpr,  # V <= CAP: the buffer holds a whole row, the candidate route is the only one
     SPLIT: tl.constexpr,  # the split prepass ran: its rows skip pass 1 (buffers in slice layout)
     SLICES: tl.constexpr,  # slices a row of the prepass (SPLIT)
+    hist_max_ptr,  # HIST: (B, HIST_SLICES) int32 slice maxima (_hist_prepass_kernel)
+    bracket_ptr,  # HIST: (B, 8) int64 top-p brackets (_hist_bracket_kernel)
+    HIST: tl.constexpr,  # the histogram kernels ran: rows whose top-k keeps all take the histogram route
+    HIST_SLICES: tl.constexpr,  # slices a row of the histogram kernels (HIST)
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = probs_ptr + row * probs_row_stride
@@ -577,50 +885,58 @@ def _filter_kernel(
     if HAS_P:
         limit_scale = tl.load(top_p_ptr + row * top_p_stride).to(tl.float64)
 
-    if SPLIT:
-        # Why the buffer then holds what the candidate route needs. Each tau_s is 0 or has k values of
-        # its slice >= it, so the row has k values >= tau = max_s tau_s: tau <= t_k (also when slices
-        # are shorter than k or empty: their tau_s is 0). Slice s wrote ALL its values >= cover_s; where
-        # cover_s <= tau for every s, that includes all its values >= tau, so the values >= tau of the
-        # row are all in the buffer, in index order (slices are contiguous and in order, and so are
-        # the slots); the other slots are below tau or -1. At most SLICES * SLICE_CAP <= CAP of them.
-        sl = tl.arange(0, SLICES)
-        stats = stats_ptr + row * (4 * SLICES)
-        tau = tl.max(tl.load(stats + sl), axis=0)
-        n_min = tl.min(tl.load(stats + 2 * SLICES + sl), axis=0)
-        cover_max = tl.max(tl.load(stats + 3 * SLICES + sl), axis=0)
-        if (n_min >= 0) & (cover_max <= tau) & (k <= K_SMALL):  # (the prepass flags k > K_SMALL already)
-            # ---- split row: the prepass wrote the candidates; no streaming pass ---------------------
-            mx = tl.max(tl.load(stats + SLICES + sl), axis=0)  # the row's largest bit pattern
-            e_max = tl.maximum(mx >> 23, 1)
-            vb = tl.load(buf_bits + slots)  # SLICES x SLICE_CAP = CAP slots (powers of two), all written
-            vb = tl.where(vb >= tau, vb, -1)  # below tau (a lower cover_s): harmless, but no candidate
-            vi = tl.load(buf_idx + slots, mask=vb >= 0, other=0)
-            thr, mass, token = _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_scale,
-                                                        seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+    if HIST:
+        if HAS_K:
+            if k == V:  # top-k keeps the whole row: the histogram route
+                thr, mass, token, e_max = _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr,
+                                                    bracket_ptr, seed_ptr, offset_ptr, row, SAMPLE, CAP, CHUNK_G,
+                                                    NP_MASS, HIST_SLICES)
+            else:
+                thr, mass, token, e_max = _top_k_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs,
+                                                     slots, stats_ptr, seed_ptr, offset_ptr, row, HAS_P, SAMPLE,
+                                                     CAP, CHUNK, K_SMALL, CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT,
+                                                     FITS, SPLIT, SLICES)
         else:
-            thr, mass, token, e_max = _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs,
-                                                   slots, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK,
-                                                   K_SMALL, CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT, FITS)
+            thr, mass, token, e_max = _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr,
+                                                bracket_ptr, seed_ptr, offset_ptr, row, SAMPLE, CAP, CHUNK_G,
+                                                NP_MASS, HIST_SLICES)
     else:
-        thr, mass, token, e_max = _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots,
-                                               seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK, K_SMALL,
-                                               CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT, FITS)
+        thr, mass, token, e_max = _top_k_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots,
+                                             stats_ptr, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK,
+                                             K_SMALL, CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT, FITS, SPLIT, SLICES)
 
     if SAMPLE:
         tl.store(out_ptr + row, token)
     else:
         # ---- renormalised row: p / S, S = sum of the kept values, from the fixed-point mass ---------
-        # (exact to 2^-26 relative: each q loses < 1 unit of 2^-(Q-1) of the largest value)
+        # (exact to 2^-26 relative: each q loses < 1 unit of 2^-(Q-1) of the largest value). The row
+        # itself is written by _renorm_write_kernel, many programs a row: here only (thr, 1/S).
         scale = ((e_max - 126 - q_bits + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # 2^-s
         total = mass.to(tl.float64) * scale
         inv = tl.where(total > 0, 1.0 / tl.maximum(total, 1e-300), 0.0).to(tl.float32)
-        out_row = out_ptr + row * out_row_stride
-        for start in range(0, V, CHUNK_G):
-            cols = start + tl.arange(0, CHUNK_G)
-            b = _value_bits(row_ptr, cols, cols < V)
-            p = b.to(tl.float32, bitcast=True)
-            tl.store(out_row + cols, tl.where(b >= thr, p * inv, 0.0), mask=cols < V)
+        tl.store(out_ptr + row * 2, thr)
+        tl.store(out_ptr + row * 2 + 1, inv.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _renorm_write_kernel(
+    probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
+    thr_inv_ptr,  # (B, 2) int32 from _filter_kernel: threshold pattern, bits of the fp32 1/S
+    out_ptr, out_row_stride,  # (B, V) fp32 renormalised rows
+    V,  # vocabulary size
+    BLOCK: tl.constexpr,  # values a program
+):
+    """``where(bits(p) >= thr, p * inv, 0)`` for one block of one row (grid ``(B, cdiv(V, BLOCK))``).
+    Split from the filter kernel because one program walking a whole row (its old tail) is
+    latency-bound: at 32-64 rows it dominated top_k_renorm_probs. The same sanitised ``p`` and the
+    same fp32 product as before, so the values are those of the one-program write, bit for bit."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    thr = tl.load(thr_inv_ptr + row * 2)
+    inv = tl.load(thr_inv_ptr + row * 2 + 1).to(tl.float32, bitcast=True)
+    b = _value_bits(probs_ptr + row * probs_row_stride, cols, cols < V)
+    p = b.to(tl.float32, bitcast=True)
+    tl.store(out_ptr + row * out_row_stride + cols, tl.where(b >= thr, p * inv, 0.0), mask=cols < V)
 
 
 def _slice_prepass(probs: Tensor, top_k: Tensor, buf_bits: Tensor, buf_idx: Tensor, config: Config) -> Tensor:
@@ -639,6 +955,36 @@ def _slice_prepass(probs: Tensor, top_k: Tensor, buf_bits: Tensor, buf_idx: Tens
     return stats
 
 
+def _hist_prepasses(probs: Tensor, top_k, top_p: Tensor, buf_bits: Tensor, config: Config):
+    """The histogram route's kernels (module docstring): ``(slice maxima (B, slices) int32, brackets
+    (B, 8) int64)`` for the filter kernel; the compacted brackets are in ``buf_bits``."""
+    B, V = probs.shape
+    slices, nb, shift = config.hist_slices, config.hist_buckets, config.hist_shift
+    slice_len = triton.cdiv(V, slices)
+    slice_pow2 = triton.next_power_of_2(slice_len)
+    dev = probs.device
+    hist_max = torch.empty((B, slices), dtype=torch.int32, device=dev)
+    hist_mass = torch.empty((B, nb), dtype=torch.int64, device=dev)
+    hist_count = torch.empty((B, nb), dtype=torch.int32, device=dev)
+    fill = torch.empty(B, dtype=torch.int32, device=dev)
+    bracket = torch.empty((B, 8), dtype=torch.int64, device=dev)
+    has_k = top_k is not None
+    _hist_prepass_kernel[(B, slices)](
+        probs, probs.stride(0), top_k if has_k else fill, top_k.stride(0) if has_k else 0,
+        hist_max, hist_mass, hist_count, fill, V, slice_len,
+        HAS_K=has_k, SLICES=slices, SLICE=slice_pow2, NB=nb, ZERO=triton.next_power_of_2(triton.cdiv(nb, slices)),
+        num_warps=config.hist_warps,
+    )
+    _hist_kernel[(B, slices)](probs, probs.stride(0), hist_max, hist_mass, hist_count, V, slice_len,
+                              fixed_point_bits(V), SLICES=slices, SLICE=slice_pow2, NB=nb, SHIFT=shift,
+                              num_warps=config.hist_warps)
+    _hist_bracket_kernel[(B,)](top_p, top_p.stride(0), hist_max, hist_mass, hist_count, bracket,
+                               SLICES=slices, NB=nb, SHIFT=shift, num_warps=config.hist_warps)
+    _bracket_compact_kernel[(B, slices)](probs, probs.stride(0), bracket, buf_bits, fill, V, slice_len,
+                                         CAP=config.cap, SLICE=slice_pow2, num_warps=config.hist_warps)
+    return hist_max, bracket
+
+
 def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Config = DEFAULT) -> Tensor:
     B, V = probs.shape
     if sample:
@@ -647,6 +993,8 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
         out = torch.empty((B, V), dtype=torch.float32, device=probs.device)
     if B == 0:
         return out
+    # renormalising: the filter kernel leaves (threshold, 1/S) per row here, _renorm_write_kernel the row
+    row_out = out if sample else torch.empty((B, 2), dtype=torch.int32, device=probs.device)
     cap = config.cap
     buf_bits = torch.empty((B, cap), dtype=torch.int32, device=probs.device)
     buf_idx = torch.empty((B, cap), dtype=torch.int32, device=probs.device)
@@ -655,20 +1003,28 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
     # candidate row unless it fits
     split = top_k is not None and V > cap and config.slices > 0
     stats = _slice_prepass(probs, top_k, buf_bits, buf_idx, config) if split else dummy
+    # the histogram route: top-p rows that top-k leaves whole (all of top_p_renorm_probs), V > cap
+    hist = top_p is not None and V > cap and config.hist_slices > 0 and (top_k is None or config.hist_with_top_k)
+    hist_max, bracket = _hist_prepasses(probs, top_k, top_p, buf_bits, config) if hist else (dummy, dummy)
     _filter_kernel[(B,)](
         probs, probs.stride(0),
         top_k if top_k is not None else dummy, top_k.stride(0) if top_k is not None else 0,
         top_p if top_p is not None else dummy, top_p.stride(0) if top_p is not None else 0,
         seed if seed is not None else dummy, offset if offset is not None else dummy,
-        out, out.stride(0) if not sample else 1,
+        row_out,
         buf_bits, buf_idx, stats,
         V, fixed_point_bits(V),
         HAS_K=top_k is not None, HAS_P=top_p is not None, SAMPLE=sample,
         CAP=cap, CHUNK=config.chunk, K_SMALL=config.k_small, CHUNK_G=config.chunk_g,
         NP_COUNT=config.np_count, NP_MASS=config.np_mass, NP_FLOAT=config.np_float, FITS=V <= cap,
         SPLIT=split, SLICES=config.slices if split else 1,
+        hist_max_ptr=hist_max, bracket_ptr=bracket, HIST=hist, HIST_SLICES=config.hist_slices if hist else 1,
         num_warps=config.num_warps,
     )
+    if not sample:
+        block = config.write_block
+        _renorm_write_kernel[(B, triton.cdiv(V, block))](probs, probs.stride(0), row_out, out, out.stride(0), V,
+                                                         BLOCK=block, num_warps=config.write_warps)
     return out
 
 
