@@ -225,6 +225,30 @@ def test_target_from_the_environment(monkeypatch):
     assert _jit.target() == "cuda -arch=sm_80"
 
 
+def test_dependent_launch_on_sm90_unless_turned_off(monkeypatch):
+    monkeypatch.delenv(_jit.ENV_PDL, raising=False)
+    monkeypatch.setenv(_jit.ENV_TARGET, json.dumps(_jit.SM90))
+    assert _jit.dependent_launch()
+    monkeypatch.setenv(_jit.ENV_PDL, "0")
+    assert not _jit.dependent_launch()
+    monkeypatch.delenv(_jit.ENV_PDL)
+    monkeypatch.setenv(_jit.ENV_TARGET, "cuda -arch=sm_80")
+    assert not _jit.dependent_launch()  # griddepcontrol needs sm_90
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_kernel_waits_for_its_predecessor_before_any_access(family, sm90_build):
+    """With programmatic dependent launch a kernel may start before the previous one on the stream has
+    finished: its first statement must be the wait (cudaGridDependencySynchronize)."""
+    for k in sm90_build[family]["kernels"]:
+        source = open(k["source"]).read()
+        body = source[source.index("{", source.index("__launch_bounds__")):]
+        wait = body.find("cudaGridDependencySynchronize()")
+        assert wait >= 0, k["key"]
+        # before it only declarations and register-only initialisation: no global buffer indexed yet
+        assert not re.search(r"\b[A-Z]\w*(\[| \+ )", body[:wait]), (k["key"], body[:wait])
+
+
 def test_compiled_once_per_key_across_threads(monkeypatch, tmp_path):
     """Eight threads ask for two keys: each key compiles once, the two side by side (each compile
     waits for the other to start), and each first compile is traced."""
