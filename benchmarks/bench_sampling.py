@@ -159,6 +159,14 @@ def bench() -> list:
     return rows
 
 
+def _graph_us_or_error(fn):
+    """Graph-replay µs of ``fn``, or the error a launch alternative raised (out of resources: reported)."""
+    try:
+        return harness.graph_us(fn)
+    except Exception as e:  # noqa: BLE001
+        return repr(e)[:60]
+
+
 def sweep() -> list:
     """The sampling kernel at the main case under launch alternatives (buffer, chunk, warps)."""
     name, op, args = cases()[0]
@@ -179,10 +187,7 @@ def sweep() -> list:
     for chunk_g, np_count, np_mass, warps in [(2048, 16, 8, 16), (1024, 16, 8, 8), (4096, 8, 4, 16), (2048, 32, 16, 16)]:
         cfg = triton_sampling.Config(chunk_g=chunk_g, np_count=np_count, np_mass=np_mass, num_warps=warps)
         fn = lambda: triton_sampling._launch(*off[2], sample=True, config=cfg)  # noqa: E731
-        try:
-            us = harness.graph_us(fn)
-        except Exception as e:  # noqa: BLE001
-            us = repr(e)[:60]
+        us = _graph_us_or_error(fn)
         rows.append({"case": off[0], "chunk_g": chunk_g, "pivots": f"{np_count}/{np_mass}", "warps": warps, "us": us,
                      "default": "<-" if cfg == triton_sampling.DEFAULT else ""})
     for with_top_k in (True, False):  # the histogram route's launches in a call whose rows all cut at top_k = 50
@@ -194,10 +199,7 @@ def sweep() -> list:
     for block, warps in [(4096, 8), (4096, 4), (2048, 4), (8192, 8), (8192, 16)]:
         cfg = triton_sampling.Config(write_block=block, write_warps=warps)
         fn = lambda: triton_sampling._launch(*renorm_k[2], None, None, None, sample=False, config=cfg)  # noqa: E731
-        try:
-            us = harness.graph_us(fn)
-        except Exception as e:  # noqa: BLE001
-            us = repr(e)[:60]
+        us = _graph_us_or_error(fn)
         rows.append({"case": renorm_k[0], "write": f"{block}/{warps}w", "us": us,
                      "default": "<-" if cfg == triton_sampling.DEFAULT else ""})
     renorm_p = cases()[4]  # the histogram route (0 slices: the full-pass route it replaces)
@@ -206,10 +208,7 @@ def sweep() -> list:
         cfg = triton_sampling.Config(hist_slices=slices, hist_buckets=buckets, hist_shift=shift, hist_warps=warps)
         fn = lambda: triton_sampling._launch(renorm_p[2][0], None, renorm_p[2][1], None, None, sample=False,  # noqa: E731
                                              config=cfg)
-        try:
-            us = harness.graph_us(fn)
-        except Exception as e:  # noqa: BLE001
-            us = repr(e)[:60]
+        us = _graph_us_or_error(fn)
         rows.append({"case": renorm_p[0], "hist": f"{slices}x{buckets} 2^{shift} {warps}w", "us": us,
                      "default": "<-" if cfg == triton_sampling.DEFAULT else ""})
     return rows

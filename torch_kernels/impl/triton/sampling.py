@@ -20,7 +20,8 @@ whatever the summation order. Two routes per row:
   per round of pivots, until the bracket left holds at most ``CAP`` values; those are compacted into
   the buffer (one more read) and the search ends in registers. Then a sampling scan that stops at
   the sampled token (renormalising: ``_renorm_write_kernel`` writes the row). Top-p rows without a
-  top-k cut take the histogram route below instead (unless ``Config.hist_slices == 0``).
+  top-k cut take the histogram route below instead (unless ``Config.hist_slices == 0``; in a call
+  given a top-k tensor, only with ``Config.hist_with_top_k``, off by default).
 
 **Split prepass** (``V > CAP`` with top-k given): the streaming pass is latency-bound, one program
 walking 31 chunks of 4096 at ``V = 128256`` with block-wide reductions and a scan in each (~135 µs a
@@ -122,7 +123,8 @@ class Config(NamedTuple):
     hist_warps: int = 8  # a slice program: 16 values a thread, as the slice prepass
     # sampling calls too: their rows with top_k <= 0 or >= V would take the route, but the four
     # launches run (and exit at once) when every row's top-k cuts, ~2 µs each in a CUDA graph, on the
-    # top_k=50 sampling call measured at 30.5 µs a row: off until bench_sampling.py --sweep times both
+    # top_k=50 sampling call: bench_sampling.py --sweep on the H200 (2026-11-29, 64 rows) 119 µs with
+    # them against 101 without; top-p-only sampling rows then take the full-pass route (454 µs)
     hist_with_top_k: bool = False
 
 
