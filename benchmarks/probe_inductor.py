@@ -32,16 +32,34 @@ OPS = {  # op -> (reference, Triton, TileLang, bytes moved per element of the (t
 }
 
 
+_SEEN: set = set()
+
+
+def _chosen_configs():
+    """(kernel name, launch config) of every Inductor Triton kernel loaded so far, after autotuning."""
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    for module in list(PyCodeCache.modules):
+        if id(module) in _SEEN:
+            continue
+        _SEEN.add(id(module))
+        for name, value in vars(module).items():
+            if isinstance(value, CachingAutotuner):
+                yield name, [str(launcher.config) for launcher in value.launchers]
+
+
 def main() -> None:
     from torch._inductor.utils import run_and_get_code
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--ops", default=",".join(OPS), help="comma list of " + ", ".join(OPS))
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ceiling = harness.copy_ceiling_gbps()
     rows = []
-    for op, (ref, triton_fn, tilelang_fn, bpe) in OPS.items():
+    for op, (ref, triton_fn, tilelang_fn, bpe) in ((k, OPS[k]) for k in args.ops.split(",")):
         act = op.endswith("_and_mul")
         for tokens, n in SHAPES:
             g = torch.Generator(device="cuda").manual_seed(tokens + n)
@@ -66,6 +84,8 @@ def main() -> None:
                 with open(os.path.join(args.out, f"{op}_{mode.replace(' ', '_')}_{tokens}x{n}.py"), "w") as f:
                     f.write("\n\n# ----\n\n".join(code))
                 impls[f"compile {mode}"] = compiled
+                for name, config in _chosen_configs():
+                    print(f"{op} {tokens}x{n} {mode}: {name} {config}", flush=True)
             want = [t.clone() for t in call_args]
             want_out = ref(*want)
             for label, fn in impls.items():

@@ -107,12 +107,13 @@ def test_backends_large_values_and_nonfinite(op, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op", FUSED)
-def test_triton_chunked_fused_route_matches_reference(op, device, monkeypatch):
-    """The fused ops' chunked route (the Triton backend takes it from 4096 tokens) at every token
-    count: a row in one chunk, a masked last chunk, several chunks, strided rows."""
+@pytest.mark.parametrize("op", NORM + FUSED)
+def test_triton_large_batch_routes_match_reference(op, device, monkeypatch):
+    """The Triton backend's routes from 4096 tokens (the fused ops in chunks, rmsnorm reading its row
+    twice) at every token count: a row in one chunk, a masked last chunk, several chunks, strided rows."""
     from torch_kernels.impl.triton import norm as triton_norm
     monkeypatch.setattr(triton_norm, "_FUSED_CHUNKED_MIN_TOKENS", 1)
+    monkeypatch.setattr(triton_norm, "_RELOAD_MIN_TOKENS", 1)
     for dtype in (torch.bfloat16, torch.float32):
         for shape, stride in (((3, 1000), None), ((2, 5120), None), ((5, 96), 160)):
             _check_backends(op, device, dtype, shape, stride)
