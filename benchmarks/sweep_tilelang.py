@@ -32,16 +32,15 @@ from torch_kernels.impl.triton import activation as tr_act, attention as tr_merg
 from torch_kernels.impl.triton import rope as tr_rope  # noqa: E402
 
 NORM_SHAPES = ((1, 7168), (32, 8192), (16384, 8192), (16384, 7168), (4096, 7168))
-NORM_OPS = ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm")  # the variants below change only these
+NORM_OPS = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm")
 # label -> the module constants it patches (names starting DEEPINFER_: environment variables). The
 # sweeps of 2026-11-29 set _THIRTY_TWO_A_THREAD (elements a thread 8/16/32 x block threads 128/512/1024),
 # _PREFETCH_WEIGHT and _TILE_EXACTLY, and ruled out a weight prefetched in fp32 with Gemma's + 1 added,
-# the fused residual stored before the row's sum (norm.py says by how much), and timed programmatic
-# dependent launch (_jit.dependent_launch, sweep_tilelang_5.json); this one times the fused rows in
-# chunks with the pass loops unrolled.
-NORM_VARIANTS = {"tilelang": {}, "tilelang, chunks of 512": {"_FUSED_CHUNK_THREADS": 512},
-                 "tilelang, chunks of 512, unrolled": {"_FUSED_CHUNK_THREADS": 512, "_UNROLL_PASSES": True},
-                 "tilelang, chunks of 256, unrolled": {"_FUSED_CHUNK_THREADS": 256, "_UNROLL_PASSES": True}}
+# the fused residual stored before the row's sum and the fused rows in chunks, also with the pass loops
+# unrolled (sweep_tilelang_6.json; norm.py says by how much); this one times programmatic dependent
+# launch (_jit.dependent_launch) and rows padded to a power of two against the defaults.
+NORM_VARIANTS = {"tilelang": {}, "tilelang, padded rows": {"_TILE_EXACTLY": False},
+                 "tilelang, no PDL": {_jit.ENV_PDL: "0"}}
 MERGE_TOKENS = (4096, 8192, 16384)
 MERGE_VARIANTS = tuple(itertools.product((4, 8, 16), (128, 256, 512)))  # (values a thread, block threads)
 ROPE_TOKENS = (4096, 16384)

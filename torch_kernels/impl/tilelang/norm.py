@@ -64,15 +64,14 @@ _PREFETCH_WEIGHT = True
 # rmsnorm 16384x7168 4116 against 4158 (Triton 4145 in that run).
 _TILE_EXACTLY = True
 _EXACT_MAX_PER_THREAD = 64
-# Candidates, timed by sweep_tilelang.py: the fused ops in chunks of one vector a thread at this many
-# threads (0: off), storing each chunk's residual at once and normalising it re-read, as the Triton
-# kernel does from 4096 tokens (4189 GB/s at 16384x8192); and the pass loops unrolled, so that nvcc may
-# issue a chunk's loads before the previous chunk's stores (Triton software-pipelines its loop). Chunks
-# alone (2026-11-29, H200, bf16): 4013-4073 against 4067 one-pass at 16384x8192, 4092-4097 against 4060
-# at 16384x7168, 2.5-3.1 against 1.9 µs at one token of 7168. Not taken: the residual stored before
-# the row's sum (3986 against 4034 at 16384x7168).
-_FUSED_CHUNK_THREADS = 0
-_UNROLL_PASSES = False
+# Not taken, from sweep_tilelang.py on the H200 (2026-11-29, bf16): the fused ops in chunks of one
+# vector a thread, storing each chunk's residual at once and normalising it re-read, as the Triton
+# kernel does from 4096 tokens (its L2 hints make it 4189 GB/s at 16384x8192): 4013-4073 against 4067
+# one-pass here, 4092-4097 against 4060 at 16384x7168, and 2.5-3.1 against 1.9 µs at one token of 7168;
+# with the pass loops unrolled as well (sweep_tilelang_6.json) 4057 against 4072 and 4104 against 4073.
+# sweep_triton_norm_2.json has Triton's chunks at 4028 GB/s without its L2 hints, 4177 with them: the
+# hints, which TileLang's loads do not take, are the difference. Nor the residual stored before the
+# row's sum (3986 against 4034 at 16384x7168).
 
 
 _vec = _jit.vector_width
@@ -86,8 +85,6 @@ def _layout(n: int, dtype: str, fused: bool = False) -> Tuple[int, int, int, int
     """``(VEC, TR, BM, WIDTH)``: vector width, threads per row (a power of two), rows per block, and
     columns a pass covers (the padded row, or a chunk of it when the row is wider than one pass)."""
     vec = _vec(n, dtype)
-    if fused and _FUSED_CHUNK_THREADS and n <= _ONE_PASS_MAX:
-        return vec, _FUSED_CHUNK_THREADS, 1, _FUSED_CHUNK_THREADS * vec
     if n > _ONE_PASS_MAX:
         return vec, _CHUNK_THREADS, 1, _CHUNK_THREADS * _ELEMENTS_PER_THREAD
     tr = default = 1 << min(max(round(math.log2(n / _elements_per_thread(n, fused))), 0), _MAX_THREADS.bit_length() - 1)
@@ -132,9 +129,6 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool):
         return w + T.float32(1) if gemma else w
 
     prefetch = _PREFETCH_WEIGHT and n == WIDTH
-    # chunked fused rows store the rounded residual in the first pass and normalise it re-read
-    chunked = fused and PASSES > 1 and n <= _ONE_PASS_MAX
-    passes = T.unroll if _UNROLL_PASSES else T.serial
 
     def rows(X, stride):
         """``X`` with its row stride rounded down to a multiple of VEC, which lets TileLang prove that
@@ -157,13 +151,9 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool):
             w = T.alloc_fragment((BM, WIDTH), weight_dtype)  # the weight (each row's copy), prefetched
             T.annotate_layout({x: rows_layout, sq: rows_layout, w: rows_layout})
             T.clear(sq)
-            for p in passes(PASSES):
+            for p in T.serial(PASSES):
                 for i, j in T.Parallel(BM, WIDTH):
                     x[i, j] = load(X, R, block * BM + i, p * WIDTH + j)
-                if chunked:
-                    for i, j in T.Parallel(BM, WIDTH):
-                        if live(block * BM + i, p * WIDTH + j):
-                            R[block * BM + i, p * WIDTH + j] = T.cast(x[i, j], dtype)
                 if prefetch:
                     for i, j in T.Parallel(BM, WIDTH):
                         w[i, j] = Wt[j]
@@ -172,14 +162,11 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool):
             T.reduce_sum(sq, rstd, dim=1)
             for i in T.Parallel(BM):
                 rstd[i] = T.rsqrt(rstd[i] / n + eps)
-            for p in passes(PASSES):
-                if chunked:  # the summed residual, again (from L2)
-                    for i, j in T.Parallel(BM, WIDTH):
-                        x[i, j] = load(R, None, block * BM + i, p * WIDTH + j)
-                elif PASSES > 1:  # the row did not fit: read it again (from L2); X and R are unchanged
+            for p in T.serial(PASSES):
+                if PASSES > 1:  # the row did not fit: read it again (from L2); X and R are unchanged
                     for i, j in T.Parallel(BM, WIDTH):
                         x[i, j] = load(X, R, block * BM + i, p * WIDTH + j)
-                if R is not None and not chunked:
+                if R is not None:
                     for i, j in T.Parallel(BM, WIDTH):
                         if live(block * BM + i, p * WIDTH + j):
                             R[block * BM + i, p * WIDTH + j] = T.cast(x[i, j], dtype)
