@@ -31,16 +31,16 @@ from torch_kernels.impl.torch import rope as ref_rope  # noqa: E402
 from torch_kernels.impl.triton import activation as tr_act, attention as tr_merge, norm as tr_norm  # noqa: E402
 from torch_kernels.impl.triton import rope as tr_rope  # noqa: E402
 
-NORM_SHAPES = ((1, 7168), (32, 8192), (16384, 8192), (16384, 7168), (4096, 7168))
+NORM_SHAPES = ((32, 8192), (4096, 4096), (4096, 7168), (16384, 4096), (16384, 7168), (16384, 8192))
 NORM_OPS = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm")
-# label -> the module constants it patches (names starting DEEPINFER_: environment variables). The
-# sweeps of 2026-11-29 set _THIRTY_TWO_A_THREAD (elements a thread 8/16/32 x block threads 128/512/1024),
-# _PREFETCH_WEIGHT and _TILE_EXACTLY, and ruled out a weight prefetched in fp32 with Gemma's + 1 added,
-# the fused residual stored before the row's sum and the fused rows in chunks, also with the pass loops
-# unrolled (sweep_tilelang_6.json; norm.py says by how much); this one times programmatic dependent
-# launch (_jit.dependent_launch) and rows padded to a power of two against the defaults.
-NORM_VARIANTS = {"tilelang": {}, "tilelang, padded rows": {"_TILE_EXACTLY": False},
-                 "tilelang, no PDL": {_jit.ENV_PDL: "0"}}
+# label -> the module constants it patches (names starting DEEPINFER_: environment variables; "streamed":
+# the many-token kernel, norm._build_streamed). The sweeps of 2026-11-29 set _THIRTY_TWO_A_THREAD
+# (elements a thread 8/16/32 x block threads 128/512/1024), _PREFETCH_WEIGHT and _TILE_EXACTLY, timed
+# programmatic dependent launch (sweep_tilelang_5.json), and ruled out a weight prefetched in fp32 with
+# Gemma's + 1 added, the fused residual stored before the row's sum and the fused rows in chunks without
+# L2 hints (sweep_tilelang_6.json; norm.py says by how much); this one times the streamed kernel (rows
+# read twice with L2 hints) against the one-pass kernel.
+NORM_VARIANTS = {"tilelang, one pass": {}, "tilelang, streamed": {"streamed": True}}
 MERGE_TOKENS = (4096, 8192, 16384)
 MERGE_VARIANTS = tuple(itertools.product((4, 8, 16), (128, 256, 512)))  # (values a thread, block threads)
 ROPE_TOKENS = (4096, 16384)
@@ -95,8 +95,10 @@ def norm_rows(ceiling: float) -> list:
     import flashinfer.norm
 
     keys = set(itertools.product({n for _, n in NORM_SHAPES}, NORM_OPS, NORM_VARIANTS))
-    prims = {(n, op, label): _patched(tl_norm, NORM_VARIANTS[label], tl_norm._build, n, "bfloat16", "bfloat16",
-                                      "fused" in op, op.startswith("gemma")) for n, op, label in keys}
+    prims = {(n, op, label): _patched(tl_norm, {k: v for k, v in NORM_VARIANTS[label].items() if k != "streamed"},
+                                      tl_norm._build, n, "bfloat16", "bfloat16", "fused" in op, op.startswith("gemma"),
+                                      NORM_VARIANTS[label].get("streamed", False))
+             for n, op, label in keys}
     fns = _compile_all(prims)
     rows = []
     for (tokens, n), op in itertools.product(NORM_SHAPES, NORM_OPS):

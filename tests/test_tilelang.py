@@ -359,6 +359,10 @@ def test_ci_kernels_cover_every_variant():
     layouts = {norm._layout(k[0], k[1], k[3])[1:3] for k in keys}
     assert any(bm > 1 for _, bm in layouts) and any(k[0] > norm._ONE_PASS_MAX for k in keys)
     assert any(norm._vec(k[0], k[1]) == 1 for k in keys)
+    streamed = [k for k in keys if len(k) > 5 and k[5]]  # the many-token kernel: one chunk, chunks, masked
+    assert all(norm._streams(k[0], k[1], k[2]) for k in streamed)
+    assert {(k[3], k[0] % (norm._STREAMED_THREADS * _jit.lanes(k[1])) == 0) for k in streamed} == {
+        (f, whole) for f in (False, True) for whole in (False, True)}
     keys = [key for _, _, key in activation.ci_kernels()]
     assert {k[1] for k in keys} == {"float16", "bfloat16", "float32"}
     assert {k[2] for k in keys} == set(activation._ACTIVATIONS)
@@ -385,7 +389,7 @@ def _stand_in_norm(monkeypatch, calls):
     from torch_kernels.impl.tilelang import norm
     from torch_kernels.impl.torch import norm as ref
 
-    def function(n, dtype, weight_dtype, fused, gemma):
+    def function(n, dtype, weight_dtype, fused, gemma, tokens):
         vec = norm._vec(n, norm._DTYPES[dtype])
 
         def host(*args):

@@ -72,6 +72,16 @@ _EXACT_MAX_PER_THREAD = 64
 # sweep_triton_norm_2.json has Triton's chunks at 4028 GB/s without its L2 hints, 4177 with them: the
 # hints, which TileLang's loads do not take, are the difference. Nor the residual stored before the
 # row's sum (3986 against 4034 at 16384x7168).
+# From _STREAMED_MIN_TOKENS tokens, rows of 16-byte vectors read twice with L2 eviction hints
+# (:func:`_build_streamed`), as the Triton backend and Inductor do there: the first read asks L2 to keep
+# the row (evict_last), the second, which normalises it, to drop it (evict_first); the fused ops store
+# each chunk's residual as soon as it is summed and normalise it re-read. Little is held in registers,
+# so more rows are in flight. sweep_triton_norm_2.json (H200, bf16): Triton's chunks ran fused
+# 16384x8192 at 4177 GB/s with the hints and 4028 without; Inductor's rmsnorm, read twice so, 4210
+# against 4042 with the row in registers. Few tokens keep the one-pass kernel (the second read costs
+# latency: Triton's 1-token fused 2.03 against 1.75 µs).
+_STREAMED_MIN_TOKENS = 4096
+_STREAMED_THREADS = 512
 
 
 _vec = _jit.vector_width
@@ -97,7 +107,9 @@ def _layout(n: int, dtype: str, fused: bool = False) -> Tuple[int, int, int, int
     return vec, tr, max(1, _BLOCK_THREADS // tr), -(-n // step) * step
 
 
-def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool):
+def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, streamed: bool = False):
+    if streamed:
+        return _build_streamed(n, dtype, fused, gemma)
     pdl = _jit.dependent_launch()
     VEC, TR, BM, WIDTH = _layout(n, dtype, fused)
     PASSES = -(-n // WIDTH)
@@ -200,19 +212,158 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool):
     return rmsnorm
 
 
+#: 16-byte global loads with an L2 eviction priority (``createpolicy`` and ``ld ... .L2::cache_hint``, as
+#: Triton lowers ``eviction_policy=``); TileLang's own loads take no such hint. The "memory" clobber keeps
+#: them in order with the kernel's stores: the fused ops re-read the residual they have just written.
+_HINTED_LOADS = """
+__device__ __forceinline__ void tk_load16_evict_last(void* dst, const void* src) {
+  uint4 v; unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("ld.global.L1::evict_last.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src), "l"(policy) : "memory");
+  *reinterpret_cast<uint4*>(dst) = v;
+}
+__device__ __forceinline__ void tk_load16_evict_first(void* dst, const void* src) {
+  uint4 v; unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("ld.global.L1::evict_first.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src), "l"(policy) : "memory");
+  *reinterpret_cast<uint4*>(dst) = v;
+}
+"""
+
+
+def _streams(n: int, dtype: str, weight_dtype: str) -> bool:
+    """Whether rows of ``n`` can take :func:`_build_streamed`: whole 16-byte vectors of the input and
+    of the weight (the same dtype), at least one a thread, and one pass's width at most."""
+    lanes = _jit.lanes(dtype)
+    return weight_dtype == dtype and n % lanes == 0 and _STREAMED_THREADS * lanes <= n <= _ONE_PASS_MAX
+
+
+def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
+    """One row a block of :data:`_STREAMED_THREADS` threads, each thread one 16-byte vector of each
+    chunk: rmsnorm reads its row in one chunk (two vectors a thread at 8192 bf16), the fused ops in
+    chunks of one vector a thread (4096 bf16), as the Triton kernel (``sweep_triton_norm.py``). The
+    first pass sums the squares (and stores the fused ops' rounded residual), the block reduces them
+    (warp shuffles, then one value a warp through shared memory), the second pass re-reads the row."""
+    pdl = _jit.dependent_launch()
+    TR, VEC = _STREAMED_THREADS, _jit.lanes(dtype)
+    NV = 1 if fused else -(-n // (TR * VEC))  # vectors a thread a chunk
+    CHUNK = NV * TR * VEC
+    CHUNKS = -(-n // CHUNK)
+    f32 = "float32"
+    num_tokens = T.dynamic("num_tokens")
+    x_stride, r_stride = T.dynamic("x_row_stride, r_row_stride", "int64")
+
+    def live(col):
+        return True if n % CHUNK == 0 else col < n
+
+    def load16(hint, dst, src):
+        T.evaluate(T.call_extern("handle", f"tk_load16_{hint}", T.address_of(dst), T.address_of(src)))
+
+    def scale(w):
+        w = T.cast(w, f32)
+        return w + T.float32(1) if gemma else w
+
+    @T.macro
+    def normalize(X, R, Wt, O, eps):
+        with T.Kernel(num_tokens, threads=TR) as row:
+            if pdl:  # before any access: see _jit.dependent_launch
+                T.pdl_sync()
+            T.import_source(_HINTED_LOADS)
+            tid = T.get_thread_binding()
+            xr = T.alloc_local((NV, VEC), dtype)  # a chunk's input (then its residual), as loaded
+            rr = T.alloc_local((NV, VEC), dtype)  # the fused ops' residual, as loaded
+            wr = T.alloc_local((NV, VEC), dtype)  # the weight
+            ob = T.alloc_local((NV, VEC), dtype)  # what is stored
+            acc = T.alloc_local((1,), f32)  # the sum of squares, then rstd
+            warp_sums = T.alloc_shared((TR // 32,), f32)
+            acc[0] = T.float32(0)
+            for c in T.serial(CHUNKS):
+                for k in T.unroll(NV):
+                    col = (c * NV + k) * TR * VEC + tid * VEC
+                    if live(col):
+                        load16("evict_last", xr[k, 0], X[row, col])
+                        if R is not None:
+                            load16("evict_last", rr[k, 0], R[row, col])
+                for k in T.unroll(NV):
+                    col = (c * NV + k) * TR * VEC + tid * VEC
+                    if live(col):
+                        for v in T.unroll(VEC):
+                            x = T.cast(xr[k, v], f32) + T.cast(rr[k, v], f32) if R is not None else T.cast(xr[k, v], f32)
+                            acc[0] += x * x
+                            if R is not None:
+                                ob[k, v] = T.cast(x, dtype)
+                        if R is not None:
+                            for v in T.vectorized(VEC):
+                                R[row, col + v] = ob[k, v]
+            acc[0] = T.warp_reduce_sum(acc[0])
+            if tid % 32 == 0:
+                warp_sums[tid // 32] = acc[0]
+            T.sync_threads()
+            acc[0] = T.float32(0)
+            for w in T.unroll(TR // 32):
+                acc[0] += warp_sums[w]
+            acc[0] = T.rsqrt(acc[0] / n + eps)
+            for c in T.serial(CHUNKS):
+                for k in T.unroll(NV):
+                    col = (c * NV + k) * TR * VEC + tid * VEC
+                    if live(col):
+                        load16("evict_first", xr[k, 0], (X if R is None else R)[row, col])
+                        load16("evict_last", wr[k, 0], Wt[col])
+                for k in T.unroll(NV):
+                    col = (c * NV + k) * TR * VEC + tid * VEC
+                    if live(col):
+                        for v in T.unroll(VEC):
+                            ob[k, v] = T.cast(T.cast(xr[k, v], f32) * acc[0] * scale(wr[k, v]), dtype)
+                        for v in T.vectorized(VEC):
+                            O[row, col + v] = ob[k, v]
+
+    def rows(X, stride):  # as in _build
+        return T.view(X, strides=(stride // VEC * VEC, 1))
+
+    if fused:
+        @T.prim_func
+        def fused_add_rmsnorm(
+            X: T.StridedTensor((num_tokens, n), (x_stride, 1), dtype),  # input rows; receive the output
+            R: T.StridedTensor((num_tokens, n), (r_stride, 1), dtype),  # residual rows; receive input + residual
+            Wt: T.Tensor((n,), dtype),  # weight, read
+            eps: T.float32,  # added to mean(x^2)
+        ):
+            T.assume(T.Or(num_tokens <= 1, x_stride % VEC == 0))  # see _build's rows()
+            T.assume(T.Or(num_tokens <= 1, r_stride % VEC == 0))
+            normalize(rows(X, x_stride), rows(R, r_stride), Wt, rows(X, x_stride), eps)
+        return fused_add_rmsnorm
+
+    @T.prim_func
+    def rmsnorm(
+        X: T.StridedTensor((num_tokens, n), (x_stride, 1), dtype),  # input rows, read
+        Wt: T.Tensor((n,), dtype),  # weight, read
+        O: T.Tensor((num_tokens, n), dtype),  # output rows, contiguous; written
+        eps: T.float32,  # added to mean(x^2)
+    ):
+        T.assume(T.Or(num_tokens <= 1, x_stride % VEC == 0))  # see _build's rows()
+        normalize(rows(X, x_stride), None, Wt, O, eps)
+    return rmsnorm
+
+
 # ----------------------------------------------------------------------------------------------
 # Launchers: the reference's signatures. Per call, after the first: one dict lookup for the
 # compiled host function (its vector width beside it), an alignment test, and the call.
 
-_functions: dict = {}  # (n, dtype, weight dtype, fused, gemma) -> (host function, vector width)
+_functions: dict = {}  # (n, dtype, weight dtype, fused, gemma, streamed) -> (host function, vector width)
 
 
-def _function(n: int, dtype: torch.dtype, weight_dtype: torch.dtype, fused: bool, gemma: bool):
-    key = (n, dtype, weight_dtype, fused, gemma)
+def _function(n: int, dtype: torch.dtype, weight_dtype: torch.dtype, fused: bool, gemma: bool, tokens: int):
+    """The compiled kernel for these rows: the streamed one from _STREAMED_MIN_TOKENS tokens where the
+    rows allow it, else the one-pass one."""
+    key = (n, dtype, weight_dtype, fused, gemma, tokens >= _STREAMED_MIN_TOKENS)
     found = _functions.get(key)
     if found is None:
-        kernel = _jit.compiled(_NAME, _build, n, _DTYPES[dtype], _DTYPES[weight_dtype], fused, gemma)
-        found = _functions[key] = (_jit.entry(kernel), _vec(n, _DTYPES[dtype]))
+        names = _DTYPES[dtype], _DTYPES[weight_dtype]
+        streamed = key[-1] and _streams(n, *names)
+        kernel = _jit.compiled(_NAME, _build, n, *names, fused, gemma, *((True,) if streamed else ()))
+        found = _functions[key] = (_jit.entry(kernel), _vec(n, names[0]))
     return found
 
 
@@ -226,7 +377,7 @@ def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
     x = input if input.dim() == 2 else input.reshape(-1, n)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.shape[0]:
-        fn, vec = _function(n, x.dtype, weight.dtype, False, gemma)
+        fn, vec = _function(n, x.dtype, weight.dtype, False, gemma, x.shape[0])
         if (x.data_ptr() | weight.data_ptr()) & 15 or x.stride(0) % vec:  # rare: a view at an odd offset
             x, weight = _aligned_copy(x), _aligned_copy(weight)
         fn(x, weight, out, eps)
@@ -237,8 +388,8 @@ def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemm
     n = input.shape[-1]
     if input.numel() == 0:
         return
-    fn, vec = _function(n, input.dtype, weight.dtype, True, gemma)
     x, res = rows_view(input), rows_view(residual)
+    fn, vec = _function(n, input.dtype, weight.dtype, True, gemma, input.numel() // n)
     if (x is None or res is None or (x.data_ptr() | res.data_ptr() | weight.data_ptr()) & 15
             or x.stride(0) % vec or res.stride(0) % vec):
         # Leading dims that do not collapse, or misaligned rows (rare): run on aligned copies, write back.
@@ -270,7 +421,7 @@ def ci_kernels() -> Iterator[tuple]:
     """(name, build, key) of the specialisations CI compiles for sm_90: every dtype, both variant
     flags (fused, gemma), a weight dtype other than the input's, and each layout: several rows a
     block (128), a row padded and masked with scalar accesses (257) or 16-byte ones (1000), one row a
-    block (4096, 8192), two passes (65536)."""
+    block (4096, 8192), two passes (65536); and the streamed kernel of many-token calls."""
     for n, dtype, weight_dtype, fused, gemma in (
         (8192, "bfloat16", "bfloat16", False, False),  # the benchmark shape
         (8192, "bfloat16", "bfloat16", True, False),
@@ -282,3 +433,11 @@ def ci_kernels() -> Iterator[tuple]:
         (65536, "bfloat16", "bfloat16", True, False),  # two passes
     ):
         yield _NAME, _build, (n, dtype, weight_dtype, fused, gemma)
+    for n, dtype, fused, gemma in (  # streamed (from 4096 tokens): one chunk, chunks, a masked chunk
+        (8192, "bfloat16", False, False),
+        (8192, "bfloat16", True, False),
+        (7168, "float16", True, True),
+        (7168, "bfloat16", False, True),
+        (4096, "float32", True, False),
+    ):
+        yield _NAME, _build, (n, dtype, dtype, fused, gemma, True)
