@@ -203,13 +203,15 @@ def sweep() -> list:
         rows.append({"case": renorm_k[0], "write": f"{block}/{warps}w", "us": us,
                      "default": "<-" if cfg == triton_sampling.DEFAULT else ""})
     renorm_p = cases()[4]  # the histogram route (0 slices: the full-pass route it replaces)
-    for slices, buckets, shift, warps in [(32, 2048, 17, 8), (32, 1024, 18, 8), (32, 4096, 16, 8), (16, 2048, 17, 8),
-                                          (64, 2048, 17, 4), (32, 2048, 17, 4), (0, 2048, 17, 8)]:
-        cfg = triton_sampling.Config(hist_slices=slices, hist_buckets=buckets, hist_shift=shift, hist_warps=warps)
+    for slices, buckets, levels, level_oct, warps in [(32, 2048, 8, 2, 8), (32, 512, 8, 2, 8), (32, 2048, 16, 1, 8),
+                                                      (32, 2048, 4, 4, 8), (16, 2048, 8, 2, 8), (64, 2048, 8, 2, 4),
+                                                      (32, 2048, 8, 2, 4), (0, 2048, 8, 2, 8)]:
+        cfg = triton_sampling.Config(hist_slices=slices, hist_buckets=buckets, hist_levels=levels,
+                                     hist_level_octaves=level_oct, hist_warps=warps)
         fn = lambda: triton_sampling._launch(renorm_p[2][0], None, renorm_p[2][1], None, None, sample=False,  # noqa: E731
                                              config=cfg)
         us = _graph_us_or_error(fn)
-        rows.append({"case": renorm_p[0], "hist": f"{slices}x{buckets} 2^{shift} {warps}w", "us": us,
+        rows.append({"case": renorm_p[0], "hist": f"{slices}x{buckets} {levels}x{level_oct}oct {warps}w", "us": us,
                      "default": "<-" if cfg == triton_sampling.DEFAULT else ""})
     return rows
 

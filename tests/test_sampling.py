@@ -159,7 +159,7 @@ def _small_split_config(slices=4, np_slice=16):
 # The histogram route on rows of 1000 (a 64-slot buffer): 4 slices of 250, 64 buckets of 2^20 patterns
 # (8 an octave) over the 8 octaves below the top of the row's largest: a softmax row's bracket holds
 # ~20 values (the route), ties or a cluster far below the largest more than 64 (the fallback).
-_SMALL_HIST = dict(hist_slices=4, hist_buckets=64, hist_shift=20, hist_warps=4)
+_SMALL_HIST = dict(hist_slices=4, hist_buckets=64, hist_levels=8, hist_level_octaves=2, hist_warps=4)
 
 
 def _launcher(op, cfg):
@@ -402,90 +402,115 @@ def test_triton_split_prepass_matches_reference(op):
 
 
 def _hist_rows(device):
-    """(probs, top_p, route): rows of 1000 for the histogram route of ``_small_split_config`` (64 slots;
-    64 buckets of 2^20 patterns, 8 octaves) and whether each takes the route (its bracket holds at most
-    64 values) or the fallback (full passes inside the bracket)."""
+    """(probs, top_p, route, sure): rows of 1000 for the histogram route of ``_small_split_config`` (64
+    slots; 4 slices of 250; 62 fine buckets over the window, levels every 2 octaves, 8 of them) and
+    whether each takes the route (its bracket holds at most 64 values) or the fallback (full passes
+    inside the bracket), and whether the levels place the window (``A > 0``: a level boundary surely
+    fails) or it reaches down to 0 (the threshold below the levels' 16 octaves, or everything passes)."""
     V = 1000
-    rows, ps, route = [], [], []
+    rows, ps, route, sure = [], [], [], []
 
-    def add(row, p, takes_route):
+    def add(row, p, takes_route, placed):
         rows.append(row.to(device))
         ps.append(p)
         route.append(takes_route)
+        sure.append(placed)
 
     soft = _softmax(6, V, "cpu", scale=2.0)
-    add(soft[0], 0.9, True)
-    add(soft[1], 0.5, True)
-    add(soft[2], 0.0, True)  # the largest value alone
-    add(soft[3], 1e-6, True)
-    add(soft[4], 1.0, False)  # the threshold among the smallest values: ~300 below the 8 octaves, bucket 0
-    add(soft[5], 1.5, False)  # everything passes: bracket (-1, top of bucket 0]
-    add(_ties(1, V, "cpu", levels=3)[0], 0.9, False)  # ~333 ties a level: one bucket
-    add(torch.full((V,), 1.0 / V), 0.7, False)  # all equal: one bucket (one atomic a slice)
-    add(torch.zeros(V), 0.9, True)  # no mass: an empty bucket 0 passes, threshold -1 (all kept, zeros)
+    add(soft[0], 0.9, True, True)  # a 2-octave window, ~170 values: 2^19 patterns a bucket, 7 in the threshold's
+    add(soft[1], 0.5, True, True)
+    add(soft[2], 0.0, True, True)  # the largest value alone
+    add(soft[3], 1e-6, True, True)
+    add(soft[4], 1.0, True, False)  # the threshold among the smallest values, ~17 octaves down: window [0, Z)
+    add(soft[5], 1.5, True, False)  # everything passes: bucket 0 is empty with A = 0, bracket (-1, -1]
+    add(_ties(1, V, "cpu", levels=3)[0], 0.9, False, True)  # ~333 ties a level: one bucket
+    add(torch.full((V,), 1.0 / V), 0.7, False, True)  # all equal: one bucket (one atomic a slice)
+    add(torch.zeros(V), 0.9, True, False)  # no mass: an empty bucket 0 passes, threshold -1 (all kept, zeros)
     cluster = torch.cat([torch.tensor([0.5]), 1e-9 * (1 + torch.rand(V - 1))])
     limit_inside = ((0.5 + 0.5 * cluster[1:].sum()) / cluster.sum()).item()
-    add(cluster, limit_inside, False)  # the limit inside 999 values far below the window: bucket 0
-    add(cluster, 0.4, True)  # 0.5 alone
+    add(cluster, limit_inside, False, False)  # the limit inside 999 values far below the levels: one bucket
+    add(cluster, 0.4, True, True)  # 0.5 alone
     sparse = torch.zeros(V)
     sparse[::20] = torch.softmax(torch.randn(50) * 0.5, -1)
-    add(sparse, 1.0, True)  # 950 zeros in bucket 0; the threshold at the smallest positive value
-    add(_odd_values(4, V, "cpu")[0], 0.8, True)  # NaN, negative, -0.0, subnormal entries
+    add(sparse, 1.0, True, False)  # 950 zeros; the threshold at the smallest positive value
+    add(_odd_values(4, V, "cpu")[0], 0.8, True, True)  # NaN, negative, -0.0, subnormal entries
     inf_row = _softmax(1, V, "cpu")[0]
     inf_row[777] = float("inf")
-    add(inf_row, 0.9, True)  # FLT_MAX alone: e_max = 254, the window's top at 255 << 23
-    add(torch.rand(V) * 1e-39, 0.6, False)  # subnormals only (< 2^20 patterns: one bucket); the window reaches below 0
+    add(inf_row, 0.9, True, True)  # FLT_MAX alone: e_max = 254, the levels' top at 256 (Z = 2^31)
+    add(torch.rand(V) * 1e-39, 0.6, False, False)  # subnormals only (exponent 0): one bucket
     lows = torch.softmax(torch.randn(V) * 0.3, -1)
     lows[:10] = 1e-12 * (1 + torch.rand(10))
-    add(lows, 1.0, True)  # the threshold in bucket 0 (10 values far below the window), which fits
+    add(lows, 1.0, True, False)  # the threshold among 10 values far below the levels, which fit
     flat = torch.softmax(torch.randn(V) * 0.05, -1)
-    add(flat, 0.5, False)  # within one octave: ~125 values a bucket
+    add(flat, 0.5, False, True)  # within 1/10 octave: ~450 values in the threshold's bucket (1/16 octave)
+    # the limit exactly at a level boundary: 0.5 (exponent 126, the boundary at 126) above 512 x 2^-10,
+    # M = 1 and p = 0.5: the boundary neither surely fails nor surely passes, the window widens to 12
+    # octaves ([116, 128): the next sure ones) and the threshold (0.5 alone) still lies inside
+    edge = torch.zeros(V)
+    edge[0], edge[1:513] = 0.5, 2.0 ** -10
+    add(edge, 0.5, True, True)
     t = lambda v, dtype=None: torch.tensor(v, device=device, dtype=dtype)  # noqa: E731
-    return torch.stack(rows), t(ps, torch.float32), route
+    return torch.stack(rows), t(ps, torch.float32), route, sure
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a GPU or Triton's interpreter")
 def test_triton_histogram_route_keeps_its_contract():
-    """The histogram kernels' brackets against the reference: ``lo`` fails the top-p test and ``hi``
-    passes (the reference's threshold lies in ``(lo, hi]``), ``g_*``/``c_*`` are the exact mass and
-    count above them, and the rows of ``_hist_rows`` take the route or the fallback as intended; the
+    """The histogram kernels' fine windows and brackets against the reference. The window ``[A, Z)``:
+    ``A`` (when above 0) surely fails the top-p test and ``Z`` surely passes, by the exact masses as
+    well (so the reference's threshold lies inside), ``NB - 2`` buckets of ``2^sh`` patterns cover it
+    (the fewest), and the levels place it (``A > 0``) for the rows of ``_hist_rows`` meant to. The
+    bracket: ``lo`` fails and ``hi`` passes (the threshold lies in ``(lo, hi]``), ``g_*``/``c_*`` are
+    the exact mass and count above them, the rows take the route or the fallback as intended; the
     compacted buffer holds exactly the values in the bracket. Rows whose top-k cuts are off the route."""
     from torch_kernels.impl.triton import sampling as triton_sampling
     torch.manual_seed(8)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    probs, top_p, want_route = _hist_rows(device)
+    probs, top_p, want_route, want_sure = _hist_rows(device)
     probs, top_p = torch.cat([probs, probs[:1]]), torch.cat([top_p, top_p[:1]])
     cfg = _small_split_config()
     B, V = probs.shape
     buf = torch.full((B, cfg.cap), -7, dtype=torch.int32, device=device)
     top_k = torch.tensor([0, V, -2] + [0] * (B - 4) + [5], device=device)  # the last row is off the route
-    _, bracket = triton_sampling._hist_prepasses(probs, top_k, top_p, buf, cfg)
-    bracket, buf = bracket.cpu(), buf.cpu()
+    _, bracket, window = triton_sampling._hist_prepasses(probs, top_k, top_p, buf, cfg)
+    bracket, buf, window = bracket.cpu(), buf.cpu(), window.cpu()
     bits = reference.value_bits(probs).cpu()
     q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(V))
     kept, mass = reference.kept_mask(bits, q, None, top_p.cpu())
-    route = []
+    route, sure = [], []
+    fine = cfg.hist_buckets - 2
     for r in range(B):
         lo, hi, n, g_lo, g_hi, c_lo, c_hi, total = bracket[r].tolist()
         where = f"row {r}"
         if r == B - 1:
             assert n == -1, where
             continue
+        limit = top_p[r].double().item() * total
+        a, z, sh = window[r, :3].tolist()
+        b64 = bits[r].long()
+        assert 0 <= a < z and fine << sh >= z - a and (sh == 0 or fine << (sh - 1) < z - a), f"{where}: window"
+        if a > 0:
+            g_a = q[r][b64 >= a].sum().item()
+            assert g_a > 0 and g_a >= limit, f"{where}: A passes"
+        g_z = q[r][b64 >= z].sum().item()
+        assert g_z == 0 or g_z < limit, f"{where}: Z fails"
+        sure.append(a > 0)
         thr = bits[r][kept[r]].min().item()  # the reference's threshold (kept: bits >= it)
+        assert a <= thr < z or (a == 0 and kept[r].all()), f"{where}: the threshold outside the window"
         assert total == q[r].sum().item(), where
         assert lo < thr <= hi or (hi == lo == -1 and kept[r].all()), where
         assert g_lo == q[r][bits[r] > lo].sum().item() and g_hi == q[r][bits[r] > hi].sum().item(), where
         assert c_lo == (bits[r] > lo).sum().item() and c_hi == (bits[r] > hi).sum().item(), where
         assert n == c_lo - c_hi, where
         if lo >= 0:
-            assert not (g_lo == 0 or g_lo < top_p[r].double().item() * total), f"{where}: lo passes"
-        assert g_hi == 0 or g_hi < top_p[r].double().item() * total, f"{where}: hi fails"
+            assert not (g_lo == 0 or g_lo < limit), f"{where}: lo passes"
+        assert g_hi == 0 or g_hi < limit, f"{where}: hi fails"
         assert mass[r].item() == q[r][bits[r] >= thr].sum().item()
         route.append(n <= cfg.cap)
         if n <= cfg.cap:
             inside = bits[r][(bits[r] > lo) & (bits[r] <= hi)]
             assert torch.equal(buf[r, :n].sort().values, inside.sort().values), where
     assert route == want_route, f"route {route}, want {want_route}"
+    assert sure == want_sure, f"placed by the levels {sure}, want {want_sure}"
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a GPU or Triton's interpreter")
@@ -497,9 +522,9 @@ def test_triton_histogram_route_matches_reference(op):
     torch.manual_seed(8)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ref = registry.BY_OP[op][Backend.TORCH].load()
-    probs, top_p, _ = _hist_rows(device)
+    probs, top_p, _, _ = _hist_rows(device)
     B, V = probs.shape
-    top_k = torch.tensor([0, V, -1, 0, 2000, 0, 8, 0, 0, 0, 0, 0, 3, 0, 0, 0, 40][:B], device=device)
+    top_k = torch.tensor([0, V, -1, 0, 2000, 0, 8, 0, 0, 0, 0, 0, 3, 0, 0, 0, 40, 0][:B], device=device)
     assert len(top_k) == B
     cfg = _small_split_config()
     cases = [(probs, top_k, top_p), (probs[:1], top_k[:1], top_p[:1])]

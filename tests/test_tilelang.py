@@ -536,7 +536,7 @@ def test_one_compiled_kernel_serves_every_batch_size(tmp_path):
     _jit.clear_memo()
     norm._functions.clear()
     activation._functions.clear()
-    n, d = 3072, 1536
+    n, d = 4096, 1536  # norm rows that also take the streamed kernel from 4096 tokens
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     sizes = []
     for tokens in (1, 7, 300, 4096):
@@ -552,8 +552,36 @@ def test_one_compiled_kernel_serves_every_batch_size(tmp_path):
         assert_close(activation.silu_and_mul(g), registry.BY_OP["silu_and_mul"][Backend.TORCH].load()(g))
         sizes.append(_jit.memo_size())
     torch.cuda.synchronize()
-    assert sizes == [3, 3, 3, 3], sizes  # three kernels, compiled (or loaded) at the first batch size only
-    assert len(_trace_compiles(trace, "rmsnorm")) == 2 and len(_trace_compiles(trace, "act_and_mul")) == 1
+    # five kernels (each norm its one-pass and its streamed kernel), compiled (or loaded) at the first
+    # batch size only
+    assert sizes == [5, 5, 5, 5], sizes
+    assert len(_trace_compiles(trace, "rmsnorm")) == 4 and len(_trace_compiles(trace, "act_and_mul")) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,dtype", [(4096, torch.float32), (7168, torch.bfloat16), (8192, torch.float16),
+                                     (16384, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("op", ["rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm"])
+def test_streamed_norms_match_the_reference(op, n, dtype):
+    """The many-token kernel (rows read twice with L2 hints): one chunk or several, a masked last chunk,
+    strided rows; it is the one that serves 4096 tokens."""
+    from torch_kernels.impl.tilelang import norm
+    reference = registry.BY_OP[op][Backend.TORCH].load()
+    assert norm._streams(n, norm._DTYPES[dtype], norm._DTYPES[dtype])
+    for layout in ("contiguous", "stride8"):
+        x = _views((norm._STREAMED_MIN_TOKENS, n), dtype, layout, "cuda")
+        w = torch.randn(n, device="cuda", dtype=dtype)
+        if "fused" in op:
+            r = _views(x.shape, dtype, layout, "cuda")
+            xb, rb = x.clone(), r.clone()
+            getattr(norm, op)(x, r, w, 1e-6)
+            reference(xb, rb, w, 1e-6)
+            assert_close(r, rb, msg=f"{n} {layout} residual")
+            assert_close(x, xb, msg=f"{n} {layout}")
+        else:
+            assert_close(getattr(norm, op)(x, w, 1e-6), reference(x, w, 1e-6), msg=f"{n} {layout}")
+    streamed = norm._functions[(n, dtype, dtype, "fused" in op, op.startswith("gemma"), True)]
+    assert streamed is not norm._functions[(n, dtype, dtype, "fused" in op, op.startswith("gemma"), False)]
 
 
 # (hidden size, dtype): the layouts at their boundaries — several rows a block, one row over 1024

@@ -356,14 +356,19 @@ _functions: dict = {}  # (n, dtype, weight dtype, fused, gemma, streamed) -> (ho
 
 def _function(n: int, dtype: torch.dtype, weight_dtype: torch.dtype, fused: bool, gemma: bool, tokens: int):
     """The compiled kernel for these rows: the streamed one from _STREAMED_MIN_TOKENS tokens where the
-    rows allow it, else the one-pass one."""
+    rows allow it, else the one-pass one. Both are compiled at the first call, whatever its token count,
+    so that a change of batch size never compiles."""
     key = (n, dtype, weight_dtype, fused, gemma, tokens >= _STREAMED_MIN_TOKENS)
     found = _functions.get(key)
     if found is None:
         names = _DTYPES[dtype], _DTYPES[weight_dtype]
-        streamed = key[-1] and _streams(n, *names)
-        kernel = _jit.compiled(_NAME, _build, n, *names, fused, gemma, *((True,) if streamed else ()))
-        found = _functions[key] = (_jit.entry(kernel), _vec(n, names[0]))
+        vec = _vec(n, names[0])
+        one_pass = (_jit.entry(_jit.compiled(_NAME, _build, n, *names, fused, gemma)), vec)
+        streamed = one_pass
+        if _streams(n, *names):
+            streamed = (_jit.entry(_jit.compiled(_NAME, _build, n, *names, fused, gemma, True)), vec)
+        _functions[key[:-1] + (False,)], _functions[key[:-1] + (True,)] = one_pass, streamed
+        found = _functions[key]
     return found
 
 
