@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 
-import torch_kernels
 from torch_kernels import registry
 from torch_kernels.impl.torch import sampling as reference
 from torch_kernels.ops import sampling as sampling_ops

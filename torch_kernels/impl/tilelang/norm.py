@@ -72,14 +72,15 @@ _EXACT_MAX_PER_THREAD = 64
 # sweep_triton_norm_2.json has Triton's chunks at 4028 GB/s without its L2 hints, 4177 with them: the
 # hints, which TileLang's loads do not take, are the difference. Nor the residual stored before the
 # row's sum (3986 against 4034 at 16384x7168).
-# From _STREAMED_MIN_TOKENS tokens, rows of 16-byte vectors read twice with L2 eviction hints
-# (:func:`_build_streamed`), as the Triton backend and Inductor do there: the first read asks L2 to keep
-# the row (evict_last), the second, which normalises it, to drop it (evict_first); the fused ops store
-# each chunk's residual as soon as it is summed and normalise it re-read. Little is held in registers,
-# so more rows are in flight. sweep_triton_norm_2.json (H200, bf16): Triton's chunks ran fused
-# 16384x8192 at 4177 GB/s with the hints and 4028 without; Inductor's rmsnorm, read twice so, 4210
-# against 4042 with the row in registers. Few tokens keep the one-pass kernel (the second read costs
-# latency: Triton's 1-token fused 2.03 against 1.75 µs).
+# From _STREAMED_MIN_TOKENS tokens, the fused ops' rows of 16-byte vectors are read twice with L2
+# eviction hints (:func:`_build_streamed`), as the Triton backend does there: each chunk's residual is
+# stored as soon as it is summed, asked to stay in L2 (evict_last), and re-read to be normalised
+# (evict_first). sweep_tilelang_7.json (H200, bf16, streamed against one pass, Triton in the same run):
+# fused_add_rmsnorm 16384x8192 4183 against 4009 GB/s (Triton 4156), 16384x7168 4191 against 4071
+# (4161), 16384x4096 4162 against 3967 (4053), 4096x4096 3898 against 3687 (3813); 32x8192 2.44 against
+# 2.40 µs, so few tokens keep the one-pass kernel. Not rmsnorm: read twice so it lost (3934 against
+# 4062 at 16384x8192, 3387 against 3994 at 16384x4096), where Triton's and Inductor's read-twice
+# kernels gained (4195 against 4091, sweep_triton_norm_3.json).
 _STREAMED_MIN_TOKENS = 4096
 _STREAMED_THREADS = 512
 
@@ -233,17 +234,19 @@ __device__ __forceinline__ void tk_load16_evict_first(void* dst, const void* src
 """
 
 
-def _streams(n: int, dtype: str, weight_dtype: str) -> bool:
-    """Whether rows of ``n`` can take :func:`_build_streamed`: whole 16-byte vectors of the input and
-    of the weight (the same dtype), at least one a thread, and one pass's width at most."""
+def _streams(n: int, dtype: str, weight_dtype: str, fused: bool = True) -> bool:
+    """Whether rows of ``n`` take :func:`_build_streamed` from _STREAMED_MIN_TOKENS tokens: the fused
+    ops' rows of whole 16-byte vectors of the input and of the weight (the same dtype), at least one a
+    thread, and one pass's width at most."""
     lanes = _jit.lanes(dtype)
-    return weight_dtype == dtype and n % lanes == 0 and _STREAMED_THREADS * lanes <= n <= _ONE_PASS_MAX
+    return (fused and weight_dtype == dtype and n % lanes == 0
+            and _STREAMED_THREADS * lanes <= n <= _ONE_PASS_MAX)
 
 
 def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
     """One row a block of :data:`_STREAMED_THREADS` threads, each thread one 16-byte vector of each
-    chunk: rmsnorm reads its row in one chunk (two vectors a thread at 8192 bf16), the fused ops in
-    chunks of one vector a thread (4096 bf16), as the Triton kernel (``sweep_triton_norm.py``). The
+    chunk: the fused ops in chunks of one vector a thread (4096 bf16), as the Triton kernel
+    (``sweep_triton_norm.py``); rmsnorm (built for the sweep only: it lost) in one chunk of the row. The
     first pass sums the squares (and stores the fused ops' rounded residual), the block reduces them
     (warp shuffles, then one value a warp through shared memory), the second pass re-reads the row."""
     pdl = _jit.dependent_launch()
@@ -365,7 +368,7 @@ def _function(n: int, dtype: torch.dtype, weight_dtype: torch.dtype, fused: bool
         vec = _vec(n, names[0])
         one_pass = (_jit.entry(_jit.compiled(_NAME, _build, n, *names, fused, gemma)), vec)
         streamed = one_pass
-        if _streams(n, *names):
+        if _streams(n, *names, fused):
             streamed = (_jit.entry(_jit.compiled(_NAME, _build, n, *names, fused, gemma, True)), vec)
         _functions[key[:-1] + (False,)], _functions[key[:-1] + (True,)] = one_pass, streamed
         found = _functions[key]
@@ -438,11 +441,9 @@ def ci_kernels() -> Iterator[tuple]:
         (65536, "bfloat16", "bfloat16", True, False),  # two passes
     ):
         yield _NAME, _build, (n, dtype, weight_dtype, fused, gemma)
-    for n, dtype, fused, gemma in (  # streamed (from 4096 tokens): one chunk, chunks, a masked chunk
-        (8192, "bfloat16", False, False),
-        (8192, "bfloat16", True, False),
-        (7168, "float16", True, True),
-        (7168, "bfloat16", False, True),
-        (4096, "float32", True, False),
+    for n, dtype, gemma in (  # the fused ops' streamed kernel (from 4096 tokens): chunks, a masked one
+        (8192, "bfloat16", False),
+        (7168, "float16", True),
+        (4096, "float32", False),
     ):
-        yield _NAME, _build, (n, dtype, dtype, fused, gemma, True)
+        yield _NAME, _build, (n, dtype, dtype, True, gemma, True)
