@@ -58,7 +58,8 @@ def _erfc_t(g):
 
 
 def _activate(g, act: str, t=None):
-    """``act(g)`` for an fp32 expression ``g``: silu as ATen's CUDA kernel computes it, the GELUs in the
+    """``act(g)`` for an fp32 expression ``g``: silu as ATen's CUDA kernel computes it (with
+    :data:`_FAST_MATH`, by ``__expf`` and ``fast_rcp`` as Triton's ``tl.exp`` and division), the GELUs in the
     Triton backend's forms (``triton/activation.py``: ``_activate``, which says why each is exact
     enough); ``t``: :func:`_erfc_t` of ``g`` (erf GELU). With CUDA's ``erff``/``tanhf`` this kernel ran
     the GELUs at 3686 and 3949 GB/s against silu's 4345 (16384x2*8192 bf16, H200 suite of 2026-11-29):
