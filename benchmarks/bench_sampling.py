@@ -3,7 +3,8 @@ replay beside the peers in the same run: FlashInfer's ``top_k_top_p_sampling_fro
 sampling case in shared/gpu/README.md) and torch sort + multinomial (1172 µs there) for the sampling
 cases; torch.compile of the reference for the main case only (each compile costs tens of seconds: the
 whole run must stay within two minutes); the eager reference. ``--sweep`` also times the Triton
-kernel's launch alternatives (buffer and warps; the renormalised row's write; the histogram route).
+kernel's launch alternatives (buffer and warps; the renormalised row's write; the split prepass's group
+maxima; the histogram route's buckets and levels).
 
 FlashInfer is called only through its sampling JIT module (the one saved for the host): see
 ``_flashinfer``.
@@ -200,6 +201,11 @@ def sweep() -> list:
         fn = lambda: triton_sampling._launch(*renorm_k[2], None, None, None, sample=False, config=cfg)  # noqa: E731
         us = _graph_us_or_error(fn)
         rows.append({"case": renorm_k[0], "write": f"{block}/{warps}w", "us": us,
+                     "default": "<-" if cfg == triton_sampling.DEFAULT else ""})
+    for group in (8, 4, 16, 0):  # the split prepass's search from group maxima (0: the plain count search)
+        cfg = triton_sampling.Config(slice_group=group)
+        fn = lambda: triton_sampling._launch(*renorm_k[2], None, None, None, sample=False, config=cfg)  # noqa: E731
+        rows.append({"case": renorm_k[0], "write": f"slice groups of {group}", "us": _graph_us_or_error(fn),
                      "default": "<-" if cfg == triton_sampling.DEFAULT else ""})
     renorm_p = cases()[4]  # the histogram route (0 slices: the full-pass route it replaces)
     for slices, buckets, levels, level_oct, warps in [(32, 2048, 8, 2, 8), (32, 512, 8, 2, 8), (32, 2048, 16, 1, 8),

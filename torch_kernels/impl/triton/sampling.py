@@ -37,6 +37,16 @@ bound of the row's ``t_k``; when every ``cover_s <= tau`` the buffer holds every
 route (no streaming pass). Otherwise (``k > SLICE_CAP``, ties, or fewer positive values than k) the
 row takes the routes above as if there were no prepass.
 
+The slice's count search starts from its group maxima (``Config.slice_group`` values a group): the
+k-th largest of 512 maxima of 8 is a lower bound of the slice's k-th largest with ~52 values above it
+at k = 50, whatever the distribution, so the search runs on 2 values a thread instead of 16 and one
+count over the slice checks it (the plain search goes on from there when it does not fit: ties, k
+near ``SLICE_CAP``). Measured before: 8.2/43.1/85.0 µs at 1/32/64 rows (~1.3 µs a row: 1.5 to 2.8
+rounds of 16 pivots x 16 values a thread, the instruction issue of 2048 programs). A numpy model of
+the new search: 1.3 rounds of 16 x 2 compares at k = 50 on randn * 3 slices (1.0 to 2.0 from
+randn * 0.3 to randn * 8, k = 20 to 80), never a full-slice round. Predicted ~7/25/45 µs (the
+loads, the scan and the candidates' stores stay; at 64 rows the read itself is ~17 µs from HBM).
+
 **Histogram route** (``V > CAP``, top-p, top-k keeping the whole row: all of ``top_p_renorm_probs``,
 and the sampling rows with ``top_k <= 0`` or ``>= V``): the full-pass route's searches are one program
 reading the row once a round (~340 µs a row on the H200). Instead, four small launches find the top-p
@@ -48,7 +58,7 @@ threshold's bracket in parallel, exactly:
    apart (aligned alike in every slice); zeroes the row's histogram. One read of the row. Measured
    2.6/5.3/17.1 µs at 1/32/64 rows before the levels: at 64 rows the 33 MB come from HBM while the
    previous call's 33 MB of renormalised rows are written back out of L2 (~66 MB in 17 µs); the
-   levels (3 instructions a value and level) hide under that. Predicted ~3/6/18 µs.
+   levels (3 instructions a value and level) hide under that. Predicted ~3.5/6/18 µs.
 2. ``_hist_kernel`` (same grid): from the levels, a fine window ``[A, Z)`` of patterns where the
    threshold surely lies (fp32 sums with a proven slack; usually one 2-octave level); the exact
    fixed-point mass (int64) and count per fine bucket of the window (``hist_buckets - 2`` of them, by
@@ -56,7 +66,7 @@ threshold's bracket in parallel, exactly:
    atomic a slice). The first version bucketed all 32 octaves below the largest value by two atomics
    a value (16M at 64 rows: 23.6/141/239 µs, atomic-throughput bound, the route's whole cost); now
    ~5-10K atomics a row for a softmax of randn * 3 at p = 0.9. The second read is mostly from L2.
-   Predicted ~4/7/12 µs. Thresholds below the levels' reach (p = 0.99 on randn * 3, p = 1) get a
+   Predicted ~5/8/14 µs. Thresholds below the levels' reach (p = 0.99 on randn * 3, p = 1) get a
    window from 0 and the old cost.
 3. ``_hist_bracket_kernel`` (grid ``(B,)``): scans a row's buckets: the bucket where the top-p
    test turns (a prefix sum), i.e. ``lo`` failing and ``hi`` passing with the exact masses and counts
@@ -70,7 +80,8 @@ threshold's bracket in parallel, exactly:
    none. Predicted ~3/8/14 µs.
 
 The filter kernel then ends the search in registers (``_top_p_in_registers`` over the bracket's
-``2^sh`` patterns: 14 bisection steps for a 2-octave window, 17 before, ~9 µs), or, when the bracket
+``2^sh`` patterns: 6 steps of 4 pivots for a 2-octave window, 17 bisection steps before: measured 9.8
+to 10.1 µs, predicted ~5 µs), or, when the bracket
 is larger (ties, flat rows, a threshold among many tiny values), goes on with the exact full-pass
 search inside the bracket. Sampling then scans the row in index order up to the token, as on the
 full-pass route.
@@ -115,7 +126,10 @@ class Config(NamedTuple):
     # can split only when top_k <= min(cap // slices, k_small)
     slices: int = 32  # slices per row: 4008 values a slice at V = 128256, 32 programs for one row
     np_slice: int = 16  # pivots per round of a slice's count search ([16, 4096] compares per round)
-    slice_group: int = 8  # values a group of the slice's group maxima, where its search starts (0: none)
+    # values a group of the slice's group maxima, where its count search starts (0: none): 512 groups
+    # of 8 at 4096. Larger groups: fewer maxima to search, but ~k (1 + k / groups) values above their
+    # k-th largest, more often past SLICE_CAP for large k
+    slice_group: int = 8
     slice_warps: int = 8  # a slice program: 16 values, 16 x 16 compares per thread a round; 80 registers
     # for sm_90 without spills (4 warps: 180, so at most 2 programs an SM; 16 warps: 75)
     # the renormalised row's write (_renorm_write_kernel, grid (B, cdiv(V, write_block))): 4096 values
@@ -130,12 +144,13 @@ class Config(NamedTuple):
     # hist_level_octaves apart (the prepass), and two lumps (below, above). At 2048 buckets over a
     # 2-octave window a fine bucket is 2^14 patterns (1/512 octave): the threshold's bucket holds ~5
     # values of a softmax of randn * 3 at p = 0.9 and V = 128256, ~70 at randn * 1: one compaction,
-    # and 14 bisection steps in registers.
+    # and 6 steps of 4 pivots in registers (NP_REG).
     hist_slices: int = 32  # slices a row of the histogram kernels (4008 values at V = 128256)
-    hist_buckets: int = 2048  # a power of two: 24 KB a row of int64 masses and int32 counts
+    hist_buckets: int = 2048  # a power of two >= 4 (2 lumps): 24 KB a row of int64 masses and int32 counts
     # levels: the window's resolution and reach (8 x 2 octaves: ~15-16 octaves below the largest value,
-    # where p <= 0.95 puts the threshold of softmax(randn * s) rows; deeper thresholds get the old
-    # 32-octave-wide window, whose cost they keep). A level costs 3 instructions a value in the prepass
+    # where p <= 0.95 puts the threshold of softmax(randn * s) rows; deeper thresholds get a window from
+    # pattern 0 up to the lowest sure level: nearly every value takes atomics, the old cost). A level
+    # costs 3 instructions a value in the prepass
     hist_levels: int = 8
     hist_level_octaves: int = 2
     hist_warps: int = 8  # a slice program: 16 values a thread, as the slice prepass
@@ -205,30 +220,50 @@ def _top_p_pred(g, limit):
     return (g == 0) | (g.to(tl.float64) < limit)
 
 
+# Pivots a step of the searches in registers (_kth_in_registers, _top_p_in_registers): the bracket
+# shrinks 5-fold a step instead of 2-fold. A step's cost is its block-wide reduction (~0.5 µs of
+# latency over the CAP = 4096 slots at 16 warps: one program a row, nothing else to overlap with), not
+# its compares (4 x 8 a thread), so 4 pivots need ~2.3x fewer steps for the same latency: the top-k
+# threshold of a top_k=50 row (~27 bits between tau and the largest value) in ~12 steps instead of 27,
+# a histogram bracket of 2^14 patterns in 6 instead of 14. Measured before (torch.profiler, H200):
+# _filter_kernel 9.4-10.1 µs for top_k_renorm_probs and top_p_renorm_probs, 21.8-22.4 µs for the
+# sampling (both searches); predicted ~5 and ~10 µs. Not 8 pivots: [8, 4096] int64 selects beside the
+# kernel's 108 registers a thread risk spills.
+NP_REG = tl.constexpr(4)
+
+
 @triton.jit
 def _kth_in_registers(vb, k, lo, hi, c_above):
-    """The largest pattern in ``[lo, hi)`` with ``count(vb >= it) + c_above >= k`` (bisection; ``lo``
-    qualifies). ``vb``: the candidate patterns (-1 in unused slots), ``c_above``: values >= hi not in ``vb``."""
+    """The largest pattern in ``[lo, hi)`` with ``count(vb >= it) + c_above >= k`` (``lo`` qualifies;
+    ``NP_REG`` pivots a step). ``vb``: the candidate patterns (-1 in unused slots), ``c_above``: values
+    >= hi not in ``vb``."""
+    j = tl.arange(0, NP_REG).to(tl.int64) + 1
     while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        c = tl.sum((vb >= mid).to(tl.int32), axis=0) + c_above
-        lo = tl.where(c >= k, mid, lo)
-        hi = tl.where(c >= k, hi, mid)
+        piv = lo + ((hi - lo).to(tl.int64) * j // (NP_REG + 1)).to(tl.int32)  # (lo may be a constant 0)
+        c = tl.sum((vb[None, :] >= piv[:, None]).to(tl.int32), axis=1) + c_above
+        ok = c >= k
+        # counts fall as the pivot rises: the largest passing pivot is the new lo, the least failing hi
+        lo = tl.max(tl.where(ok, piv, lo), axis=0)
+        hi = tl.min(tl.where(ok, hi, piv), axis=0)
     return lo
 
 
 @triton.jit
 def _top_p_in_registers(vb, q, limit, lo, hi, g_lo, g_above):
     """The smallest pattern in ``(lo, hi]`` that passes the top-p test (``lo`` fails, ``hi`` passes),
-    and the mass above the pattern just below it (the kept mass). ``vb``/``q``: the patterns in
-    ``(lo, hi]`` and their masses; ``g_lo``/``g_above``: the mass above ``lo``/``hi``."""
+    and the mass above the pattern just below it (the kept mass); ``NP_REG`` pivots a step.
+    ``vb``/``q``: the patterns in ``(lo, hi]`` and their masses; ``g_lo``/``g_above``: the mass above
+    ``lo``/``hi``."""
+    j = tl.arange(0, NP_REG).to(tl.int64) + 1
     while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        g = tl.sum(tl.where(vb > mid, q, 0), axis=0) + g_above
+        piv = lo + ((hi - lo).to(tl.int64) * j // (NP_REG + 1)).to(tl.int32)  # (lo may be a constant 0)
+        g = tl.sum(tl.where(vb[None, :] > piv[:, None], q[None, :], 0), axis=1) + g_above
         ok = _top_p_pred(g, limit)
-        hi = tl.where(ok, mid, hi)
-        lo = tl.where(ok, lo, mid)
-        g_lo = tl.where(ok, g_lo, g)
+        # mass falls as the pivot rises: the least passing pivot is the new hi, the largest failing lo
+        # (with the least mass of the failing ones)
+        hi = tl.min(tl.where(ok, piv, hi), axis=0)
+        lo = tl.max(tl.where(ok, lo, piv), axis=0)
+        g_lo = tl.min(tl.where(ok, g_lo, g), axis=0)
     return hi, g_lo
 
 
@@ -699,14 +734,6 @@ def _slice_candidates_kernel(
 
 
 @triton.jit
-def _level_top(mx, LEVEL_OCT: tl.constexpr):
-    """The exponent (a multiple of ``LEVEL_OCT``) just above that of the pattern ``mx``: the level
-    boundaries of a slice (or a row) whose largest pattern is ``mx`` are ``top - i * LEVEL_OCT``, aligned
-    the same way in every slice, so that the slices' sums at one boundary add up (0 for ``mx = -1``)."""
-    return ((mx >> 23) + LEVEL_OCT) // LEVEL_OCT * LEVEL_OCT
-
-
-@triton.jit
 def _hist_prepass_kernel(
     probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
     top_k_ptr, top_k_stride,  # (B,) int32/int64 (read when HAS_K): the route takes rows that keep all
@@ -725,12 +752,14 @@ def _hist_prepass_kernel(
     fp32 mass), from which ``_hist_kernel`` places the row's fine window; and the row's histogram
     zeroed, a part by each slice, so that no memset launch is needed.
 
-    The levels cost ``LEVELS`` compares, selects and fp32 adds a value (~30 instructions at 8 levels,
-    ~250M at 64 rows, ~8 µs of the H200's integer and fp32 pipes), under the read of the row from HBM
-    that this kernel pays: measured 2.6/5.3/17.1 µs at 1/32/64 rows before the levels. The jump at 64
-    rows is HBM: 33 MB of probs no longer stay in the 50 MB L2 beside the previous call's 33 MB of
-    renormalised rows, whose write-back streams out at the same time (~66 MB in 17 µs: ~3.9 TB/s).
-    Predicted with the levels: ~3/6/18 µs."""
+    The levels cost ``LEVELS`` compares, selects and fp32 adds a value and ``LEVELS`` more block
+    reductions (~30 instructions a value at 8 levels, ~250M at 64 rows: ~8 µs of the H200's integer
+    and fp32 issue, and 56 registers a thread: 4 programs an SM, 64 KB of loads in flight), under the
+    read of the row from HBM that this kernel pays: measured 2.6/5.3/17.1 µs at 1/32/64 rows before
+    the levels. The jump at 64 rows is HBM: 33 MB of probs no longer stay in the 50 MB L2 beside the
+    previous call's 33 MB of renormalised rows, whose write-back streams out at the same time
+    (~66 MB in 17 µs: ~3.9 TB/s), so little is left to gain here.
+    Predicted with the levels: ~3.5/6/18 µs."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     on = True
@@ -743,12 +772,16 @@ def _hist_prepass_kernel(
     mx = tl.max(b, axis=0)
     tl.store(hist_max_ptr + row * SLICES + s, mx)  # -1: off the route (or an empty slice)
     p = tl.where(b > 0, b.to(tl.float32, bitcast=True), 0.0)
-    i = tl.arange(0, LEVELS) + 1
-    piv = tl.maximum(_level_top(mx, LEVEL_OCT) - i * LEVEL_OCT, 0) << 23  # boundary patterns, descending
-    # levels on the leading axis (as the slice prepass's pivots): each thread sums its own values
-    g = tl.sum(tl.where(b[None, :] >= piv[:, None], p[None, :], 0.0), axis=1)
+    # the levels' top: the exponent (a multiple of LEVEL_OCT) just above the slice's largest; boundaries
+    # top - i * LEVEL_OCT, aligned alike in every slice, so that the slices' sums at one boundary add up
+    # (written out here and in _fine_window: a helper call costs the interpreter more than the arithmetic)
+    top = ((mx >> 23) + LEVEL_OCT) // LEVEL_OCT * LEVEL_OCT
     lv = hist_level_ptr + (row * SLICES + s) * (LEVELS + 1)
-    tl.store(lv + i - 1, g)
+    # one level at a time: a [LEVELS, SLICE] select and sum took 92 registers a thread (2 programs an
+    # SM), this 1-D form keeps the kernel near its old 32 (8 programs an SM, the loads of 8 in flight)
+    for lvl in tl.static_range(LEVELS):
+        piv = tl.maximum(top - (lvl + 1) * LEVEL_OCT, 0) << 23
+        tl.store(lv + lvl, tl.sum(tl.where(b >= piv, p, 0.0), axis=0))
     tl.store(lv + LEVELS, tl.sum(p, axis=0))
     z = s * ZERO + tl.arange(0, ZERO)
     z_end = tl.where(on, NB, 0)
@@ -772,22 +805,25 @@ def _fine_window(hist_max_ptr, hist_level_ptr, top_p, row,
     roundings of 2^-24 each on the way: 16 values a thread, 8 + 3 reduction steps, the slices in fp64),
     the fixed point's (< V units of 2^-(Q-1) of the largest value: < 2^-26 of ``M`` at V = 128256) and
     the fp64 product. A boundary is a bucket edge, so the exact histogram then agrees with these facts;
-    but nothing depends on it: where it would not (or where no boundary is sure: ``A = 0``, the window
-    reaches down to 0, as wide as the old fixed window), the exact bracket lands in a lump and the
-    filter kernel's exact fallback narrows it. The same integer and fp32 arithmetic in every program
+    but nothing depends on it: where it would not, the exact bracket lands in a lump and the filter
+    kernel's exact fallback narrows it. Where no boundary surely fails, ``A = 0``: the window reaches
+    down to pattern 0 and holds nearly every value, as the old fixed 32-octave window did. The same integer and fp32 arithmetic in every program
     of the row: every program finds the same window."""
     sl = tl.arange(0, SLICES)
     mxs = tl.load(hist_max_ptr + row * SLICES + sl)
     mx = tl.max(mxs, axis=0)
-    top = _level_top(mx, LEVEL_OCT)
-    d = (top - _level_top(mxs, LEVEL_OCT)) // LEVEL_OCT  # >= 0: the slice's levels start d boundaries lower
+    top = ((mx >> 23) + LEVEL_OCT) // LEVEL_OCT * LEVEL_OCT  # the row's levels' top (the prepass's, for mx)
+    d = top // LEVEL_OCT - ((mxs >> 23) + LEVEL_OCT) // LEVEL_OCT  # >= 0: the slice's levels start d boundaries lower
     i = tl.arange(0, LEVELS) + 1
     own = i[:, None] - d[None, :]  # [LEVELS, SLICES]: the slice's own level index of the row's boundary i
     lv = hist_level_ptr + (row * SLICES + sl) * (LEVELS + 1)
     g_own = tl.load(lv[None, :] + tl.minimum(tl.maximum(own, 1), LEVELS) - 1)
     tot = tl.load(lv + LEVELS)
-    g_low = tl.sum(tl.where(own <= 0, 0.0, g_own).to(tl.float64), axis=1)
-    g_up = tl.sum(tl.where(own <= 0, 0.0, tl.where(own <= LEVELS, g_own, tot[None, :])).to(tl.float64), axis=1)
+    # (lower and upper bounds summed together, a and z found together: each reduction is a helper
+    # call to Triton's interpreter, which the CPU tests pay in every program)
+    low_s = tl.where(own <= 0, 0.0, g_own).to(tl.float64)
+    up_s = tl.where(own <= 0, 0.0, tl.where(own <= LEVELS, g_own, tot[None, :])).to(tl.float64)
+    g_low, g_up = tl.split(tl.sum(tl.join(low_s, up_s), axis=1))
     m = tl.sum(tot.to(tl.float64), axis=0)
     limit = top_p * m
     slack = m * 1.52587890625e-05  # 2^-16
@@ -795,14 +831,15 @@ def _fine_window(hist_max_ptr, hist_level_ptr, top_p, row,
     passes = (g_up == 0) | (g_up + slack < limit)
     piv = tl.maximum(top - i * LEVEL_OCT, 0).to(tl.int64) << 23
     top_pattern = top.to(tl.int64) << 23  # above the row's largest value: no mass, passes
-    a = tl.max(tl.where(fails, piv, 0), axis=0)
-    z = tl.min(tl.where(passes, piv, top_pattern), axis=0)
+    a, neg_z = tl.split(tl.max(tl.join(tl.where(fails, piv, 0), -tl.where(passes, piv, top_pattern)), axis=0))
+    z = -neg_z
     bad = z <= a  # (cannot happen with exact sums: then the old full window)
     a = tl.where(bad, 0, a)
     z = tl.where(bad, top_pattern, z)
-    # the fewest patterns a bucket (a power of two) for NB - 2 buckets to cover [a, z)
-    cover = tl.full([32], NB - 2, tl.int64) << tl.arange(0, 32).to(tl.int64)
-    sh = tl.sum((cover < z - a).to(tl.int64), axis=0)
+    # the fewest patterns a bucket (a power of two) for NB - 2 buckets to cover [a, z): sh = bit_length(c - 1)
+    # for c = ceil((z - a) / (NB - 2)), from the exponent of c - 1 as an (exact) fp64
+    c1 = (z - a + NB - 3) // (NB - 2) - 1
+    sh = tl.where(c1 > 0, (c1.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1022, 0)
     return a, z, sh, mx
 
 
@@ -824,15 +861,18 @@ def _hist_kernel(
 
     Why: the previous version bucketed all 32 octaves below the row's largest value, by two relaxed
     global atomics a value (mass and count): 16M atomics at 64 rows, 23.6/141/239 µs at 1/32/64 rows
-    on the H200 (~60 G atomics/s: the L2's atomic throughput), the whole route's cost. Now only the
-    values in the window take atomics; both lumps and the slice's lowest fine bucket (all of it for
-    ties or a flat slice) are summed in registers, one atomic each. At the benchmark's softmax of
-    randn * 3 and p = 0.9 the threshold lies ~11.5 octaves below the largest value, the window is
-    one 2-octave level (two when the limit is within the slack of a boundary) holding ~2.6K values a
-    octave of the ~5% above z = 1.7: ~5-10K atomics a row instead of ~256K, ~0.3-0.7M at 64 rows
-    (~10 µs of atomic throughput at most, spread over the read). The read itself is from L2. Predicted:
-    ~4/7/13 µs at 1/32/64 rows. Rows whose threshold lies below the levels (p = 0.99 on randn * 3:
-    16 octaves, p = 1: the smallest value with mass) get A = 0 and cost what they cost before."""
+    on the H200 (~60 G atomics/s: about the L2's atomic throughput), the whole route's cost. Now only
+    the values inside the window take atomics; both lumps and the slice's lowest fine bucket (all of
+    it for ties or a flat slice) are summed in registers, one atomic each. At the benchmark's softmax
+    of randn * 3 and p = 0.9 the threshold lies ~11.5 octaves below the largest value, the window is
+    one 2-octave level (two when the limit is within the slack of a boundary), ~2.6K values an octave
+    there: ~10K atomics a row instead of ~256K, ~0.7M at 64 rows (~10 µs of atomic throughput at
+    most, overlapping the read, which is from L2). Per value otherwise: the fixed point, the key and
+    the three register sums, ~50 instructions (~400M at 64 rows: ~12 µs of issue spread over 132
+    SMs; 110 registers a thread, 2 programs an SM, as before). Predicted ~5/8/14 µs at 1/32/64 rows.
+    Rows whose threshold lies below the levels (p = 0.99 on randn * 3: 16 octaves down; p = 1: the
+    smallest value with mass) get ``A = 0``, nearly every value in the window, and cost what they
+    cost before."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     top_p = tl.load(top_p_ptr + row * top_p_stride).to(tl.float64)
@@ -852,8 +892,10 @@ def _hist_kernel(
         count_row = hist_count_ptr + row * NB
         fine = valid & (key > 0) & (key < NB - 1)
         k_min = tl.min(tl.where(fine, key, NB), axis=0)
-        # the lumps and the slice's lowest fine bucket by one reduction and one atomic each: exact zeros
-        # and the tiny values below the window would otherwise queue thousands of atomics on one address
+        # the lumps and the slice's lowest fine bucket by one reduction and one atomic each: exact zeros,
+        # the tiny values below the window and a slice of ties would otherwise queue thousands of atomics
+        # on one address. (One [SLICE] reduction at a time: a [3, SLICE] int64 one-hot took all 255
+        # registers a thread and spilled, against 121 for the version with one part.)
         for part in tl.static_range(3):
             if part == 0:
                 sel = valid & (key == 0)
@@ -869,9 +911,8 @@ def _hist_kernel(
                 tl.atomic_add(mass_row + at, tl.sum(tl.where(sel, q, 0), axis=0), sem="relaxed")
                 tl.atomic_add(count_row + at, cnt, sem="relaxed")
         rest = fine & (key != k_min)
-        if tl.max(rest.to(tl.int32), axis=0) > 0:
-            tl.atomic_add(mass_row + key, q, mask=rest & (q != 0), sem="relaxed")  # (no mass: no atomic)
-            tl.atomic_add(count_row + key, tl.full([SLICE], 1, tl.int32), mask=rest, sem="relaxed")
+        tl.atomic_add(mass_row + key, q, mask=rest & (q != 0), sem="relaxed")  # (no mass: no atomic)
+        tl.atomic_add(count_row + key, tl.full([SLICE], 1, tl.int32), mask=rest, sem="relaxed")
 
 
 @triton.jit
