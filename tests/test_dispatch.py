@@ -366,14 +366,3 @@ def test_inventory_imports_and_lists_without_torch():
     assert lines[0] == "cpu"
     assert "rmsnorm torch torch_kernels.impl.torch.norm:rmsnorm" in lines
     assert len(lines) == 1 + len(registry.KERNELS)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_triton_dependent_launch_only_for_eager_cuda_sm90_launches(device):
-    """Triton kernels launch as programmatic dependent launches (and wait first) only where that is
-    safe and supported: eager launches on sm_90+; never traced (Inductor launches), never on CPU."""
-    from torch_kernels.impl.triton import _pdl
-    t = torch.zeros(1, device=device)
-    assert _pdl.launch_kwargs(t, wrap=lambda k: k) == {}
-    sm90 = device == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
-    assert _pdl.launch_kwargs(t) == ({"PDL": True, "launch_pdl": True} if sm90 and _pdl._ENABLED else {})

@@ -20,7 +20,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .._rows import rows
-from . import _pdl
 
 # Output elements per program. 1024 over 4 warps is 8 elements a thread: one 16-byte load of the gate
 # and one of the up half in bf16/fp16 (two in fp32). Not measured yet: modelled on Inductor's usual
@@ -76,10 +75,7 @@ def _act_and_mul_kernel(
     BLOCK_N: tl.constexpr,  # output columns per program
     EVEN: tl.constexpr,  # n_rows % BLOCK_M == 0 and n_cols % BLOCK_N == 0: no masks
     FLAT: tl.constexpr,  # one grid axis numbered column block fastest; else a (row blocks, column blocks) grid
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent launch (_pdl.py)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     if FLAT:
         pid_m = tl.program_id(0) // n_col_blocks
         pid_n = tl.program_id(0) - pid_m * n_col_blocks
@@ -145,7 +141,7 @@ def _launch_one(x, out, n_rows, n_cols, up_offset, act, block_m, block_n, num_wa
         (row_blocks * col_blocks,) if flat else (row_blocks, col_blocks)](
         x, x.stride(0), out, out.stride(0), n_rows, n_cols, up_offset, col_blocks,
         ACT=act, BLOCK_M=block_m, BLOCK_N=block_n, EVEN=even_rows and n_cols % block_n == 0,
-        FLAT=flat, num_warps=num_warps, **_pdl.launch_kwargs(x, wrap),
+        FLAT=flat, num_warps=num_warps,
     )
 
 

@@ -20,8 +20,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import _pdl
-
 # Values per program 2048, 16 a thread (two 16-byte loads of each partial in bf16/fp16), so 4 warps:
 # `bench_attention.py --sweep` on the H200 (2026-11-29, bf16, CUDA-graph replay) measured 4139 GB/s
 # (0.979 of copy) at 8192 x 32 x 128 (16 heads a program) and 4274 (1.01) at 1024 x 128 x 512 (4
@@ -52,10 +50,7 @@ def _merge_kernel(
     BLOCK_D: tl.constexpr,  # values of each head per program (the whole head up to _MAX_BLOCK_D)
     EVEN: tl.constexpr,  # H % BLOCK_H == 0 and D % BLOCK_D == 0: no masks on the values
     FLAT: tl.constexpr,  # grid (tokens * head blocks, head-size blocks); else (tokens, head blocks, head-size blocks)
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent launch (_pdl.py)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     if FLAT:
         pid_t = tl.program_id(0) // n_head_blocks
         pid_h = tl.program_id(0) - pid_t * n_head_blocks
@@ -153,7 +148,7 @@ def _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, block_h, block_d, num_warp
         out_lse, out_lse.stride(0), out_lse.stride(1),
         H, D, head_blocks,
         BLOCK_H=block_h, BLOCK_D=block_d, EVEN=H % block_h == 0 and D % block_d == 0, FLAT=flat,
-        num_warps=num_warps, **_pdl.launch_kwargs(v_a, wrap),
+        num_warps=num_warps,
     )
 
 

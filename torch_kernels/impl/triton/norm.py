@@ -19,7 +19,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .._rows import rows, rows_view
-from . import _pdl
 
 # 16384 fp32 values per row over 8 warps is 64 registers a thread: no spills. Wider rows (up to the
 # 65536+ the op allows) loop over 4096-element chunks and re-read the row, which then comes from L2
@@ -57,10 +56,7 @@ def _rmsnorm_rows(
     HAS_RESIDUAL: tl.constexpr,  # fused_add variants
     GEMMA: tl.constexpr,  # scale by (1 + w) instead of w
     RELOAD: tl.constexpr,  # ONE_PASS without residual: read the row again (from L2) to normalise it
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent launch (_pdl.py)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     res_row = res_ptr + row * res_row_stride
@@ -121,7 +117,7 @@ def _launch(x: Tensor, res, out: Tensor, weight: Tensor, eps: float, gemma: bool
         out, out.stride(0),
         weight, N, eps,
         BLOCK_N=block, ONE_PASS=one_pass, HAS_RESIDUAL=has_res, GEMMA=gemma, RELOAD=reload and one_pass,
-        num_warps=num_warps, **_pdl.launch_kwargs(x, wrap),
+        num_warps=num_warps,
     )
 
 

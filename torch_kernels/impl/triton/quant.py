@@ -36,7 +36,6 @@ import triton.language as tl
 from torch import Tensor
 
 from torch_kernels.impl.torch.quant import FP8_MAX as _FP8_MAX_FLOAT, empty_outputs
-from . import _pdl
 
 FP8_MAX = tl.constexpr(_FP8_MAX_FLOAT)  # 448.0, the largest float8_e4m3fn
 
@@ -115,10 +114,7 @@ def _per_token_group_quant_fp8(
     EXACT_DIV: tl.constexpr,  # divide each element by the scale (div_rn) instead of multiplying by 1/scale
     NUMPY_MAX: tl.constexpr,  # running in Triton's interpreter: reduce with tl.max + tl.sum (see _INTERPRETED)
     EMULATE_CAST: tl.constexpr,  # running in Triton's interpreter: round to e4m3 in fp32 before the cast
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent launch (_pdl.py)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     # Group blocks vary fastest so that consecutive programs walk along the same rows.
     pid = tl.program_id(0)
     pid_m = pid // num_group_blocks
@@ -180,7 +176,7 @@ def launch(x: Tensor, q: Tensor, s: Tensor, group_size: int, eps: float, scale_u
         GROUP=group_size, BLOCK_M=block_m, BLOCK_G=block_g, UE8M0=scale_ue8m0,
         EXACT_DIV=eps < _EXACT_DIV_EPS if exact_div is None else exact_div, NUMPY_MAX=_INTERPRETED,
         EMULATE_CAST=_INTERPRETED if emulate_cast is None else emulate_cast,
-        num_warps=num_warps or warps, **_pdl.launch_kwargs(x, wrap),
+        num_warps=num_warps or warps,
     )
 
 

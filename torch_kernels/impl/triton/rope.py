@@ -20,8 +20,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import _pdl
-
 # Pairs (rotations) per BLOCK_H x BLOCK_D tile: 1024 pairs over 4 warps is 8 pairs a thread, one
 # 16-byte vector of bf16 per half-row load (neox) or two per row load (GPT-J) for head_size 128. Untuned: the H200 sweep is to come
 # (benchmarks/bench_rope.py --sweep).
@@ -86,10 +84,7 @@ def _rope_kernel(
     BLOCK_D: tl.constexpr,  # next power of two >= rot_half
     IS_NEOX: tl.constexpr,  # neox (halves) or GPT-J (interleaved) pairing
     HAS_KEY: tl.constexpr,  # key is given
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent launch (_pdl.py)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     h_lo = tl.program_id(1) * heads_per_program
     h_hi = h_lo + heads_per_program
@@ -154,7 +149,7 @@ def launch(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: i
         cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0],
         hq, hk, hpp, rot_half,
         BLOCK_H=bh, BLOCK_D=bd, IS_NEOX=bool(is_neox), HAS_KEY=key is not None,
-        num_warps=nw, **_pdl.launch_kwargs(query, wrap),
+        num_warps=nw,
     )
 
 
