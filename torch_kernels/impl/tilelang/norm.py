@@ -143,14 +143,6 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, stre
 
     prefetch = _PREFETCH_WEIGHT and n == WIDTH
 
-    def rows(X, stride):
-        """``X`` with its row stride rounded down to a multiple of VEC, which lets TileLang prove that
-        every row starts on a vector boundary (16-byte accesses). The addresses are the same: the
-        launcher passes row strides that are multiples of VEC whenever there are two rows or more
-        (the kernels' ``T.assume``, which the compiled host code checks at every call), and a lone
-        row's stride is never used (DLPack may report it as 1)."""
-        return T.view(X, strides=(stride // VEC * VEC, 1))
-
     @T.macro
     def normalize(X, R, Wt, O, eps):
         # One statement per parallel loop: TileLang then widens each to 16-byte global accesses (a
@@ -187,6 +179,21 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, stre
                     if live(block * BM + i, p * WIDTH + j):
                         wj = w[i, j] if prefetch else Wt[p * WIDTH + j]
                         O[block * BM + i, p * WIDTH + j] = T.cast(x[i, j] * rstd[i] * scale(wj), dtype)
+
+    return _entry(normalize, n, dtype, weight_dtype, fused, VEC, num_tokens, x_stride, r_stride)
+
+
+def _entry(normalize, n: int, dtype: str, weight_dtype: str, fused: bool, VEC: int, num_tokens, x_stride, r_stride):
+    """The kernel's entry point, the launchers' signature, around the ``normalize`` macro of a builder
+    (``normalize(X, R, Wt, O, eps)``, ``R`` None for rmsnorm, ``O`` the input rows for the fused ops)."""
+
+    def rows(X, stride):
+        """``X`` with its row stride rounded down to a multiple of VEC, which lets TileLang prove that
+        every row starts on a vector boundary (16-byte accesses). The addresses are the same: the
+        launcher passes row strides that are multiples of VEC whenever there are two rows or more
+        (the kernels' ``T.assume``, which the compiled host code checks at every call), and a lone
+        row's stride is never used (DLPack may report it as 1)."""
+        return T.view(X, strides=(stride // VEC * VEC, 1))
 
     if fused:
         @T.prim_func
@@ -322,32 +329,7 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
                         for v in T.vectorized(VEC):
                             O[row, col + v] = ob[k, v]
 
-    def rows(X, stride):  # as in _build
-        return T.view(X, strides=(stride // VEC * VEC, 1))
-
-    if fused:
-        @T.prim_func
-        def fused_add_rmsnorm(
-            X: T.StridedTensor((num_tokens, n), (x_stride, 1), dtype),  # input rows; receive the output
-            R: T.StridedTensor((num_tokens, n), (r_stride, 1), dtype),  # residual rows; receive input + residual
-            Wt: T.Tensor((n,), dtype),  # weight, read
-            eps: T.float32,  # added to mean(x^2)
-        ):
-            T.assume(T.Or(num_tokens <= 1, x_stride % VEC == 0))  # see _build's rows()
-            T.assume(T.Or(num_tokens <= 1, r_stride % VEC == 0))
-            normalize(rows(X, x_stride), rows(R, r_stride), Wt, rows(X, x_stride), eps)
-        return fused_add_rmsnorm
-
-    @T.prim_func
-    def rmsnorm(
-        X: T.StridedTensor((num_tokens, n), (x_stride, 1), dtype),  # input rows, read
-        Wt: T.Tensor((n,), dtype),  # weight, read
-        O: T.Tensor((num_tokens, n), dtype),  # output rows, contiguous; written
-        eps: T.float32,  # added to mean(x^2)
-    ):
-        T.assume(T.Or(num_tokens <= 1, x_stride % VEC == 0))  # see _build's rows()
-        normalize(rows(X, x_stride), None, Wt, O, eps)
-    return rmsnorm
+    return _entry(normalize, n, dtype, dtype, fused, VEC, num_tokens, x_stride, r_stride)
 
 
 # ----------------------------------------------------------------------------------------------
