@@ -103,11 +103,9 @@ def norm_rows(ceiling: float) -> list:
     rows = []
     for (tokens, n), op in itertools.product(NORM_SHAPES, NORM_OPS):
         fused = "fused" in op
-        g = torch.Generator(device="cuda").manual_seed(tokens + n)
-        x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16, generator=g)
-        r = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16, generator=g)
-        w = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
-        nbytes = x.numel() * 2 * (4 if fused else 2)
+        args = cases.build(op, tokens, n, cases.PROFILES["gpu"], "cuda", torch.bfloat16)
+        x, r, w = args[:3] if fused else (args[0], args[0], args[1])  # r: read by the fused ops only
+        nbytes = cases.nbytes(op, args)
         if fused:
             want_x, want_r = x.clone(), r.clone()
             getattr(ref_norm, op)(want_x, want_r, w, cases.EPS)

@@ -105,11 +105,9 @@ def main() -> None:
     rows = []
     for (tokens, n), fused in itertools.product(SHAPES, (False, True)):
         op = "fused_add_rmsnorm" if fused else "rmsnorm"
-        g = torch.Generator(device="cuda").manual_seed(tokens + n)
-        x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16, generator=g)
-        r = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16, generator=g)
-        w = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
-        nbytes = x.numel() * 2 * (4 if fused else 2)
+        args = cases.build(op, tokens, n, cases.PROFILES["gpu"], "cuda", torch.bfloat16)
+        x, r, w = args[:3] if fused else (args[0], args[0], args[1])  # r: read by the fused op only
+        nbytes = cases.nbytes(op, args)
         if fused:
             want = [x.clone(), r.clone()]
             ref_norm.fused_add_rmsnorm(*want, w, cases.EPS)

@@ -557,6 +557,19 @@ def test_one_compiled_kernel_serves_every_batch_size(tmp_path):
     assert len(_trace_compiles(trace, "rmsnorm")) == 3 and len(_trace_compiles(trace, "act_and_mul")) == 1
 
 
+def _check_norm(fn, reference, x, w, msg, r=None):
+    """``fn`` against ``reference`` on (``x``, ``w``), or in place on (``x``, ``r``, ``w``) for the fused
+    ops (``r`` given)."""
+    if r is None:
+        assert_close(fn(x, w, 1e-6), reference(x, w, 1e-6), msg=msg)
+        return
+    xb, rb = x.clone(), r.clone()
+    fn(x, r, w, 1e-6)
+    reference(xb, rb, w, 1e-6)
+    assert_close(r, rb, msg=f"{msg} residual")
+    assert_close(x, xb, msg=msg)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,dtype", [(4096, torch.float32), (7168, torch.bfloat16), (8192, torch.float16),
                                      (16384, torch.bfloat16)], ids=str)
@@ -574,17 +587,11 @@ def test_streamed_norms_match_the_reference(op, n, dtype):
     for layout in ("contiguous", "stride8"):
         x = _views((norm._STREAMED_MIN_TOKENS, n), dtype, layout, "cuda")
         w = torch.randn(n, device="cuda", dtype=dtype)
-        if "fused" in op:
-            r = _views(x.shape, dtype, layout, "cuda")
-            xb, rb = x.clone(), r.clone()
-            getattr(norm, op)(x, r, w, 1e-6)
-            reference(xb, rb, w, 1e-6)
-            assert_close(r, rb, msg=f"{n} {layout} residual")
-            assert_close(x, xb, msg=f"{n} {layout}")
+        if fused:
+            _check_norm(getattr(norm, op), reference, x, w, f"{n} {layout}", _views(x.shape, dtype, layout, "cuda"))
         else:
             out = torch.empty(x.shape, dtype=dtype, device="cuda")
-            kernel(x, w, out, 1e-6)
-            assert_close(out, reference(x, w, 1e-6), msg=f"{n} {layout}")
+            _check_norm(lambda x, w, eps: (kernel(x, w, out, eps), out)[1], reference, x, w, f"{n} {layout}")
     if fused:
         streamed = norm._functions[(n, dtype, dtype, True, op.startswith("gemma"), True)]
         assert streamed is not norm._functions[(n, dtype, dtype, True, op.startswith("gemma"), False)]
@@ -608,15 +615,8 @@ def test_norm_layouts_match_the_reference(op, n, dtype):
                                          (3, "stride_odd", torch.float64), (129, "stride8", dtype)]:
         x = _views((tokens, n), dtype, layout, "cuda")
         w = torch.randn(n, device="cuda", dtype=weight_dtype)
-        if "fused" in op:
-            r = _views((tokens, n), dtype, layout, "cuda")
-            xb, rb = x.clone(), r.clone()
-            getattr(norm, op)(x, r, w, 1e-6)
-            reference(xb, rb, w, 1e-6)
-            assert_close(r, rb, msg=f"{tokens}x{n} {layout} residual")
-            assert_close(x, xb, msg=f"{tokens}x{n} {layout}")
-        else:
-            assert_close(getattr(norm, op)(x, w, 1e-6), reference(x, w, 1e-6), msg=f"{tokens}x{n} {layout}")
+        r = _views((tokens, n), dtype, layout, "cuda") if "fused" in op else None
+        _check_norm(getattr(norm, op), reference, x, w, f"{tokens}x{n} {layout}", r)
 
 
 @pytest.mark.gpu

@@ -241,7 +241,7 @@ __device__ __forceinline__ void tk_load16_evict_first(void* dst, const void* src
 """
 
 
-def _streams(n: int, dtype: str, weight_dtype: str, fused: bool = True) -> bool:
+def _streams(n: int, dtype: str, weight_dtype: str, fused: bool) -> bool:
     """Whether rows of ``n`` take :func:`_build_streamed` from _STREAMED_MIN_TOKENS tokens: the fused
     ops' rows of whole 16-byte vectors of the input and of the weight (the same dtype), at least one a
     thread, and one pass's width at most."""
