@@ -38,9 +38,14 @@ NORM_OPS = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rm
 # (elements a thread 8/16/32 x block threads 128/512/1024), _PREFETCH_WEIGHT and _TILE_EXACTLY, timed
 # programmatic dependent launch (sweep_tilelang_5.json), and ruled out a weight prefetched in fp32 with
 # Gemma's + 1 added, the fused residual stored before the row's sum and the fused rows in chunks without
-# L2 hints (sweep_tilelang_6.json; norm.py says by how much); this one times the streamed kernel (rows
-# read twice with L2 hints) against the one-pass kernel.
-NORM_VARIANTS = {"tilelang, one pass": {}, "tilelang, streamed": {"streamed": True}}
+# L2 hints (sweep_tilelang_6.json; norm.py says by how much), and timed the streamed kernel (rows read
+# twice with L2 hints) against the one-pass kernel (sweep_tilelang_7.json); this one times the streamed
+# kernel's hinted loads left to the compiler's scheduling and its block size.
+_UNORDERED = {"streamed": True, "_HINTED_LOADS_ORDERED": False}
+NORM_VARIANTS = {"tilelang, one pass": {}, "tilelang, streamed": {"streamed": True},
+                 "tilelang, streamed, loads unordered": _UNORDERED,
+                 "tilelang, streamed, loads unordered, 256 threads": {**_UNORDERED, "_STREAMED_THREADS": 256},
+                 "tilelang, streamed, loads unordered, 1024 threads": {**_UNORDERED, "_STREAMED_THREADS": 1024}}
 MERGE_TOKENS = (4096, 8192, 16384)
 MERGE_VARIANTS = tuple(itertools.product((4, 8, 16), (128, 256, 512)))  # (values a thread, block threads)
 ROPE_TOKENS = (4096, 16384)

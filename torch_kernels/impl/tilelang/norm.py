@@ -221,24 +221,22 @@ def _entry(normalize, n: int, dtype: str, weight_dtype: str, fused: bool, VEC: i
 
 
 #: 16-byte global loads with an L2 eviction priority (``createpolicy`` and ``ld ... .L2::cache_hint``, as
-#: Triton lowers ``eviction_policy=``); TileLang's own loads take no such hint. The "memory" clobber keeps
-#: them in order with the kernel's stores: the fused ops re-read the residual they have just written.
-_HINTED_LOADS = """
-__device__ __forceinline__ void tk_load16_evict_last(void* dst, const void* src) {
+#: Triton lowers ``eviction_policy=``); TileLang's own loads take no such hint. Ordered (``asm volatile``
+#: with a "memory" clobber) or free for the compiler to schedule like any load: the fused ops' re-read of
+#: the residual they stored comes after the row sum's ``__syncthreads``, which orders it either way.
+_HINTED_LOADS_ORDERED = True
+
+
+def _hinted_loads() -> str:
+    asm, clobber = ("asm volatile", ' : "memory"') if _HINTED_LOADS_ORDERED else ("asm", "")
+    return "".join(f"""
+__device__ __forceinline__ void tk_load16_{hint}(void* dst, const void* src) {{
   uint4 v; unsigned long long policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile("ld.global.L1::evict_last.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src), "l"(policy) : "memory");
+  {asm}("createpolicy.fractional.L2::{hint}.b64 %0, 1.0;" : "=l"(policy));
+  {asm}("ld.global.L1::{hint}.L2::cache_hint.v4.u32 {{%0, %1, %2, %3}}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src), "l"(policy){clobber});
   *reinterpret_cast<uint4*>(dst) = v;
-}
-__device__ __forceinline__ void tk_load16_evict_first(void* dst, const void* src) {
-  uint4 v; unsigned long long policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile("ld.global.L1::evict_first.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src), "l"(policy) : "memory");
-  *reinterpret_cast<uint4*>(dst) = v;
-}
-"""
+}}""" for hint in ("evict_last", "evict_first")) + "\n"
 
 
 def _streams(n: int, dtype: str, weight_dtype: str, fused: bool) -> bool:
@@ -280,7 +278,7 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
         with T.Kernel(num_tokens, threads=TR) as row:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
-            T.import_source(_HINTED_LOADS)
+            T.import_source(_hinted_loads())
             tid = T.get_thread_binding()
             xr = T.alloc_local((NV, VEC), dtype)  # a chunk's input (then its residual), as loaded
             rr = T.alloc_local((NV, VEC), dtype)  # the fused ops' residual, as loaded

@@ -144,7 +144,7 @@ class Config(NamedTuple):
     # hist_level_octaves apart (the prepass), and two lumps (below, above). At 2048 buckets over a
     # 2-octave window a fine bucket is 2^14 patterns (1/512 octave): the threshold's bucket holds ~5
     # values of a softmax of randn * 3 at p = 0.9 and V = 128256, ~70 at randn * 1: one compaction,
-    # and 6 steps of 4 pivots in registers (NP_REG).
+    # and 14 bisection steps in registers.
     hist_slices: int = 32  # slices a row of the histogram kernels (4008 values at V = 128256)
     hist_buckets: int = 2048  # a power of two >= 4 (2 lumps): 24 KB a row of int64 masses and int32 counts
     # levels: the window's resolution and reach (8 x 2 octaves: ~15-16 octaves below the largest value,
@@ -220,50 +220,35 @@ def _top_p_pred(g, limit):
     return (g == 0) | (g.to(tl.float64) < limit)
 
 
-# Pivots a step of the searches in registers (_kth_in_registers, _top_p_in_registers): the bracket
-# shrinks 5-fold a step instead of 2-fold. A step's cost is its block-wide reduction (~0.5 µs of
-# latency over the CAP = 4096 slots at 16 warps: one program a row, nothing else to overlap with), not
-# its compares (4 x 8 a thread), so 4 pivots need ~2.3x fewer steps for the same latency: the top-k
-# threshold of a top_k=50 row (~27 bits between tau and the largest value) in ~12 steps instead of 27,
-# a histogram bracket of 2^14 patterns in 6 instead of 14. Measured before (torch.profiler, H200):
-# _filter_kernel 9.4-10.1 µs for top_k_renorm_probs and top_p_renorm_probs, 21.8-22.4 µs for the
-# sampling (both searches); predicted ~5 and ~10 µs. Not 8 pivots: [8, 4096] int64 selects beside the
-# kernel's 108 registers a thread risk spills.
-NP_REG = tl.constexpr(4)
-
-
+# The searches in registers bisect: a step is one block-wide reduction. Four pivots a step (the
+# bracket shrinking 5-fold, ~2.3x fewer steps) measured slower on the H200 (torch.profiler,
+# 2026-11-29): _filter_kernel 9.4 -> 11.9 µs for top_k_renorm_probs, 21.8 -> 30.6 µs for the sampling
+# (both searches): the [4, 4096] int64 selects beside the kernel's ~108 registers a thread cost more
+# than the reductions they save.
 @triton.jit
 def _kth_in_registers(vb, k, lo, hi, c_above):
-    """The largest pattern in ``[lo, hi)`` with ``count(vb >= it) + c_above >= k`` (``lo`` qualifies;
-    ``NP_REG`` pivots a step). ``vb``: the candidate patterns (-1 in unused slots), ``c_above``: values
-    >= hi not in ``vb``."""
-    j = tl.arange(0, NP_REG).to(tl.int64) + 1
+    """The largest pattern in ``[lo, hi)`` with ``count(vb >= it) + c_above >= k`` (bisection; ``lo``
+    qualifies). ``vb``: the candidate patterns (-1 in unused slots), ``c_above``: values >= hi not in ``vb``."""
     while hi - lo > 1:
-        piv = lo + ((hi - lo).to(tl.int64) * j // (NP_REG + 1)).to(tl.int32)  # (lo may be a constant 0)
-        c = tl.sum((vb[None, :] >= piv[:, None]).to(tl.int32), axis=1) + c_above
-        ok = c >= k
-        # counts fall as the pivot rises: the largest passing pivot is the new lo, the least failing hi
-        lo = tl.max(tl.where(ok, piv, lo), axis=0)
-        hi = tl.min(tl.where(ok, hi, piv), axis=0)
+        mid = lo + (hi - lo) // 2
+        c = tl.sum((vb >= mid).to(tl.int32), axis=0) + c_above
+        lo = tl.where(c >= k, mid, lo)
+        hi = tl.where(c >= k, hi, mid)
     return lo
 
 
 @triton.jit
 def _top_p_in_registers(vb, q, limit, lo, hi, g_lo, g_above):
     """The smallest pattern in ``(lo, hi]`` that passes the top-p test (``lo`` fails, ``hi`` passes),
-    and the mass above the pattern just below it (the kept mass); ``NP_REG`` pivots a step.
-    ``vb``/``q``: the patterns in ``(lo, hi]`` and their masses; ``g_lo``/``g_above``: the mass above
-    ``lo``/``hi``."""
-    j = tl.arange(0, NP_REG).to(tl.int64) + 1
+    and the mass above the pattern just below it (the kept mass). ``vb``/``q``: the patterns in
+    ``(lo, hi]`` and their masses; ``g_lo``/``g_above``: the mass above ``lo``/``hi``."""
     while hi - lo > 1:
-        piv = lo + ((hi - lo).to(tl.int64) * j // (NP_REG + 1)).to(tl.int32)  # (lo may be a constant 0)
-        g = tl.sum(tl.where(vb[None, :] > piv[:, None], q[None, :], 0), axis=1) + g_above
+        mid = lo + (hi - lo) // 2
+        g = tl.sum(tl.where(vb > mid, q, 0), axis=0) + g_above
         ok = _top_p_pred(g, limit)
-        # mass falls as the pivot rises: the least passing pivot is the new hi, the largest failing lo
-        # (with the least mass of the failing ones)
-        hi = tl.min(tl.where(ok, piv, hi), axis=0)
-        lo = tl.max(tl.where(ok, lo, piv), axis=0)
-        g_lo = tl.min(tl.where(ok, g_lo, g), axis=0)
+        hi = tl.where(ok, mid, hi)
+        lo = tl.where(ok, lo, mid)
+        g_lo = tl.where(ok, g_lo, g)
     return hi, g_lo
 
 
