@@ -361,7 +361,8 @@ def test_ci_kernels_cover_every_variant():
     assert any(norm._vec(k[0], k[1]) == 1 for k in keys)
     streamed = [k for k in keys if len(k) > 5 and k[5]]  # the many-token kernel: one chunk, chunks, masked
     assert streamed and all(norm._streams(k[0], k[1], k[2], k[3]) for k in streamed)
-    assert {k[0] % (norm._STREAMED_THREADS * _jit.lanes(k[1])) == 0 for k in streamed} == {False, True}
+    assert {k[0] % (norm._streamed_threads(k[3]) * _jit.lanes(k[1])) == 0 for k in streamed} == {False, True}
+    assert {k[3] for k in streamed} == {False, True}
     keys = [key for _, _, key in activation.ci_kernels()]
     assert {k[1] for k in keys} == {"float16", "bfloat16", "float32"}
     assert {k[2] for k in keys} == set(activation._ACTIVATIONS)
@@ -535,7 +536,7 @@ def test_one_compiled_kernel_serves_every_batch_size(tmp_path):
     _jit.clear_memo()
     norm._functions.clear()
     activation._functions.clear()
-    n, d = 4096, 1536  # fused rows that also take the streamed kernel from 4096 tokens
+    n, d = 4096, 1536  # rows that also take the streamed kernel from 4096 tokens
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     sizes = []
     for tokens in (1, 7, 300, 4096):
@@ -551,10 +552,10 @@ def test_one_compiled_kernel_serves_every_batch_size(tmp_path):
         assert_close(activation.silu_and_mul(g), registry.BY_OP["silu_and_mul"][Backend.TORCH].load()(g))
         sizes.append(_jit.memo_size())
     torch.cuda.synchronize()
-    # four kernels (the fused op's one-pass and streamed ones), compiled (or loaded) at the first batch
-    # size only
-    assert sizes == [4, 4, 4, 4], sizes
-    assert len(_trace_compiles(trace, "rmsnorm")) == 3 and len(_trace_compiles(trace, "act_and_mul")) == 1
+    # five kernels (each norm's one-pass and streamed ones, the activation's), compiled (or loaded) at
+    # the first batch size only
+    assert sizes == [5, 5, 5, 5], sizes
+    assert len(_trace_compiles(trace, "rmsnorm")) == 4 and len(_trace_compiles(trace, "act_and_mul")) == 1
 
 
 def _check_norm(fn, reference, x, w, msg, r=None):
@@ -575,26 +576,18 @@ def _check_norm(fn, reference, x, w, msg, r=None):
                                      (16384, torch.bfloat16)], ids=str)
 @pytest.mark.parametrize("op", ["rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm"])
 def test_streamed_norms_match_the_reference(op, n, dtype):
-    """The many-token kernel (rows read twice with L2 hints): one chunk or several, a masked last chunk,
-    strided rows; it is the one that serves the fused ops at 4096 tokens (rmsnorm: built, not served)."""
+    """The many-token kernel (rows read twice with L2 hints), which serves every op of the family from
+    4096 tokens: one chunk or several, a masked last chunk, strided rows."""
     from torch_kernels.impl.tilelang import norm
     reference = registry.BY_OP[op][Backend.TORCH].load()
     fused = "fused" in op
-    assert norm._streams(n, norm._DTYPES[dtype], norm._DTYPES[dtype], True)
-    if not fused:  # the launcher does not serve it: check the kernel itself
-        kernel = _jit.entry(_jit.compiled("rmsnorm", norm._build, n, norm._DTYPES[dtype], norm._DTYPES[dtype],
-                                          False, op.startswith("gemma"), True))
+    assert norm._streams(n, norm._DTYPES[dtype], norm._DTYPES[dtype], fused)
     for layout in ("contiguous", "stride8"):
         x = _views((norm._STREAMED_MIN_TOKENS, n), dtype, layout, "cuda")
         w = torch.randn(n, device="cuda", dtype=dtype)
-        if fused:
-            _check_norm(getattr(norm, op), reference, x, w, f"{n} {layout}", _views(x.shape, dtype, layout, "cuda"))
-        else:
-            out = torch.empty(x.shape, dtype=dtype, device="cuda")
-            _check_norm(lambda x, w, eps: (kernel(x, w, out, eps), out)[1], reference, x, w, f"{n} {layout}")
-    if fused:
-        streamed = norm._functions[(n, dtype, dtype, True, op.startswith("gemma"), True)]
-        assert streamed is not norm._functions[(n, dtype, dtype, True, op.startswith("gemma"), False)]
+        _check_norm(getattr(norm, op), reference, x, w, f"{n} {layout}", _views(x.shape, dtype, layout, "cuda") if fused else None)
+    key = (n, dtype, dtype, fused, op.startswith("gemma"))
+    assert norm._functions[key + (True,)] is not norm._functions[key + (False,)]
 
 
 # (hidden size, dtype): the layouts at their boundaries — several rows a block, one row over 1024

@@ -83,6 +83,12 @@ _EXACT_MAX_PER_THREAD = 64
 # kernels gained (4195 against 4091, sweep_triton_norm_3.json).
 _STREAMED_MIN_TOKENS = 4096
 _STREAMED_THREADS = 512
+# rmsnorm's rows (one chunk: NV vectors a thread) in blocks of fewer threads. sweep_tilelang_8.json
+# (H200, bf16, against 512 threads): 16384x8192 4143 against 3890 GB/s (Triton 4159), 16384x7168 4096
+# against 4045 (4118), 16384x4096 4105 against 3400 (4064); 1024 threads 2752 at 8192.
+_STREAMED_RMSNORM_THREADS = 256
+# rmsnorm's second pass re-reads its row (evict_first) rather than keep the first pass's registers
+_STREAMED_REREAD = True
 
 
 _vec = _jit.vector_width
@@ -221,41 +227,41 @@ def _entry(normalize, n: int, dtype: str, weight_dtype: str, fused: bool, VEC: i
 
 
 #: 16-byte global loads with an L2 eviction priority (``createpolicy`` and ``ld ... .L2::cache_hint``, as
-#: Triton lowers ``eviction_policy=``); TileLang's own loads take no such hint. Ordered (``asm volatile``
-#: with a "memory" clobber) or free for the compiler to schedule like any load: the fused ops' re-read of
-#: the residual they stored comes after the row sum's ``__syncthreads``, which orders it either way.
-_HINTED_LOADS_ORDERED = True
-
-
-def _hinted_loads() -> str:
-    asm, clobber = ("asm volatile", ' : "memory"') if _HINTED_LOADS_ORDERED else ("asm", "")
-    return "".join(f"""
+#: Triton lowers ``eviction_policy=``); TileLang's own loads take no such hint. ``asm volatile`` with a
+#: "memory" clobber keeps them in order with the stores; left to the compiler's scheduling (plain ``asm``,
+#: no clobber: the fused ops' re-read follows the row sum's ``__syncthreads`` anyway) they measured the
+#: same (sweep_tilelang_8.json, H200, bf16: 4143 against 4155 GB/s for fused_add_rmsnorm 16384x8192,
+#: 4045 against 4043 for rmsnorm 16384x7168).
+_HINTED_LOADS = "".join(f"""
 __device__ __forceinline__ void tk_load16_{hint}(void* dst, const void* src) {{
   uint4 v; unsigned long long policy;
-  {asm}("createpolicy.fractional.L2::{hint}.b64 %0, 1.0;" : "=l"(policy));
-  {asm}("ld.global.L1::{hint}.L2::cache_hint.v4.u32 {{%0, %1, %2, %3}}, [%4], %5;"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src), "l"(policy){clobber});
+  asm volatile("createpolicy.fractional.L2::{hint}.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("ld.global.L1::{hint}.L2::cache_hint.v4.u32 {{%0, %1, %2, %3}}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src), "l"(policy) : "memory");
   *reinterpret_cast<uint4*>(dst) = v;
 }}""" for hint in ("evict_last", "evict_first")) + "\n"
 
 
+def _streamed_threads(fused: bool) -> int:
+    return _STREAMED_THREADS if fused else _STREAMED_RMSNORM_THREADS
+
+
 def _streams(n: int, dtype: str, weight_dtype: str, fused: bool) -> bool:
-    """Whether rows of ``n`` take :func:`_build_streamed` from _STREAMED_MIN_TOKENS tokens: the fused
-    ops' rows of whole 16-byte vectors of the input and of the weight (the same dtype), at least one a
-    thread, and one pass's width at most."""
+    """Whether rows of ``n`` take :func:`_build_streamed` from _STREAMED_MIN_TOKENS tokens: rows of
+    whole 16-byte vectors of the input and of the weight (the same dtype), at least one a thread, and
+    one pass's width at most."""
     lanes = _jit.lanes(dtype)
-    return (fused and weight_dtype == dtype and n % lanes == 0
-            and _STREAMED_THREADS * lanes <= n <= _ONE_PASS_MAX)
+    return weight_dtype == dtype and n % lanes == 0 and _streamed_threads(fused) * lanes <= n <= _ONE_PASS_MAX
 
 
 def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
-    """One row a block of :data:`_STREAMED_THREADS` threads, each thread one 16-byte vector of each
-    chunk: the fused ops in chunks of one vector a thread (4096 bf16), as the Triton kernel
-    (``sweep_triton_norm.py``); rmsnorm (built for the sweep only: it lost) in one chunk of the row. The
+    """One row a block of :func:`_streamed_threads` threads: the fused ops in chunks of one 16-byte
+    vector a thread (4096 bf16 at 512 threads), as the Triton kernel (``sweep_triton_norm.py``);
+    rmsnorm in one chunk of the row, ``NV`` vectors a thread (4 at 8192 bf16 and 256 threads). The
     first pass sums the squares (and stores the fused ops' rounded residual), the block reduces them
     (warp shuffles, then one value a warp through shared memory), the second pass re-reads the row."""
     pdl = _jit.dependent_launch()
-    TR, VEC = _STREAMED_THREADS, _jit.lanes(dtype)
+    TR, VEC = _streamed_threads(fused), _jit.lanes(dtype)
     NV = 1 if fused else -(-n // (TR * VEC))  # vectors a thread a chunk
     CHUNK = NV * TR * VEC
     CHUNKS = -(-n // CHUNK)
@@ -278,7 +284,7 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
         with T.Kernel(num_tokens, threads=TR) as row:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
-            T.import_source(_hinted_loads())
+            T.import_source(_HINTED_LOADS)
             tid = T.get_thread_binding()
             xr = T.alloc_local((NV, VEC), dtype)  # a chunk's input (then its residual), as loaded
             rr = T.alloc_local((NV, VEC), dtype)  # the fused ops' residual, as loaded
@@ -317,7 +323,8 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
                 for k in T.unroll(NV):
                     col = (c * NV + k) * TR * VEC + tid * VEC
                     if live(col):
-                        load16("evict_first", xr[k, 0], (X if R is None else R)[row, col])
+                        if R is not None or _STREAMED_REREAD:
+                            load16("evict_first", xr[k, 0], (X if R is None else R)[row, col])
                         load16("evict_last", wr[k, 0], Wt[col])
                 for k in T.unroll(NV):
                     col = (c * NV + k) * TR * VEC + tid * VEC
@@ -421,9 +428,11 @@ def ci_kernels() -> Iterator[tuple]:
         (65536, "bfloat16", "bfloat16", True, False),  # two passes
     ):
         yield _NAME, _build, (n, dtype, weight_dtype, fused, gemma)
-    for n, dtype, gemma in (  # the fused ops' streamed kernel (from 4096 tokens): chunks, a masked one
-        (8192, "bfloat16", False),
-        (7168, "float16", True),
-        (4096, "float32", False),
+    for n, dtype, fused, gemma in (  # the streamed kernel (from 4096 tokens): chunks, a masked one
+        (8192, "bfloat16", True, False),
+        (7168, "float16", True, True),
+        (4096, "float32", True, False),
+        (8192, "bfloat16", False, False),  # rmsnorm: one chunk, 4 vectors a thread
+        (7168, "float16", False, True),  # masked
     ):
-        yield _NAME, _build, (n, dtype, dtype, True, gemma, True)
+        yield _NAME, _build, (n, dtype, dtype, fused, gemma, True)
