@@ -6,7 +6,9 @@ ours against plain torch. What registry.COMPILE_ROUTE is set from.
 
 Op blocks (bf16, Llama-8B-like shapes, ``--tokens`` tokens): ``x*2 -> op -> +1`` ("block": the
 neighbours Inductor may fuse) and the op alone ("alone": what it costs between two GEMMs), compiled
-with each route the op can take (``inductor_triton`` with Triton selected) and with the op replaced
+with each route the op can take (``inductor_triton`` with Triton selected), with no route forced
+("measured": the op's own choice, which for ``registry.DECOMPOSE_AFTER_POINTWISE`` depends on the
+block) and with the op replaced
 by its reference formula ("plain": the same block in plain torch), each checked against eager
 before it is timed; device µs by CUDA-graph replay. Decoder layer (Llama-3-8B: hidden 4096, 32/8
 heads, 14336 intermediate; bf16) at ``--layer-tokens``: µs per call between CUDA events (the host
@@ -135,7 +137,8 @@ def bench_ops(t: int, names) -> list:
             want = block(op, *_fresh(args), alone=alone)
             row = {"op": name, "kind": kind, "tokens": t, "default route": registry.COMPILE_ROUTE[name],
                    "opaque serves": dispatch.plan(name)[0][0].backend.value}
-            variants = [("plain", None, reference)] + [(r, r, op) for r in registry.compile_routes(name)]
+            # "measured": no route forced, so the op's own choice (DECOMPOSE_AFTER_POINTWISE included)
+            variants = [("plain", None, reference), ("measured", None, op)] + [(r, r, op) for r in registry.compile_routes(name)]
             for label, route, fn in variants:
                 _select(route, name if route else None)
                 compiled = torch.compile(lambda *a, fn=fn: block(fn, *a, alone=alone), fullgraph=True, dynamic=False)
@@ -151,7 +154,7 @@ def bench_ops(t: int, names) -> list:
             row["eager"] = harness.graph_us(lambda: block(op, *eager_args, alone=alone))
             results.append(row)
             print(f"{name:32s} {kind:5s}", "  ".join(f"{k} {row[k]:.1f}" if row.get(k) is not None else f"{k} -"
-                                                    for k in ("plain", *registry.COMPILE_ROUTES, "eager")), flush=True)
+                                                    for k in ("plain", "measured", *registry.COMPILE_ROUTES, "eager")), flush=True)
     _select()
     return results
 

@@ -118,6 +118,15 @@ def test_route_resolution_on_cuda(cuda_platform):
     assert route == OPAQUE and "the CUDA key selects 'torch', not 'triton'" in notice
 
 
+def test_route_after_a_pointwise_producer(cuda_platform):
+    for op in registry.OPS:  # the ops of DECOMPOSE_AFTER_POINTWISE decompose, the others keep their route
+        want = DECOMPOSE if op in registry.DECOMPOSE_AFTER_POINTWISE else registry.COMPILE_ROUTE[op]
+        assert dispatch.compile_route(op, after_pointwise=True) == (want, None)
+    assert "rotary_embedding" in registry.DECOMPOSE_AFTER_POINTWISE
+    torch_kernels.configure(compile_route="rotary_embedding=opaque")  # a forced route wins
+    assert dispatch.compile_route("rotary_embedding", after_pointwise=True) == (OPAQUE, None)
+
+
 def test_route_resolution_off_cuda():
     torch_kernels.configure(compile_route="inductor_triton")
     assert dispatch.compile_route("rmsnorm", "cpu") == (DECOMPOSE, None)  # the reference runs here anyway
@@ -387,6 +396,38 @@ def _qkv_rope(x, wqkv, positions, cache):
     q, k, v = qkv.split([128, 64, 64], dim=-1)
     torch.ops.deepinfer.rotary_embedding(positions, q, k, 32, cache, True)
     return q, k, v
+
+
+def _scaled_qkv_rope(qkv, positions, cache):
+    """bench_compile.py's rope block: the producer of q and k is pointwise (``qkv * 2``)."""
+    q, k, v = (qkv * 2).split([128, 64, 64], dim=-1)
+    torch.ops.deepinfer.rotary_embedding(positions, q, k, 32, cache, True)
+    return q + 1, k + 1
+
+
+@pytest.mark.parametrize("case", ["pointwise-producer", "matmul-producer", "graph-inputs"])
+def test_inductor_cpu_rope_route_follows_its_producer(case):
+    """rotary_embedding decomposes where a pointwise op computes q and k (Inductor fuses that op, the
+    rotation and the op after it into one kernel) and stays one opaque call after a matmul or on
+    graph inputs (registry.DECOMPOSE_AFTER_POINTWISE)."""
+    torch._dynamo.reset()
+    positions, cache = torch.randint(0, 16, (6,)), torch.randn(16, 32)
+    if case == "pointwise-producer":
+        fn, args = _scaled_qkv_rope, (torch.randn(6, 256), positions, cache)
+    elif case == "matmul-producer":
+        fn, args = _qkv_rope, (torch.randn(6, 64), torch.randn(64, 256), positions, cache)
+    else:
+        fn = lambda q, k, p, c: (torch.ops.deepinfer.rotary_embedding(p, q, k, 32, c, True), q, k)[1:]  # noqa: E731
+        args = (torch.randn(6, 128), torch.randn(6, 64), positions, cache)
+    want = fn(*[a.clone() for a in args])
+    out, (code, *_) = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
+    for g, w in zip(out, want):
+        assert_close(g, w)
+    body = _call_body(code)
+    if case == "pointwise-producer":
+        assert "torch.ops.deepinfer" not in body and _cpu_kernels(body), body
+    else:
+        assert body.count("torch.ops.deepinfer.rotary_embedding.default(") == 1, body
 
 
 def _fused_add(x, residual, w):

@@ -258,18 +258,23 @@ def parse_compile_route(spec: Any) -> Tuple[Tuple[str, str], ...]:
     return tuple(sorted(pairs.items()))
 
 
-def compile_route(op: str, device_type: str = "cuda", on: Optional[Platform] = None) -> Tuple[str, Optional[str]]:
+def compile_route(op: str, device_type: str = "cuda", on: Optional[Platform] = None,
+                  after_pointwise: bool = False) -> Tuple[str, Optional[str]]:
     """The route ``op`` takes when ``torch.compile`` traces it on ``device_type`` (``library.py``
     applies it), and the notice for when it is not the route asked for.
 
     The route asked for is the one forced for this op, else for every op, else
-    ``registry.COMPILE_ROUTE``. An op that cannot take a route forced for every op keeps its own.
+    ``registry.COMPILE_ROUTE``, except that an op of ``registry.DECOMPOSE_AFTER_POINTWISE`` whose data
+    input the graph computes with a pointwise op (``after_pointwise``, found by ``library.py``)
+    decomposes unless a route is forced. An op that cannot take a route forced for every op keeps its own.
     ``inductor_triton`` launches our Triton kernel, so it needs CUDA and Triton first in
     :func:`plan`: on CUDA with another backend selected the op stays an opaque call to that backend;
     on other devices it decomposes (the reference is what runs there anyway), and the ops of
     ``registry.OPAQUE_OFF_CUDA`` stay opaque there whatever the route.
     """
-    asked = _selection.forced_route(op) or registry.COMPILE_ROUTE[op]
+    asked = _selection.forced_route(op)
+    if asked is None:
+        asked = registry.DECOMPOSE if after_pointwise and op in registry.DECOMPOSE_AFTER_POINTWISE else registry.COMPILE_ROUTE[op]
     route, notice = asked, None
     if (op, asked) in registry.NO_COMPILE_ROUTE:
         route = registry.COMPILE_ROUTE[op]

@@ -21,6 +21,7 @@ the kernel directly, against 22 µs for ``torch.library.custom_op`` (shared/gpu/
 """
 
 import functools
+import operator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -90,6 +91,23 @@ def _traced_triton(op: OpDef, args: tuple):
     return functools.partial(spec.load(), wrap=torch.library.wrap_triton)
 
 
+def _made_by_pointwise(t) -> bool:
+    """Whether the graph being traced computes ``t`` (or the tensor it is a view of) with a pointwise
+    op, which Inductor would fuse into the op's decomposition. Read from the proxy graph that
+    AOTAutograd's tracer is building below the functional mode."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    tracer = get_proxy_mode()
+    if tracer is None or not isinstance(t, FunctionalTensor):
+        return False
+    found = get_proxy_slot(torch._from_functional_tensor(t.elem), tracer.tracer, None)
+    node = found.proxy.node if found is not None else None
+    while node is not None and (node.target is operator.getitem
+                                or isinstance(node.target, torch._ops.OpOverload) and node.target.is_view):
+        node = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    return node is not None and isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+
+
 def _compile_rule(op: OpDef, reference):
     """The ``FunctionalTensorMode`` rule that applies the op's compiled route."""
     def rule(mode, overload, types, args, kwargs):
@@ -98,7 +116,8 @@ def _compile_rule(op: OpDef, reference):
         body = None
         # False while torch.export traces: the op stays one node, as a triton_op does there
         if getattr(torch._functorch.config, "decompose_custom_triton_ops", True):
-            route, notice = dispatch.compile_route(op.name, args[op.data_arg].device.type)
+            after_pointwise = op.name in registry.DECOMPOSE_AFTER_POINTWISE and _made_by_pointwise(args[op.data_arg])
+            route, notice = dispatch.compile_route(op.name, args[op.data_arg].device.type, after_pointwise=after_pointwise)
             dispatch.note_compile_route(notice)
             if route == registry.DECOMPOSE:
                 body = reference

@@ -177,6 +177,14 @@ COMPILE_ROUTE: Dict[str, str] = {
     "top_k_top_p_sampling_from_probs": OPAQUE,
 }
 
+#: Ops that decompose instead of taking their own route when the graph computes their data input with a
+#: pointwise op (followed through views): Inductor then fuses that producer, and the neighbours after it,
+#: into the op's formula. rotary_embedding, x*2 -> rope on views of the product -> +1 at 4096 tokens,
+#: 32+8+8 heads x 128 (bench_compile.py, H200, 2026-11-29): decomposed 79.3 µs, equal to plain torch
+#: compiled, against 124.6 opaque; alone, or after the QKV projection's matmul as in a model, opaque
+#: 19.5 against 127.1 decomposed.
+DECOMPOSE_AFTER_POINTWISE = frozenset({"rotary_embedding"})
+
 #: Routes an op cannot take, and why: a route forced for all ops falls back to the op's own route
 #: for these (saying so), forcing one for this op alone raises.
 #: Ops whose torch reference Inductor cannot compile (the benchmarks skip that peer for them).
@@ -233,6 +241,8 @@ def _check_compile_routes() -> None:
                                f"it can take; got {route!r}")
         if (op, INDUCTOR_TRITON) not in NO_COMPILE_ROUTE and Backend.TRITON not in BY_OP[op]:
             raise RuntimeError(f"op {op!r} has no Triton kernel for the {INDUCTOR_TRITON!r} route")
+        if op in DECOMPOSE_AFTER_POINTWISE and (op, DECOMPOSE) in NO_COMPILE_ROUTE:
+            raise RuntimeError(f"op {op!r} in DECOMPOSE_AFTER_POINTWISE cannot decompose")
 
 
 _check_compile_routes()
