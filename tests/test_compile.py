@@ -430,6 +430,22 @@ def test_inductor_cpu_rope_route_follows_its_producer(case):
         assert body.count("torch.ops.deepinfer.rotary_embedding.default(") == 1, body
 
 
+def test_inductor_cpu_quant_decomposed_keeps_column_major_scales():
+    """Decomposed with an unbacked token count, the scales keep the layout the op promises (DeepGEMM
+    reads it): the reference computes them as (G, T) and returns the transposed view."""
+    torch_kernels.configure(compile_route="per_token_group_quant_fp8=decompose")
+    torch._dynamo.reset()
+    fn = lambda x: torch.ops.deepinfer.per_token_group_quant_fp8(x * 2, 128, 1e-10, True, False)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True)
+    for tokens in (5, 64):
+        x = torch.randn(tokens, 896)
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+        (q, s), (want_q, want_s) = compiled(x), fn(x)
+        assert s.stride() == want_s.stride() == (1, tokens) and q.stride() == (896, 1)
+        assert_close(s, want_s)
+        assert_close(q.float(), want_q.float())
+
+
 def _fused_add(x, residual, w):
     torch.ops.deepinfer.fused_add_rmsnorm(x, residual, w)
 

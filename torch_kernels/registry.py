@@ -196,9 +196,6 @@ NO_COMPILE_ROUTE: Dict[Tuple[str, str], str] = {
     **{(op, DECOMPOSE): why for op, why in REFERENCE_NOT_COMPILABLE.items()},
     **{(op, INDUCTOR_TRITON): "its Triton kernel has no launch through wrap_triton"
        for op in ("top_k_renorm_probs", "top_p_renorm_probs", "top_k_top_p_sampling_from_probs")},
-    ("per_token_group_quant_fp8", DECOMPOSE): "decomposed on CUDA with an unbacked token count, Inductor returned "
-                                              "column-major scales row-major (H200, torch 2.11: strides (2, 1) for "
-                                              "(1, 7)), which DeepGEMM would misread",
 }
 
 #: Ops that stay opaque on devices other than CUDA (there, every route runs the reference): Inductor's

@@ -49,15 +49,19 @@ def pow2_ceil(scale: Tensor) -> Tensor:
 def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10,
                               column_major_scales: bool = False, scale_ue8m0: bool = False) -> Tuple[Tensor, Tensor]:
     x = input.to(torch.float32).unflatten(-1, (-1, group_size))  # (..., G, group_size)
+    if column_major_scales:
+        # the scales computed as (G, ...) and returned as a view: the layout of empty_outputs, which
+        # Inductor keeps when this formula is decomposed into a graph (a (..., G) result copied into
+        # that layout came back row-major with an unbacked token count: strides (7, 1) for (5, 7))
+        x = x.movedim(-2, 0)  # (G, ..., group_size)
     # amax propagates NaN and clamp keeps it: a group holding a NaN gets a NaN scale and NaN q.
-    amax = x.abs().amax(-1).clamp(min=eps)  # (..., G)
+    amax = x.abs().amax(-1).clamp(min=eps)  # (..., G), or (G, ...) for column-major scales
     # Divide by a tensor, not a Python scalar: on CUDA `t / 448` multiplies by fp32(1/448), which is
     # not correctly rounded (one ulp off for about half of all scales).
-    scale = amax / torch.full_like(amax, FP8_MAX)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).contiguous()
     if scale_ue8m0:
         scale = pow2_ceil(scale)
-    q = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).flatten(-2).to(FP8)
+    q = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
     if column_major_scales:
-        _, s = empty_outputs(input, group_size, column_major_scales)
-        return q, s.copy_(scale)
-    return q, scale
+        q, scale = q.movedim(0, -2), scale.movedim(0, -1)
+    return q.flatten(-2).to(FP8).contiguous(), scale
