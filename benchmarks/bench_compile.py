@@ -137,8 +137,14 @@ def bench_ops(t: int, names) -> list:
             want = block(op, *_fresh(args), alone=alone)
             row = {"op": name, "kind": kind, "tokens": t, "default route": registry.COMPILE_ROUTE[name],
                    "opaque serves": dispatch.plan(name)[0][0].backend.value}
-            # "measured": no route forced, so the op's own choice (DECOMPOSE_AFTER_POINTWISE included)
-            variants = [("plain", None, reference), ("measured", None, op)] + [(r, r, op) for r in registry.compile_routes(name)]
+            _select()
+            eager_args = _fresh(args)
+            row["eager"] = harness.graph_us(lambda: block(op, *eager_args, alone=alone))
+            # "measured": no route forced, so the op's own choice (DECOMPOSE_AFTER_POINTWISE included).
+            # inductor_triton last: a failure there that breaks the CUDA context (an illegal address
+            # in the rope block, H200, 2026-11-30) leaves the other figures standing
+            routes = sorted(registry.compile_routes(name), key=lambda r: r == registry.INDUCTOR_TRITON)
+            variants = [("plain", None, reference), ("measured", None, op)] + [(r, r, op) for r in routes]
             for label, route, fn in variants:
                 _select(route, name if route else None)
                 compiled = torch.compile(lambda *a, fn=fn: block(fn, *a, alone=alone), fullgraph=True, dynamic=False)
@@ -146,15 +152,16 @@ def bench_ops(t: int, names) -> list:
                     call_args = _fresh(args)
                     _check(compiled(*call_args), want, f"{name} {kind} {label}")
                     row[label] = harness.graph_us(lambda: compiled(*call_args))
+                    torch.cuda.synchronize()  # an asynchronous failure is this variant's
                 except Exception as e:  # e.g. Inductor failing on the sampling reference: reported, not fatal
                     row[label] = None
                     row[f"{label} error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             _select()
-            eager_args = _fresh(args)
-            row["eager"] = harness.graph_us(lambda: block(op, *eager_args, alone=alone))
             results.append(row)
             print(f"{name:32s} {kind:5s}", "  ".join(f"{k} {row[k]:.1f}" if row.get(k) is not None else f"{k} -"
                                                     for k in ("plain", "measured", *registry.COMPILE_ROUTES, "eager")), flush=True)
+            for key in (k for k in row if k.endswith(" error")):
+                print(f"    {key}: {row[key]}", flush=True)
     _select()
     return results
 

@@ -40,14 +40,11 @@ NORM_OPS = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rm
 # Gemma's + 1 added, the fused residual stored before the row's sum and the fused rows in chunks without
 # L2 hints (sweep_tilelang_6.json; norm.py says by how much), and timed the streamed kernel (rows read
 # twice with L2 hints) against the one-pass kernel (sweep_tilelang_7.json), its hinted loads left to the
-# compiler's scheduling and its block size (sweep_tilelang_8.json); this one times rmsnorm's streamed
-# rows in smaller blocks and kept in registers instead of re-read.
+# compiler's scheduling and its block size (sweep_tilelang_8.json), rmsnorm's streamed rows in smaller
+# blocks and kept in registers instead of re-read (sweep_tilelang_9.json); this one times them against
+# the one-pass kernel and 128 threads.
 NORM_VARIANTS = {"tilelang, one pass": {}, "tilelang, streamed": {"streamed": True},
-                 "tilelang, streamed, rmsnorm 128 threads": {"streamed": True, "_STREAMED_RMSNORM_THREADS": 128},
-                 "tilelang, streamed, rmsnorm 64 threads": {"streamed": True, "_STREAMED_RMSNORM_THREADS": 64},
-                 "tilelang, streamed, rmsnorm kept in registers": {"streamed": True, "_STREAMED_REREAD": False},
-                 "tilelang, streamed, rmsnorm 128 threads kept in registers":
-                     {"streamed": True, "_STREAMED_RMSNORM_THREADS": 128, "_STREAMED_REREAD": False}}
+                 "tilelang, streamed, rmsnorm 128 threads": {"streamed": True, "_STREAMED_RMSNORM_THREADS": 128}}
 MERGE_TOKENS = (4096, 8192, 16384)
 MERGE_VARIANTS = tuple(itertools.product((4, 8, 16), (128, 256, 512)))  # (values a thread, block threads)
 ROPE_TOKENS = (4096, 16384)

@@ -78,17 +78,19 @@ _EXACT_MAX_PER_THREAD = 64
 # (evict_first). sweep_tilelang_7.json (H200, bf16, streamed against one pass, Triton in the same run):
 # fused_add_rmsnorm 16384x8192 4183 against 4009 GB/s (Triton 4156), 16384x7168 4191 against 4071
 # (4161), 16384x4096 4162 against 3967 (4053), 4096x4096 3898 against 3687 (3813); 32x8192 2.44 against
-# 2.40 µs, so few tokens keep the one-pass kernel. Not rmsnorm: read twice so it lost (3934 against
-# 4062 at 16384x8192, 3387 against 3994 at 16384x4096), where Triton's and Inductor's read-twice
-# kernels gained (4195 against 4091, sweep_triton_norm_3.json).
+# 2.40 µs, so few tokens keep the one-pass kernel. rmsnorm read twice at 512 threads lost there (3934
+# against 4062 at 16384x8192, 3387 against 3994 at 16384x4096); it takes the streamed kernel in blocks
+# of 256 threads with its row kept in registers (_STREAMED_RMSNORM_THREADS).
 _STREAMED_MIN_TOKENS = 4096
 _STREAMED_THREADS = 512
-# rmsnorm's rows (one chunk: NV vectors a thread) in blocks of fewer threads. sweep_tilelang_8.json
-# (H200, bf16, against 512 threads): 16384x8192 4143 against 3890 GB/s (Triton 4159), 16384x7168 4096
-# against 4045 (4118), 16384x4096 4105 against 3400 (4064); 1024 threads 2752 at 8192.
+# rmsnorm's rows in one chunk (NV vectors a thread, kept in registers from the first pass) in blocks of
+# fewer threads. sweep_tilelang_8.json (H200, bf16, re-read, against 512 threads): 16384x8192 4143
+# against 3890 GB/s (Triton 4159), 16384x4096 4105 against 3400; 1024 threads 2752 at 8192.
+# sweep_tilelang_9.json (kept in registers against re-read, 256 threads; Triton; one-pass kernel):
+# 16384x8192 4190 / 4181 (4196; 4065), 16384x7168 4182 / 4159 (4164; 4094), 16384x4096 4132 / 4096
+# (4077; 3978), 4096x7168 3855 / 3802 (3819; 3836), 4096x4096 3757 / 3847 (3723; 3729); 128 threads
+# 4183 and 64 threads 4116 at 16384x8192.
 _STREAMED_RMSNORM_THREADS = 256
-# rmsnorm's second pass re-reads its row (evict_first) rather than keep the first pass's registers
-_STREAMED_REREAD = True
 
 
 _vec = _jit.vector_width
@@ -259,7 +261,8 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
     vector a thread (4096 bf16 at 512 threads), as the Triton kernel (``sweep_triton_norm.py``);
     rmsnorm in one chunk of the row, ``NV`` vectors a thread (4 at 8192 bf16 and 256 threads). The
     first pass sums the squares (and stores the fused ops' rounded residual), the block reduces them
-    (warp shuffles, then one value a warp through shared memory), the second pass re-reads the row."""
+    (warp shuffles, then one value a warp through shared memory), the second pass re-reads the fused
+    ops' residual and normalises (rmsnorm: the row it kept in registers)."""
     pdl = _jit.dependent_launch()
     TR, VEC = _streamed_threads(fused), _jit.lanes(dtype)
     NV = 1 if fused else -(-n // (TR * VEC))  # vectors a thread a chunk
@@ -323,8 +326,8 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
                 for k in T.unroll(NV):
                     col = (c * NV + k) * TR * VEC + tid * VEC
                     if live(col):
-                        if R is not None or _STREAMED_REREAD:
-                            load16("evict_first", xr[k, 0], (X if R is None else R)[row, col])
+                        if R is not None:  # rmsnorm keeps its row in xr
+                            load16("evict_first", xr[k, 0], R[row, col])
                         load16("evict_last", wr[k, 0], Wt[col])
                 for k in T.unroll(NV):
                     col = (c * NV + k) * TR * VEC + tid * VEC
