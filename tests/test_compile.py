@@ -345,6 +345,16 @@ for op in registry.OPS:
 """
 
 
+def test_inductor_triton_leaves_written_views_to_the_opaque_call():
+    from torch_kernels import library
+    opdef = ops.BY_NAME["rotary_embedding"]
+    q, k, _ = torch.randn(6, 256).split([128, 64, 64], dim=-1)
+    positions, cache = torch.randint(0, 16, (6,)), torch.randn(16, 32)
+    assert library._written(opdef) == (1, 2)
+    assert library._traced_triton(opdef, (positions, q, k, 32, cache, True)) is None
+    assert library._traced_triton(opdef, (positions, q.contiguous(), k.contiguous(), 32, cache, True)) is not None
+
+
 def test_inductor_triton_route_traces_with_a_symbolic_token_count():
     """Every op's Triton body, run by the rule under FunctionalTensorMode with ``wrap_triton`` on fake
     CUDA tensors whose token count is a symbol: our kernel in the graph (no opaque call), and no
@@ -572,15 +582,17 @@ def test_inductor_cuda_output_of_each_route(route):
 
 # Rotary embedding copies under the two non-opaque routes, measured on the H200 (torch 2.11): decomposed,
 # Inductor computes each rotated tensor into a buffer and copies it back (the formula reads both halves
-# of a row it writes); through wrap_triton, q and k viewed from one qkv buffer are cloned and written
-# back. Its route is therefore `opaque` (registry.COMPILE_ROUTE), which writes in place.
+# of a row it writes). Through wrap_triton, q and k viewed from one qkv buffer were cloned and written
+# back, and at 4096 tokens the kernel wrote past the clones (an illegal address: it had read the views'
+# strides when traced), so written views now take the opaque call on that route. Its route is `opaque`
+# (registry.COMPILE_ROUTE), which writes in place, or `decompose` after a pointwise producer.
 _ROPE_COPIES = pytest.mark.xfail(strict=True, reason="rotary_embedding copies under this route: see _ROPE_COPIES")
 
 
 def _in_place_cases():
     for route in (DECOMPOSE, INDUCTOR_TRITON, OPAQUE):
         for case in ("fused_add_rmsnorm-graph-inputs", "rotary_embedding-qkv-views", "rotary_embedding-graph-inputs"):
-            copies = case.startswith("rotary") and (route == DECOMPOSE or case.endswith("qkv-views")) and route != OPAQUE
+            copies = case.startswith("rotary") and route == DECOMPOSE
             yield pytest.param(case, route, marks=[_ROPE_COPIES] if copies else [], id=f"{route}-{case}")
 
 
@@ -589,7 +601,8 @@ def _in_place_cases():
 def test_inductor_cuda_in_place_ops_without_copies(case, route):
     """The in-place ops under every route, on the graph's inputs and on views of the QKV projection's
     output: written in place, no copy or clone of what they write (a clone would be one more
-    kernel), and our kernel launched once on the inductor_triton route."""
+    kernel), and our kernel launched once on the inductor_triton route (rope on views: the opaque
+    call, library._traced_triton)."""
     op = case.split("-")[0]
     _select(op, route)
     d = dict(device="cuda", dtype=torch.bfloat16)
@@ -609,7 +622,7 @@ def test_inductor_cuda_in_place_ops_without_copies(case, route):
         assert_close(g, w)
     launches, body = _launches(code), _call_body(code)
     assert "copy_(" not in body and "clone" not in body, body
-    if route == OPAQUE:
+    if route == OPAQUE or (route == INDUCTOR_TRITON and case == "rotary_embedding-qkv-views"):
         assert body.count(f"torch.ops.deepinfer.{op}.default(") == 1 and not launches, body
     elif route == INDUCTOR_TRITON:
         assert len(launches) == 1 and _KERNEL[op] in launches[0], body

@@ -79,9 +79,22 @@ def _forward(ctx, op: OpDef, overload, keyset, args):
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _written(op: OpDef) -> tuple:
+    """Indices of the arguments ``op`` writes (``Tensor(a!)`` in its schema)."""
+    schema = getattr(getattr(torch.ops, NAMESPACE), op.name).default._schema
+    return tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
 def _traced_triton(op: OpDef, args: tuple):
     """The Triton implementation with its kernels launched through ``wrap_triton``, or ``None``
-    when it refuses these arguments (dtype, size: the opaque call then falls back as in eager)."""
+    when it refuses these arguments (dtype, size: the opaque call then falls back as in eager).
+
+    Also ``None`` when a written argument is not contiguous: Inductor may hand the kernel a
+    re-laid-out copy of such a view while the body read its strides when traced (rope on q and k as
+    views of one QKV buffer: an illegal address at 4096 tokens, bench_compile.py, H200, torch 2.11)."""
+    if any(args[i] is not None and not args[i].is_contiguous() for i in _written(op)):
+        return None
     spec = registry.BY_OP[op.name][Backend.TRITON]
     if spec.dtypes and str(args[op.data_arg].dtype).replace("torch.", "") not in spec.dtypes:
         return None

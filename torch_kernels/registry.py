@@ -155,12 +155,13 @@ COMPILE_ROUTE: Dict[str, str] = {
     "gelu_tanh_and_mul": DECOMPOSE,
     # compile 1213 GB/s against ours 3912 (neox, 8192 tokens, 32+8 heads x 128; GPT-J 878 vs 3878).
     # In place on views of the QKV projection's output: the opaque call (auto_functionalize) rotates
-    # them in that buffer, no copy (tests/test_compile.py checks Inductor's output)
+    # them in that buffer, no copy (tests/test_compile.py checks Inductor's output); after a pointwise
+    # op it decomposes (DECOMPOSE_AFTER_POINTWISE)
     "rotary_embedding": OPAQUE,
     # compile 2078 GB/s against ours 4125 (8192x7168, g128); 248 against 4237 at g64. Opaque over
     # Inductor launching our kernel: x*2 -> quant -> +1 at 4096x4096 measured 30.6 µs against 40.0,
-    # the op alone 12.4 against 12.3 (bench_compile.py, H200, 2026-11-29); plain torch compiled: 25.9
-    # and 25.2 (the decomposition is closed to it: NO_COMPILE_ROUTE)
+    # the op alone 12.4 against 12.3 (bench_compile.py, H200, 2026-11-29); after a pointwise op it
+    # decomposes (DECOMPOSE_AFTER_POINTWISE)
     "per_token_group_quant_fp8": OPAQUE,
     # compile 112 µs against ours 14 (8192 tokens x 256 experts, top-8); grouped 485 against 23.
     # Opaque over Inductor launching our kernel, 4096 tokens (bench_compile.py, H200, 2026-11-29):
@@ -179,11 +180,13 @@ COMPILE_ROUTE: Dict[str, str] = {
 
 #: Ops that decompose instead of taking their own route when the graph computes their data input with a
 #: pointwise op (followed through views): Inductor then fuses that producer, and the neighbours after it,
-#: into the op's formula. rotary_embedding, x*2 -> rope on views of the product -> +1 at 4096 tokens,
-#: 32+8+8 heads x 128 (bench_compile.py, H200, 2026-11-29): decomposed 79.3 µs, equal to plain torch
-#: compiled, against 124.6 opaque; alone, or after the QKV projection's matmul as in a model, opaque
-#: 19.5 against 127.1 decomposed.
-DECOMPOSE_AFTER_POINTWISE = frozenset({"rotary_embedding"})
+#: into the op's formula. bench_compile.py, H200, 2026-11-30, 4096 tokens, bf16, x*2 -> op -> +1 against
+#: the op alone (the QKV projection's matmul before rope in a model is not pointwise):
+#: rotary_embedding (32+8+8 heads x 128, q and k views of the product): decomposed 80.1 µs, plain torch
+#: compiled 80.2, opaque 116.0; alone opaque 19.5 against 127.1 decomposed (2026-11-29).
+#: per_token_group_quant_fp8 (4096x4096, g128): decomposed 25.8, plain 25.9, opaque 31.6; alone opaque
+#: 12.5 against 24.7 decomposed.
+DECOMPOSE_AFTER_POINTWISE = frozenset({"rotary_embedding", "per_token_group_quant_fp8"})
 
 #: Routes an op cannot take, and why: a route forced for all ops falls back to the op's own route
 #: for these (saying so), forcing one for this op alone raises.
