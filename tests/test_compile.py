@@ -163,6 +163,7 @@ def test_inventory_shows_each_compiled_route(cuda_platform):
     assert routes["rmsnorm"] == "opaque (forced)"
     assert routes["silu_and_mul"] == registry.COMPILE_ROUTE["silu_and_mul"]
     assert routes["grouped_topk"] == registry.COMPILE_ROUTE["grouped_topk"]
+    assert routes["rotary_embedding"] == "opaque, decompose after pointwise"
     assert routes["topk_softmax"] == "inductor_triton (forced)"
     torch_kernels.configure(backend="torch")
     routes = {r[0]: r[-1] for r in _inventory(cuda_platform)[1:]}

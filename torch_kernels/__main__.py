@@ -30,11 +30,12 @@ DOCS_OPS = Path(__file__).resolve().parent.parent / "docs" / "ops.md"
 
 def _compiled_route(op: str, platform: Platform) -> str:
     """The op's route under torch.compile on CUDA (docs/compile.md), resolved against ``platform``
-    when it has CUDA; "(forced)" when set by DEEPINFER_OPS_COMPILE_ROUTE or configure()."""
+    when it has CUDA; "(forced)" when set by DEEPINFER_OPS_COMPILE_ROUTE or configure(), "decompose
+    after pointwise" for the ops of registry.DECOMPOSE_AFTER_POINTWISE."""
     forced = dispatch.selection().forced_route(op)
     asked = forced or registry.COMPILE_ROUTE[op]
     route, notice = dispatch.compile_route(op, "cuda", platform) if platform.is_cuda else (asked, None)
-    text = asked + (" (forced)" if forced else "")
+    text = asked + (" (forced)" if forced else ", decompose after pointwise" if op in registry.DECOMPOSE_AFTER_POINTWISE else "")
     return text if route == asked and notice is None else f"{text} -> {route}  [{notice}]"
 
 
