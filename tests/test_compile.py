@@ -161,7 +161,7 @@ def test_inventory_shows_each_compiled_route(cuda_platform):
     routes = {r[0]: r[-1] for r in rows}
     assert header[-1] == "compiled route" and set(routes) == set(registry.OPS)
     assert routes["rmsnorm"] == "opaque (forced)"
-    assert routes["silu_and_mul"] == registry.COMPILE_ROUTE["silu_and_mul"]
+    assert routes["silu_and_mul"] == "opaque, decompose after pointwise"
     assert routes["grouped_topk"] == registry.COMPILE_ROUTE["grouped_topk"]
     assert routes["rotary_embedding"] == "opaque, decompose after pointwise"
     assert routes["topk_softmax"] == "inductor_triton (forced)"
@@ -401,6 +401,23 @@ def test_inductor_cpu_decompose_fuses_neighbours_into_one_kernel():
     assert len(_cpu_kernels(body)) == 1 and "torch.ops.deepinfer" not in body, body
 
 
+def test_inductor_cpu_rmsnorm_decomposes_after_a_pointwise_op_only():
+    """No route forced: after ``x * 2`` rmsnorm decomposes and Inductor fuses all into one kernel; on
+    the graph's input it stays one call of our op (registry.DECOMPOSE_AFTER_POINTWISE)."""
+    torch._dynamo.reset()
+    x, w = torch.randn(8, 96), torch.randn(96)
+    after_pointwise = lambda x, w: torch.ops.deepinfer.rmsnorm(x * 2, w) + 1  # noqa: E731
+    on_input = lambda x, w: torch.ops.deepinfer.rmsnorm(x, w) + 1  # noqa: E731
+    for fn in (after_pointwise, on_input):
+        out, (code, *_) = run_and_get_code(torch.compile(fn, fullgraph=True), x, w)
+        assert_close(out, fn(x, w))
+        body = _call_body(code)
+        if fn is after_pointwise:
+            assert len(_cpu_kernels(body)) == 1 and "torch.ops.deepinfer" not in body, body
+        else:
+            assert body.count("torch.ops.deepinfer.rmsnorm.default(") == 1, body
+
+
 def _qkv_rope(x, wqkv, positions, cache):
     """The decoder layer's pattern: rotate q and k in place as views of the QKV projection's output."""
     qkv = x @ wqkv
@@ -598,7 +615,7 @@ def _in_place_cases():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case,route", _in_place_cases())
+@pytest.mark.parametrize("case,route", list(_in_place_cases()))
 def test_inductor_cuda_in_place_ops_without_copies(case, route):
     """The in-place ops under every route, on the graph's inputs and on views of the QKV projection's
     output: written in place, no copy or clone of what they write (a clone would be one more

@@ -136,23 +136,23 @@ INDUCTOR_TRITON = "inductor_triton"
 OPAQUE = "opaque"
 COMPILE_ROUTES: Tuple[str, ...] = (DECOMPOSE, INDUCTOR_TRITON, OPAQUE)
 
-#: The route of each op. A compiled ``x*2 -> rmsnorm -> +1`` block (4096x4096): decompose 23.6 µs,
-#: equal to the block in plain torch compiled (one fused kernel); inductor_triton 62 µs (three
-#: kernels); opaque 219 µs (shared/gpu/README.md). So an op decomposes where Inductor's kernel for
-#: the reference is about as fast as ours, and keeps our kernel where ours is far faster.
+#: The route of each op where no pointwise op computes its data input (alone, after a matmul, on the
+#: graph's inputs; DECOMPOSE_AFTER_POINTWISE covers the other case). A compiled ``x*2 -> rmsnorm -> +1``
+#: block (4096x4096): decompose 23.6 µs, equal to the block in plain torch compiled (one fused kernel);
+#: inductor_triton 62 µs (three kernels); opaque 219 µs (shared/gpu/README.md): the neighbours decide.
 COMPILE_ROUTE: Dict[str, str] = {
-    # torch.compile(reference) 4230 GB/s against ours 4091 at 16384x8192 (2006 vs 3992 at 8192x7168,
-    # where fusing a neighbour still saves more than one pass of 2 costs)
-    "rmsnorm": DECOMPOSE,
-    "gemma_rmsnorm": DECOMPOSE,
-    # compile 3330 / 1849 GB/s against ours 4026 / 4067 (16384x8192 / 8192x7168); decomposed, it
-    # is the same kernel as the block in plain torch compiled, with the residual add fused in
-    "fused_add_rmsnorm": DECOMPOSE,
-    "gemma_fused_add_rmsnorm": DECOMPOSE,
-    # compile 4367 / 3723 / 4218 GB/s against ours 4363 / 3593 / 4369 (8192x2*14336): equal
-    "silu_and_mul": DECOMPOSE,
-    "gelu_and_mul": DECOMPOSE,
-    "gelu_tanh_and_mul": DECOMPOSE,
+    # Alone (or after a matmul, as in a model) our kernel beats Inductor's for the reference; after a
+    # pointwise op they decompose (DECOMPOSE_AFTER_POINTWISE), so that Inductor fuses the neighbours.
+    # bench_compile.py, H200, 4096 tokens, bf16, alone opaque against decomposed: rmsnorm 4096x4096
+    # 17.8 against 20.7 µs (2026-11-30); fused_add_rmsnorm 35.8 against 42.9, gelu_and_mul 90.1
+    # against 97.5, gelu_tanh_and_mul 82.1 against 86.3, silu_and_mul 82.0 against 82.2 (2026-11-29)
+    "rmsnorm": OPAQUE,
+    "gemma_rmsnorm": OPAQUE,
+    "fused_add_rmsnorm": OPAQUE,
+    "gemma_fused_add_rmsnorm": OPAQUE,
+    "silu_and_mul": OPAQUE,
+    "gelu_and_mul": OPAQUE,
+    "gelu_tanh_and_mul": OPAQUE,
     # compile 1213 GB/s against ours 3912 (neox, 8192 tokens, 32+8 heads x 128; GPT-J 878 vs 3878).
     # In place on views of the QKV projection's output: the opaque call (auto_functionalize) rotates
     # them in that buffer, no copy (tests/test_compile.py checks Inductor's output); after a pointwise
@@ -170,8 +170,9 @@ COMPILE_ROUTE: Dict[str, str] = {
     # per-call choice under torch.compile.
     "topk_softmax": OPAQUE,
     "grouped_topk": OPAQUE,
-    # compile 4045 GB/s, 0.95 of copy (8192x32x128, shared/gpu/README.md): as good as a kernel gets
-    "merge_attn_states": DECOMPOSE,
+    # alone opaque 25.7 against 28.1 µs decomposed (4096x32x128, bench_compile.py, H200, 2026-11-29);
+    # after a pointwise op it decomposes (DECOMPOSE_AFTER_POINTWISE)
+    "merge_attn_states": OPAQUE,
     # no decomposition worth it (sort-based; Inductor failed on the reference's int64 cumsum)
     "top_k_renorm_probs": OPAQUE,
     "top_p_renorm_probs": OPAQUE,
@@ -180,13 +181,16 @@ COMPILE_ROUTE: Dict[str, str] = {
 
 #: Ops that decompose instead of taking their own route when the graph computes their data input with a
 #: pointwise op (followed through views): Inductor then fuses that producer, and the neighbours after it,
-#: into the op's formula. bench_compile.py, H200, 2026-11-30, 4096 tokens, bf16, x*2 -> op -> +1 against
-#: the op alone (the QKV projection's matmul before rope in a model is not pointwise):
-#: rotary_embedding (32+8+8 heads x 128, q and k views of the product): decomposed 80.1 µs, plain torch
-#: compiled 80.2, opaque 116.0; alone opaque 19.5 against 127.1 decomposed (2026-11-29).
-#: per_token_group_quant_fp8 (4096x4096, g128): decomposed 25.8, plain 25.9, opaque 31.6; alone opaque
-#: 12.5 against 24.7 decomposed.
-DECOMPOSE_AFTER_POINTWISE = frozenset({"rotary_embedding", "per_token_group_quant_fp8"})
+#: into the op's formula. bench_compile.py, H200, 4096 tokens, bf16, x*2 -> op -> +1, device µs,
+#: decomposed / plain torch compiled / opaque (2026-11-30 unless said):
+#: rmsnorm 4096x4096 20.4 / 20.2 / 50.1; fused_add_rmsnorm 42.5 / 42.3 / 87.7, silu_and_mul 81.8 / 81.8 /
+#: 251.0, gelu_and_mul 99.6 / 99.4 / 257.5, gelu_tanh_and_mul 89.4 / 89.2 / 251.5, merge_attn_states 27.9 /
+#: 28.0 / 62.0 (2026-11-29); rotary_embedding (32+8+8 heads x 128, q and k views of the product) 79.7 /
+#: 79.6 / 125.4; per_token_group_quant_fp8 (g128) 25.7 / 25.7 / 31.3. Alone the opaque call wins (the
+#: figures at COMPILE_ROUTE), and in a model these ops follow a matmul or take the graph's input.
+DECOMPOSE_AFTER_POINTWISE = frozenset({
+    "rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "silu_and_mul", "gelu_and_mul",
+    "gelu_tanh_and_mul", "rotary_embedding", "per_token_group_quant_fp8", "merge_attn_states"})
 
 #: Routes an op cannot take, and why: a route forced for all ops falls back to the op's own route
 #: for these (saying so), forcing one for this op alone raises.
