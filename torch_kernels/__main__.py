@@ -157,7 +157,7 @@ def check() -> int:
           f"{' (with args)' if sel.trace_args else ''}"
           f" compile_route={','.join(f'{op}={r}' for op, r in sel.compile_route) or 'measured'}")
     print("every device other than CUDA is served by the torch reference; compiled routes are those of CUDA"
-          " (elsewhere every op decomposes, docs/compile.md)\n")
+          " (elsewhere inductor_triton decomposes and the in-place norms stay opaque: docs/compile.md)\n")
     print(_table(_inventory(platform)))
     if sel.auto:
         print(_auto_choices(platform))
