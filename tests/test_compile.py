@@ -346,13 +346,14 @@ for op in registry.OPS:
 """
 
 
-def test_inductor_triton_leaves_written_views_to_the_opaque_call():
+def test_inductor_triton_leaves_written_views_to_the_opaque_call(capsys):
     from torch_kernels import library
     opdef = ops.BY_NAME["rotary_embedding"]
     q, k, _ = torch.randn(6, 256).split([128, 64, 64], dim=-1)
     positions, cache = torch.randint(0, 16, (6,)), torch.randn(16, 32)
     assert library._written(opdef) == (1, 2)
     assert library._traced_triton(opdef, (positions, q, k, 32, cache, True)) is None
+    assert "not 'inductor_triton', where it writes a non-contiguous view" in capsys.readouterr().err
     assert library._traced_triton(opdef, (positions, q.contiguous(), k.contiguous(), 32, cache, True)) is not None
 
 

@@ -94,6 +94,8 @@ def _traced_triton(op: OpDef, args: tuple):
     re-laid-out copy of such a view while the body read its strides when traced (rope on q and k as
     views of one QKV buffer: an illegal address at 4096 tokens, bench_compile.py, H200, torch 2.11)."""
     if any(args[i] is not None and not args[i].is_contiguous() for i in _written(op)):
+        dispatch.note_compile_route(f"op {op.name!r} compiled as 'opaque', not 'inductor_triton', where it writes a "
+                                    "non-contiguous view (Inductor may hand the kernel a copy laid out anew)")
         return None
     spec = registry.BY_OP[op.name][Backend.TRITON]
     if spec.dtypes and str(args[op.data_arg].dtype).replace("torch.", "") not in spec.dtypes:
