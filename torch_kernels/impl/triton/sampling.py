@@ -80,8 +80,8 @@ threshold's bracket in parallel, exactly:
    none. Predicted ~3/8/14 µs.
 
 The filter kernel then ends the search in registers (``_top_p_in_registers`` over the bracket's
-``2^sh`` patterns: 6 steps of 4 pivots for a 2-octave window, 17 bisection steps before: measured 9.8
-to 10.1 µs, predicted ~5 µs), or, when the bracket
+``2^sh`` patterns: 14 bisection steps for a 2-octave window; 4 pivots a step measured slower, see
+``_kth_in_registers``), or, when the bracket
 is larger (ties, flat rows, a threshold among many tiny values), goes on with the exact full-pass
 search inside the bracket. Sampling then scans the row in index order up to the token, as on the
 full-pass route.
