@@ -137,7 +137,6 @@ def bench_ops(t: int, names) -> list:
             want = block(op, *_fresh(args), alone=alone)
             row = {"op": name, "kind": kind, "tokens": t, "default route": registry.COMPILE_ROUTE[name],
                    "opaque serves": dispatch.plan(name)[0][0].backend.value}
-            _select()
             eager_args = _fresh(args)
             row["eager"] = harness.graph_us(lambda: block(op, *eager_args, alone=alone))
             # "measured": no route forced, so the op's own choice (DECOMPOSE_AFTER_POINTWISE included).

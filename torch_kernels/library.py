@@ -30,6 +30,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from . import dispatch, registry
 from .ops import ALL, NAMESPACE, OpDef
 from .spec import Backend
+from .testing import mutated_args
 
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 
@@ -82,8 +83,7 @@ def _forward(ctx, op: OpDef, overload, keyset, args):
 @functools.lru_cache(maxsize=None)
 def _written(op: OpDef) -> tuple:
     """Indices of the arguments ``op`` writes (``Tensor(a!)`` in its schema)."""
-    schema = getattr(getattr(torch.ops, NAMESPACE), op.name).default._schema
-    return tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+    return mutated_args(getattr(getattr(torch.ops, NAMESPACE), op.name).default)
 
 
 def _traced_triton(op: OpDef, args: tuple):

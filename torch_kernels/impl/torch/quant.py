@@ -65,4 +65,4 @@ def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10
     q = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
     if column_major_scales:
         q, scale = q.movedim(0, -2), scale.movedim(0, -1)
-    return q.flatten(-2).to(FP8).contiguous(), scale
+    return q.flatten(-2).to(FP8), scale
