@@ -3,6 +3,8 @@
 * ``check`` (the default): the platform, the selection, one row per op (the backends that implement
   it, which are usable here and why the others are not, which one the CUDA key selects), then every
   usable backend against the reference on fresh random inputs. Exits 1 on a mismatch.
+* ``build``: compile the C++ entry of the norm family (``fast_path.py``) for this torch and TVM-FFI;
+  later imports load it.
 * ``docs``: regenerate ``docs/ops.md`` from the registered schemas and the wrappers' docstrings
   (``--check``: exit 1 if the file is out of date instead).
 * ``bench``: every op x every usable backend x the peers over the shape set (``benchmarks/suite.py`` of
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 import torch_kernels
-from torch_kernels import dispatch, ops, registry
+from torch_kernels import dispatch, fast_path, ops, registry
 from torch_kernels.spec import FRAMEWORK_PACKAGE, Backend, Capability, Platform
 from torch_kernels.testing import TOP_P_SLACK, as_dispatched, assert_ids_kept, compare_outputs, mutated_args, outputs_of
 
@@ -159,6 +161,7 @@ def check() -> int:
     print("every device other than CUDA is served by the torch reference; compiled routes are those of CUDA"
           " (elsewhere inductor_triton decomposes and the in-place norms stay opaque: docs/compile.md)\n")
     print(_table(_inventory(platform)))
+    print(f"\nC++ entry of {', '.join(fast_path.OPS)} (eager CUDA calls TileLang serves): {fast_path.status()}")
     if sel.auto:
         print(_auto_choices(platform))
     failures = _self_check(platform)
@@ -212,6 +215,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("check", help="platform, inventory, selection and a self-check (default)")
+    b = sub.add_parser("build", help="compile the C++ entry of the norm family for this torch and TVM-FFI")
+    b.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     d = sub.add_parser("docs", help="regenerate docs/ops.md")
     d.add_argument("--check", action="store_true", help="exit 1 if docs/ops.md is out of date")
     sub.add_parser("bench", add_help=False, help="benchmark every op and backend against the peers (bench --help)")
@@ -222,6 +227,9 @@ def main(argv=None) -> int:
         return benchmark_script("suite" if args.command == "bench" else "tune", rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "build":
+        print(f"C++ entry: {fast_path.build(args.verbose)} (loaded by the next import of torch_kernels)")
+        return 0
     if args.command == "docs":
         return docs(args.check)
     return check()

@@ -394,6 +394,15 @@ class OpSlot:
                     self.call = _chain_call(self.op, self.impls)
         return self.call(*args)
 
+    def sole_server(self, args: tuple) -> Optional[KernelSpec]:
+        """The implementation that serves every call of this data dtype, as far as its first call has
+        shown (no per-call check beyond the dtype, not ``auto``), or ``None``: what ``fast_path.offer``
+        may publish."""
+        first = self.impls[0] if self.impls and not _selection.auto else None
+        if first is None or first.fn is None or first.run != first.fn or first.check is not None:
+            return None
+        return first.spec if first.dtypes is None or args[self.data_arg].dtype in first.dtypes else None
+
     def _auto(self) -> Optional[Callable[..., Any]]:
         """Under ``auto``: each call to the chain of its bucket's measured winner (the winner first, then
         the platform default's order), or ``None`` when the table has nothing for this op."""
@@ -473,9 +482,12 @@ def slot(op: str, data_arg: int = 0) -> OpSlot:
 
 def _reset() -> None:
     global _tuned
+    from . import fast_path
+
     _tuned = None
     for s in _slots.values():
         s.reset()
+    fast_path.clear()  # what the C++ entry serves was published under the previous selection
 
 
 def _describe(a: Any) -> str:

@@ -13,6 +13,9 @@ Per op:
   reference formula (``decompose``), our Triton kernel through ``torch.library.wrap_triton``
   (``inductor_triton``, what ``torch.library.triton_op`` does inside), or the op itself
   (``opaque``). Eager calls never meet the mode.
+With the C++ entry built (``fast_path.py``), the norm family's ``CUDA`` and ``Autograd`` kernels are
+C++ ones; the Python kernels above move to a twin op ``deepinfer_py::<op>`` of the same schema, which
+the C++ kernels call for every call they do not serve themselves.
 Every entry validates its arguments with the op definition's ``validate`` before any kernel runs;
 under ``torch.compile`` Dynamo has run the fake function, which validates, before the rule runs.
 
@@ -27,12 +30,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from . import dispatch, registry
+from . import dispatch, fast_path, registry
 from .ops import ALL, NAMESPACE, OpDef
 from .spec import Backend
 from .testing import mutated_args
 
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+#: the twins of the ops whose CUDA and Autograd kernels the C++ entry registers, when it is loaded
+TWINS = torch.library.Library(fast_path.TWIN_NAMESPACE, "DEF") if fast_path.load() else None
 
 
 def _checked(validate, fn):
@@ -46,6 +51,18 @@ def _cuda_entry(validate, slot: dispatch.OpSlot):
     def cuda_entry(*args):
         validate(*args)
         return slot.call(*args)  # looked up per call: the slot swaps it when it resolves
+    return cuda_entry
+
+
+def _offering_cuda_entry(op: OpDef, slot: dispatch.OpSlot):
+    """The twin's CUDA kernel: the Python one, then the offer of this call's signature to the C++ entry."""
+    validate = op.validate
+
+    def cuda_entry(*args):
+        validate(*args)
+        out = slot.call(*args)
+        fast_path.offer(op.name, slot.sole_server(args), args)
+        return out
     return cuda_entry
 
 
@@ -149,9 +166,15 @@ def _register(op: OpDef) -> None:
     LIBRARY.define(op.schema)
     reference = registry.BY_OP[op.name][Backend.TORCH].load()
     LIBRARY.impl(op.name, _checked(op.validate, reference), "CompositeExplicitAutograd")
-    LIBRARY.impl(op.name, _cuda_entry(op.validate, dispatch.slot(op.name, op.data_arg)), "CUDA")
+    slot = dispatch.slot(op.name, op.data_arg)
+    if TWINS is not None and op.name in fast_path.OPS:  # the C++ kernels sit on the op, these on its twin
+        TWINS.define(op.schema)
+        TWINS.impl(op.name, _offering_cuda_entry(op, slot), "CUDA")
+        TWINS.impl(op.name, _autograd_entry(op), "Autograd", with_keyset=True)
+    else:
+        LIBRARY.impl(op.name, _cuda_entry(op.validate, slot), "CUDA")
+        LIBRARY.impl(op.name, _autograd_entry(op), "Autograd", with_keyset=True)
     torch.library.register_fake(op.qualname, op.fake, lib=LIBRARY)
-    LIBRARY.impl(op.name, _autograd_entry(op), "Autograd", with_keyset=True)
     torch.library.register_torch_dispatch(op.qualname, FunctionalTensorMode, _compile_rule(op, reference), lib=LIBRARY)
 
 

@@ -365,6 +365,16 @@ def _function(n: int, dtype: torch.dtype, weight_dtype: torch.dtype, fused: bool
     return found
 
 
+def host_functions(input: Tensor, weight: Tensor, fused: bool, gemma: bool):
+    """The compiled host functions the launchers call for rows like ``input``'s: the one-pass one, the
+    streamed one, and the token count from which they take the streamed one. The C++ entry
+    (``fast_path.py``) calls these for the plain calls (contiguous, aligned) it serves."""
+    n = input.shape[-1]
+    one_pass = _function(n, input.dtype, weight.dtype, fused, gemma, 0)[0]
+    streamed = _function(n, input.dtype, weight.dtype, fused, gemma, _STREAMED_MIN_TOKENS)[0]
+    return one_pass, streamed, _STREAMED_MIN_TOKENS
+
+
 def _aligned_copy(t: Tensor) -> Tensor:
     """A fresh contiguous (so 16-byte aligned, row stride ``N``) copy of ``t``."""
     return t.clone(memory_format=torch.contiguous_format)

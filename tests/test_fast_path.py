@@ -1,0 +1,276 @@
+"""The C++ entry of the norm family (``torch_kernels/fast_path.py``, ``csrc/fast_path.cpp``).
+
+CPU: the library builds and loads, its kernels sit on the four ops with the Python ones on the twins,
+gradients and errors go through it unchanged, and without it the Python kernels sit on the ops. GPU:
+the calls it serves match the reference (one-pass and streamed kernels, in place for the fused ops,
+on another stream, in a CUDA graph), the calls it does not serve reach the Python kernels, bad input
+still raises naming the op and the argument, and a new selection is asked again."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torch_kernels import dispatch, fast_path, registry
+from torch_kernels.spec import Backend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NORM = ["rmsnorm", "gemma_rmsnorm"]
+FUSED = ["fused_add_rmsnorm", "gemma_fused_add_rmsnorm"]
+
+
+def _python(code, **env):
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+_REGISTRATIONS = """
+import torch, torch_kernels
+from torch_kernels import fast_path
+print(fast_path.status().split()[0])
+for op in fast_path.OPS:
+    for ns in ("deepinfer", fast_path.TWIN_NAMESPACE):
+        try:
+            dump = torch._C._dispatch_dump(f"{ns}::{op}")
+        except RuntimeError:  # no such op
+            dump = ""
+        for key in ("CUDA", "Autograd[alias]"):
+            line = [l for l in dump.splitlines() if l.startswith(key + ":")]
+            print(ns, op, key, line[0].split(" registered at ")[1].split(":")[0].rsplit("/", 1)[-1] if line else "-")
+"""
+
+
+def test_built_library_carries_the_cuda_and_autograd_kernels_of_the_norm_ops():
+    fast_path.build()  # nothing to do when built (the README's test command builds it first)
+    lines = _python(_REGISTRATIONS).splitlines()
+    assert lines[0] == "loaded"
+    for op in fast_path.OPS:
+        for key in ("CUDA", "Autograd[alias]"):
+            assert f"deepinfer {op} {key} fast_path.cpp" in lines
+            assert f"deepinfer_py {op} {key} library.py" in lines
+    assert "deepinfer silu_and_mul" not in "\n".join(lines)
+
+
+def test_switched_off_the_python_kernels_sit_on_the_ops():
+    lines = _python(_REGISTRATIONS, DEEPINFER_OPS_FAST_PATH="0").splitlines()
+    assert lines[0] == "off"
+    for op in fast_path.OPS:
+        for key in ("CUDA", "Autograd[alias]"):
+            assert f"deepinfer {op} {key} library.py" in lines
+            assert f"deepinfer_py {op} {key} -" in lines
+
+
+def test_gradients_and_errors_through_the_cpp_autograd_kernel():
+    """Run in a fresh process that has the library loaded (this one may have imported without it)."""
+    fast_path.build()
+    _python("""
+import torch, torch_kernels
+from torch_kernels import fast_path, registry
+from torch_kernels.spec import Backend
+assert fast_path.loaded(), fast_path.status()
+x = torch.randn(3, 5, 64, dtype=torch.float64, requires_grad=True)
+w = torch.randn(64, dtype=torch.float64, requires_grad=True)
+for op in ("rmsnorm", "gemma_rmsnorm"):
+    f = getattr(torch.ops.deepinfer, op)
+    assert torch.autograd.gradcheck(lambda a, b: f(a, b, 1e-5), (x, w))
+    with torch.no_grad():
+        y = f(x, w)
+    assert not y.requires_grad
+    assert torch.equal(y, registry.BY_OP[op][Backend.TORCH].load()(x.detach(), w.detach(), 1e-6))
+r = torch.randn(3, 5, 64, dtype=torch.float64)
+try:
+    torch.ops.deepinfer.fused_add_rmsnorm(x, r, w)
+except RuntimeError as e:
+    assert "fused_add_rmsnorm does not support autograd" in str(e), e
+else:
+    raise AssertionError("no error")
+try:
+    torch.ops.deepinfer.rmsnorm(x, w[:63])
+except ValueError as e:
+    assert "deepinfer::rmsnorm: argument 'weight'" in str(e), e
+else:
+    raise AssertionError("no error")
+""")
+
+
+def test_publish_refuses_what_the_entry_cannot_serve():
+    fast_path.build()
+    _python("""
+import torch, torch_kernels
+for args, words in ((("silu_and_mul", torch.bfloat16, torch.bfloat16, 64, 0, 4096, 1, 1), "argument 'op'"),
+                    (("rmsnorm", torch.float64, torch.bfloat16, 64, 0, 4096, 1, 1), "float16, bfloat16 or float32")):
+    try:
+        torch.ops.deepinfer_fast_path.publish(*args)
+    except RuntimeError as e:
+        assert words in str(e), e
+    else:
+        raise AssertionError("no error")
+assert torch.ops.deepinfer_fast_path.counters() == [0, 0, 0]
+""")
+
+
+# ----------------------------------------------------------------------------------------------
+# On the GPU: this process must have loaded the library (the README's and the GPU host's test
+# commands build it before pytest starts).
+
+def _reference(op):
+    return registry.BY_OP[op][Backend.TORCH].load()
+
+
+@pytest.fixture
+def tilelang_entry():
+    assert fast_path.loaded(), f"the C++ entry is {fast_path.status()}: run python -m torch_kernels build first"
+    previous = dispatch.configure(backend="tilelang", strict=True)
+    yield
+    dispatch.configure(previous)
+
+
+def _call(op, x, w, r=None):
+    f = getattr(torch.ops.deepinfer, op)
+    return f(x, r, w, 1e-5) if r is not None else f(x, w, 1e-5)
+
+
+def _expect(op, x, w, r=None):
+    """The reference's result, on copies: (output,) or (input after, residual after)."""
+    if r is None:
+        return (_reference(op)(x, w, 1e-5),)
+    xe, re = x.clone(), r.clone()
+    _reference(op)(xe, re, w, 1e-5)
+    return xe, re
+
+
+def _run_and_compare(op, x, w, r=None):
+    expected = _expect(op, x, w, r)
+    out = _call(op, x, w, r)
+    got = (out,) if r is None else (x, r)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+
+
+def _inputs(op, shape, dtype, weight_dtype=None):
+    x = torch.randn(shape, dtype=dtype, device="cuda")
+    w = torch.randn(shape[-1], dtype=weight_dtype or dtype, device="cuda")
+    return x, w, (torch.randn_like(x) if op in FUSED else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", NORM + FUSED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_served_calls_match_the_reference(op, dtype, tilelang_entry):
+    """The first call of a signature goes to Python and publishes it; the next ones are served in C++,
+    one-pass below 4096 tokens and streamed from there, with a weight in another dtype too."""
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32  # a weight dtype: a new signature
+    for shape, weight_dtype in (((1, 4096), None), ((7, 1000), None), ((2, 3, 5120), None), ((4100, 2048), None),
+                                ((5, 4096), other)):
+        before = fast_path.counters()
+        _run_and_compare(op, *_inputs(op, shape, dtype, weight_dtype))
+        published = fast_path.counters()
+        assert published["passed_on"] == before["passed_on"] + 1 and published["signatures"] == before["signatures"] + 1
+        for tokens in (1, 3, 4096, 4099):  # both kernels, from the C++ entry
+            _run_and_compare(op, *_inputs(op, (tokens, shape[-1]), dtype, weight_dtype))
+        after = fast_path.counters()
+        assert after["served"] == published["served"] + 4 and after["passed_on"] == published["passed_on"], after
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", NORM + FUSED)
+def test_calls_it_does_not_serve_reach_the_python_kernels(op, tilelang_entry):
+    dtype = torch.bfloat16
+    _run_and_compare(op, *_inputs(op, (4, 768), dtype))  # publishes
+    x, w, r = _inputs(op, (4, 800), dtype)
+    cases = [(x[:, :768], w[:768], None if r is None else r[:, :768]),      # strided rows
+             (x.flatten()[1:1 + 4 * 768].view(4, 768), w[:768], None if r is None else r[:, 8:776]),  # misaligned
+             (x[:0, :768], w[:768], None if r is None else r[:0, :768])]    # no tokens
+    for args in cases:
+        before = fast_path.counters()
+        _run_and_compare(op, *args)
+        assert fast_path.counters()["passed_on"] == before["passed_on"] + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", NORM + FUSED)
+def test_bad_input_still_names_the_op_and_the_argument(op, tilelang_entry):
+    x, w, r = _inputs(op, (4, 256), torch.bfloat16)
+    _call(op, x, w, r)  # publishes the signature
+    bad = [(dict(w=w[:255]), "weight", ValueError), (dict(w=w.cpu()), "weight", ValueError),
+           (dict(eps=-1.0), "eps", ValueError)]
+    if r is not None:
+        bad += [(dict(r=r[:3]), "residual", ValueError), (dict(r=r.half()), "residual", TypeError), (dict(r=x), "residual", ValueError)]
+    for change, arg, exc in bad:
+        args = {**dict(x=x, w=w, r=r, eps=1e-5), **change}
+        f = getattr(torch.ops.deepinfer, op)
+        with pytest.raises(exc, match=f"deepinfer::{op}: argument '{arg}'"):
+            if r is None:
+                f(args["x"], args["w"], args["eps"])
+            else:
+                f(args["x"], args["r"], args["w"], args["eps"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", NORM + FUSED)
+def test_served_on_the_current_stream_and_in_a_cuda_graph(op, tilelang_entry):
+    x, w, r = _inputs(op, (64, 4096), torch.bfloat16)
+    _call(op, x, w, r)  # publishes
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x, w, r = _inputs(op, (64, 4096), torch.bfloat16)
+        expected = _expect(op, x, w, r)
+        torch.cuda._sleep(10_000_000)  # delays the copies: a kernel on another stream would read them unwritten
+        x2 = x.clone()
+        r2 = None if r is None else r.clone()
+        out = _call(op, x2, w, r2)
+    torch.cuda.current_stream().wait_stream(side)
+    for g, e in zip((out,) if r is None else (x2, r2), expected):
+        torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+
+    xs, ws, rs = _inputs(op, (64, 4096), torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    served = fast_path.counters()["served"]
+    with torch.cuda.graph(graph):
+        out = _call(op, xs, ws, rs)
+    assert fast_path.counters()["served"] == served + 1
+    for _ in range(2):  # fresh data each replay
+        xs.copy_(torch.randn_like(xs))
+        if rs is not None:
+            rs.copy_(torch.randn_like(rs))
+        expected = _expect(op, xs, ws, rs)
+        graph.replay()
+        torch.cuda.synchronize()
+        for g, e in zip((out,) if rs is None else (xs, rs), expected):
+            torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_a_new_selection_is_asked_again(tilelang_entry, tmp_path):
+    x, w, _ = _inputs("rmsnorm", (8, 1024), torch.bfloat16)
+    _call("rmsnorm", x, w)
+    _call("rmsnorm", x, w)
+    assert fast_path.counters()["signatures"] >= 1
+    trace = tmp_path / "trace.txt"
+    dispatch.configure(backend="triton", strict=True, trace_path=str(trace))
+    assert fast_path.counters()["signatures"] == 0
+    before = fast_path.counters()
+    for _ in range(3):
+        _run_and_compare("rmsnorm", x, w)
+    after = fast_path.counters()
+    assert after["passed_on"] == before["passed_on"] + 3 and after["served"] == before["served"]
+    assert trace.read_text().splitlines() == ["rmsnorm|triton"]
+
+
+@pytest.mark.gpu
+def test_gradients_on_cuda_take_the_backward_formula(tilelang_entry):
+    x = torch.randn(6, 512, device="cuda", requires_grad=True)
+    w = torch.randn(512, device="cuda", requires_grad=True)
+    _call("rmsnorm", x.detach(), w.detach())  # publishes: the forward below is served in C++
+    served = fast_path.counters()["served"]
+    torch.ops.deepinfer.rmsnorm(x, w, 1e-5).square().sum().backward()
+    assert fast_path.counters()["served"] == served + 1
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    _reference("rmsnorm")(xr, wr, 1e-5).square().sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(w.grad, wr.grad, atol=1e-4, rtol=1e-4)
