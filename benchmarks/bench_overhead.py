@@ -1,5 +1,6 @@
 """Where the host time of one eager ``torch.ops.deepinfer.rmsnorm`` call goes (1x4096 bf16 on CUDA,
-TileLang selected), beside ``F.rms_norm`` in the same interleaved rounds: allocation, the launchers,
+TileLang selected), beside ``F.rms_norm`` in the same interleaved rounds (and silu_and_mul beside
+FlashInfer's): allocation, the launchers,
 the op through the C++ entry (``torch_kernels/fast_path.py``) and through the Python kernels (its
 twin ``deepinfer_py::rmsnorm``), with gradients enabled, under ``no_grad`` and in inference mode.
 
@@ -40,6 +41,14 @@ def cases(x, w) -> dict:
         "torch.ops.deepinfer.rmsnorm": lambda: op(x, w, EPS),
         "torch_kernels.rmsnorm (wrapper)": lambda: torch_kernels.rmsnorm(x, w, EPS),
     }
+    gate_up = torch.randn(1, 2 * HIDDEN, device="cuda", dtype=torch.bfloat16)
+    out["torch.ops.deepinfer.silu_and_mul (1x2*4096)"] = lambda: torch.ops.deepinfer.silu_and_mul.default(gate_up)
+    try:
+        import flashinfer
+
+        out["flashinfer.activation.silu_and_mul (1x2*4096)"] = lambda: flashinfer.activation.silu_and_mul(gate_up)
+    except ImportError:
+        pass
     if fast_path.loaded():
         # the Python kernels the C++ entry passes unserved calls to (under grad mode its Python
         # Autograd kernel goes down to the public op's CUDA kernel, which is the C++ entry)

@@ -11,7 +11,7 @@ out=${1:?output folder}; limit=${2:-540}; n=${3:-14}; shift $(( $# < 3 ? $# : 3 
 logs=$(mktemp -d)
 . .gpu-pkgs/setup.sh
 export PYTHONPATH=$PYTHONPATH:$(pwd)/.gpu-pkgs/extra
-python -m torch_kernels build 2>&1 | tail -2  # the C++ entry of the norm family (fast_path.py); instant once built
+python -m torch_kernels build 2>&1 | tail -2  # the C++ entry of the norm and activation ops (fast_path.py); instant once built
 for ((i = 0; i < n; i++)); do
   ( DEEPINFER_TEST_SHARD=$i/$n${SHARD_BY:+/$SHARD_BY} timeout "$limit" python -m pytest -m gpu -q -p no:cacheprovider --durations=3 "${@:-tests/}" \
       > "$logs/p$i.txt" 2>&1; echo "rc=$?" >> "$logs/p$i.txt" ) &

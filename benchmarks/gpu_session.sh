@@ -14,7 +14,7 @@ set -uo pipefail
 what=${1:?tests|suite|bench}; out=${2:?output folder}; budget=${BUDGET:-100000}
 . .gpu-pkgs/setup.sh
 export PYTHONPATH=$PYTHONPATH:$(pwd)/.gpu-pkgs/extra
-python -m torch_kernels build 2>&1 | tail -2  # the C++ entry of the norm family (fast_path.py); instant once built
+python -m torch_kernels build 2>&1 | tail -2  # the C++ entry of the norm and activation ops (fast_path.py); instant once built
 left() { echo $((budget - SECONDS)); }
 if [ "$what" = tests ]; then
   SHARD_BY=item bash benchmarks/gpu_parallel_tests.sh "$out" "$(( $(left) > 300 ? $(left) - 120 : $(left) ))" ${SHARDS:-15} ${TESTS:-tests/} \

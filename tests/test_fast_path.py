@@ -1,6 +1,6 @@
-"""The C++ entry of the norm family (``torch_kernels/fast_path.py``, ``csrc/fast_path.cpp``).
+"""The C++ entry of the norm and activation families (``torch_kernels/fast_path.py``, ``csrc/fast_path.cpp``).
 
-CPU: the library builds and loads, its kernels sit on the four ops with the Python ones on the twins,
+CPU: the library builds and loads, its kernels sit on its six ops with the Python ones on the twins,
 gradients and errors go through it unchanged, and without it the Python kernels sit on the ops. GPU:
 the calls it serves match the reference (one-pass and streamed kernels, in place for the fused ops,
 on another stream, in a CUDA graph), the calls it does not serve reach the Python kernels, bad input
@@ -19,6 +19,7 @@ from torch_kernels.spec import Backend
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NORM = ["rmsnorm", "gemma_rmsnorm"]
 FUSED = ["fused_add_rmsnorm", "gemma_fused_add_rmsnorm"]
+ACTIVATIONS = ["silu_and_mul", "gelu_tanh_and_mul"]
 
 
 def _python(code, **env):
@@ -26,6 +27,13 @@ def _python(code, **env):
                          env={**os.environ, **env}, timeout=300)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def _python_fails(code, **env):
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=300)
+    assert out.returncode != 0, out.stdout
+    return out.stderr
 
 
 _REGISTRATIONS = """
@@ -52,7 +60,26 @@ def test_built_library_carries_the_cuda_and_autograd_kernels_of_the_norm_ops():
         for key in ("CUDA", "Autograd[alias]"):
             assert f"deepinfer {op} {key} fast_path.cpp" in lines
             assert f"deepinfer_py {op} {key} library.py" in lines
-    assert "deepinfer silu_and_mul" not in "\n".join(lines)
+    assert sorted(fast_path.OPS) == sorted(NORM + FUSED + ACTIVATIONS)
+
+
+def test_build_failure_says_so_and_leaves_nothing(tmp_path):
+    out = _python_fails("from torch_kernels import fast_path; fast_path.build()",
+                        DEEPINFER_OPS_CACHE_DIR=str(tmp_path), CXX="false")
+    assert "building the C++ entry failed (false exit 1)" in out
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def test_processes_building_at_once_leave_one_sound_library(tmp_path):
+    env = {**os.environ, "DEEPINFER_OPS_CACHE_DIR": str(tmp_path)}
+    code = "from torch_kernels import fast_path; print(fast_path.build())"
+    builds = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    paths = {b.communicate(timeout=300)[0].strip() for b in builds}
+    assert all(b.returncode == 0 for b in builds) and len(paths) == 1
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == ["deepinfer_fast_path.so"]
+    lines = _python(_REGISTRATIONS, DEEPINFER_OPS_CACHE_DIR=str(tmp_path)).splitlines()
+    assert lines[0] == "loaded"
 
 
 def test_switched_off_the_python_kernels_sit_on_the_ops():
@@ -81,6 +108,15 @@ for op in ("rmsnorm", "gemma_rmsnorm"):
         y = f(x, w)
     assert not y.requires_grad
     assert torch.equal(y, registry.BY_OP[op][Backend.TORCH].load()(x.detach(), w.detach(), 1e-6))
+for op in ("silu_and_mul", "gelu_tanh_and_mul"):
+    try:
+        getattr(torch.ops.deepinfer, op)(x)
+    except RuntimeError as e:
+        assert f"{op} does not support autograd" in str(e), e
+    else:
+        raise AssertionError("no error")
+    with torch.no_grad():
+        assert torch.equal(getattr(torch.ops.deepinfer, op)(x), registry.BY_OP[op][Backend.TORCH].load()(x))
 r = torch.randn(3, 5, 64, dtype=torch.float64)
 try:
     torch.ops.deepinfer.fused_add_rmsnorm(x, r, w)
@@ -101,8 +137,10 @@ def test_publish_refuses_what_the_entry_cannot_serve():
     fast_path.build()
     _python("""
 import torch, torch_kernels
-for args, words in ((("silu_and_mul", torch.bfloat16, torch.bfloat16, 64, 0, 4096, 1, 1), "argument 'op'"),
-                    (("rmsnorm", torch.float64, torch.bfloat16, 64, 0, 4096, 1, 1), "float16, bfloat16 or float32")):
+for args, words in ((("rotary_embedding", torch.bfloat16, torch.bfloat16, 64, 0, 4096, 1, 1), "argument 'op'"),
+                    (("rmsnorm", torch.float64, torch.bfloat16, 64, 0, 4096, 1, 1), "float16, bfloat16 or float32"),
+                    (("gelu_and_mul", torch.bfloat16, torch.bfloat16, 64, 0, 0, 1, 1), "argument 'op'"),
+                    (("silu_and_mul", torch.bfloat16, torch.bfloat16, 63, 0, 0, 1, 1), "bad entry for silu_and_mul")):
     try:
         torch.ops.deepinfer_fast_path.publish(*args)
     except RuntimeError as e:
@@ -274,3 +312,75 @@ def test_gradients_on_cuda_take_the_backward_formula(tilelang_entry):
     _reference("rmsnorm")(xr, wr, 1e-5).square().sum().backward()
     torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(w.grad, wr.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_served_activations_match_the_reference(op, dtype, tilelang_entry):
+    f, reference = getattr(torch.ops.deepinfer, op), _reference(op)
+    for width in (2 * 4096, 2 * 1000):
+        before = fast_path.counters()
+        x = torch.randn(3, width, dtype=dtype, device="cuda")
+        torch.testing.assert_close(f(x), reference(x), atol=2e-2, rtol=2e-2)
+        published = fast_path.counters()
+        assert published["signatures"] == before["signatures"] + 1 and published["passed_on"] == before["passed_on"] + 1
+        for shape in ((1, width), (7, width), (2, 3, width), (4100, width)):
+            x = torch.randn(shape, dtype=dtype, device="cuda")
+            torch.testing.assert_close(f(x), reference(x), atol=2e-2, rtol=2e-2)
+        assert fast_path.counters()["served"] == published["served"] + 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ACTIVATIONS)
+def test_activation_calls_it_does_not_serve_and_bad_input(op, tilelang_entry):
+    f, reference = getattr(torch.ops.deepinfer, op), _reference(op)
+    x = torch.randn(4, 2 * 768 + 16, dtype=torch.bfloat16, device="cuda")
+    f(x[:, :1536].contiguous())  # publishes
+    for args in (x[:, :1536], x.flatten()[1:1 + 4 * 1536].view(4, 1536), x[:0, :1536]):  # strided, misaligned, empty
+        before = fast_path.counters()["passed_on"]
+        torch.testing.assert_close(f(args), reference(args), atol=2e-2, rtol=2e-2)
+        assert fast_path.counters()["passed_on"] == before + 1
+    with pytest.raises(ValueError, match=f"deepinfer::{op}: argument 'input'"):
+        f(torch.randn(4, 1535, dtype=torch.bfloat16, device="cuda"))
+
+
+class _HostFunction:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __chandle__(self):
+        return self.handle
+
+
+def test_offer_reads_the_signature_with_trailing_defaults_left_out(monkeypatch):
+    """The twin's Python kernel gets the call's arguments without the trailing ones left at their
+    defaults (eps): the weight is read by position, never from the end (GPU host, 2026-11-30: reading
+    gelu_and_mul's approximate from args[1] raised IndexError on every default call)."""
+    from torch_kernels.impl.tilelang import activation, norm
+
+    published = []
+    monkeypatch.setattr(fast_path, "loaded", lambda: True)
+    monkeypatch.setattr(fast_path, "_published", set())
+    monkeypatch.setattr(fast_path, "_publish", lambda *entry: published.append(entry))
+    monkeypatch.setattr(norm, "host_functions", lambda x, w, fused, gemma: (_HostFunction(1), _HostFunction(2), 4096))
+    monkeypatch.setattr(activation, "host_function", lambda x, act: _HostFunction(3 if act == "silu" else 4))
+    tilelang = registry.BY_OP["rmsnorm"][Backend.TILELANG]
+    x, w32 = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(64)
+    r = torch.randn_like(x)
+    fast_path.offer("rmsnorm", tilelang, (x, w32))                 # eps left at its default
+    fast_path.offer("fused_add_rmsnorm", tilelang, (x, r, w32))
+    fast_path.offer("gemma_rmsnorm", tilelang, (x, w32, 1e-5))
+    fast_path.offer("silu_and_mul", tilelang, (x,))
+    fast_path.offer("gelu_tanh_and_mul", tilelang, (x,))
+    fast_path.offer("rmsnorm", tilelang, (x, w32))                 # published already
+    fast_path.offer("rmsnorm", registry.BY_OP["rmsnorm"][Backend.TRITON], (x, x[0]))  # not TileLang's
+    fast_path.offer("rmsnorm", None, (x, x[0]))                    # no sole server
+    never = 1 << 62
+    assert published == [
+        ("rmsnorm", torch.bfloat16, torch.float32, 64, None, 4096, 1, 2),
+        ("fused_add_rmsnorm", torch.bfloat16, torch.float32, 64, None, 4096, 1, 2),
+        ("gemma_rmsnorm", torch.bfloat16, torch.float32, 64, None, 4096, 1, 2),
+        ("silu_and_mul", torch.bfloat16, torch.bfloat16, 64, None, never, 3, 3),
+        ("gelu_tanh_and_mul", torch.bfloat16, torch.bfloat16, 64, None, never, 4, 4),
+    ]

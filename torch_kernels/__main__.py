@@ -3,7 +3,7 @@
 * ``check`` (the default): the platform, the selection, one row per op (the backends that implement
   it, which are usable here and why the others are not, which one the CUDA key selects), then every
   usable backend against the reference on fresh random inputs. Exits 1 on a mismatch.
-* ``build``: compile the C++ entry of the norm family (``fast_path.py``) for this torch and TVM-FFI;
+* ``build``: compile the C++ entry of the norm and activation ops (``fast_path.py``) for this torch and TVM-FFI;
   later imports load it.
 * ``docs``: regenerate ``docs/ops.md`` from the registered schemas and the wrappers' docstrings
   (``--check``: exit 1 if the file is out of date instead).
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("check", help="platform, inventory, selection and a self-check (default)")
-    b = sub.add_parser("build", help="compile the C++ entry of the norm family for this torch and TVM-FFI")
+    b = sub.add_parser("build", help="compile the C++ entry of the norm and activation ops for this torch and TVM-FFI")
     b.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     d = sub.add_parser("docs", help="regenerate docs/ops.md")
     d.add_argument("--check", action="store_true", help="exit 1 if docs/ops.md is out of date")

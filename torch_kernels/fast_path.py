@@ -1,10 +1,11 @@
-"""The C++ entry of the norm family (``csrc/fast_path.cpp``): eager CUDA calls without Python.
+"""The C++ entry of the norm and activation families (``csrc/fast_path.cpp``): eager CUDA calls
+without Python.
 
 What it is: a small library, built once per machine by ``python -m torch_kernels build`` against the
 installed torch and TVM-FFI (TileLang's runtime), that registers the ``CUDA`` and ``Autograd`` kernels of
-rmsnorm, gemma_rmsnorm, fused_add_rmsnorm and gemma_fused_add_rmsnorm in C++. It decides nothing:
+the :data:`OPS` in C++. It decides nothing:
 
-* the first call of each signature (op, dtypes, hidden size, device) goes on to the op's Python
+* the first call of each signature (op, dtypes, width, device) goes on to the op's Python
   kernels, registered on a twin op ``deepinfer_py::<op>``, which validate, select and launch exactly as
   without it; when that call was served by TileLang, which takes every call of its dtypes, the
   selection *publishes* the signature with TileLang's compiled host functions (:func:`offer`);
@@ -35,13 +36,17 @@ import torch
 
 ENV = "DEEPINFER_OPS_FAST_PATH"
 #: the ops whose CUDA and Autograd kernels the library registers (csrc/fast_path.cpp: kNames)
-OPS = ("rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm")
+NORM_OPS = ("rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm")
+# not gelu_and_mul yet: its ``approximate`` string would be part of the signature
+ACTIVATION_OPS = ("silu_and_mul", "gelu_tanh_and_mul")
+OPS = NORM_OPS + ACTIVATION_OPS
 #: the namespace of the twin ops that carry the Python kernels while the library is loaded
 TWIN_NAMESPACE = "deepinfer_py"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fast_path.cpp"
 _NAME = "deepinfer_fast_path"
 _TVM_FFI = "apache-tvm-ffi"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_NEVER = 1 << 62  # an activation has one kernel: its "streamed" one is never taken
 
 _state = {"status": "not loaded"}
 _published: set = set()
@@ -127,19 +132,30 @@ def build(verbose: bool = False) -> Path:
 def offer(op: str, spec: Any, args: tuple) -> None:
     """After the Python kernels served ``op(*args)`` with ``spec``, the implementation that takes every
     call of this dtype (``dispatch.OpSlot.sole_server``): publish the call's signature when that is
-    TileLang's."""
+    TileLang's. ``args`` are as the twin's Python kernel receives them: trailing arguments left at their
+    defaults (``eps``) are not there."""
     if not loaded() or spec is None or spec.backend.value != "tilelang":
         return
-    x, w = args[0], args[-2]
+    x = args[0]
+    w = x if op in ACTIVATION_OPS else args[2] if "fused" in op else args[1]
     key = (op, x.dtype, w.dtype, x.shape[-1], x.device.index)
     if key in _published or x.dtype not in _DTYPES or w.dtype not in _DTYPES:
         return
-    from .impl.tilelang import norm
+    if op in ACTIVATION_OPS:
+        from .impl.tilelang import activation
 
-    one_pass, streamed, streamed_from = norm.host_functions(x, w, fused="fused" in op, gemma=op.startswith("gemma"))
-    torch.ops.deepinfer_fast_path.publish(op, x.dtype, w.dtype, x.shape[-1], x.device.index, streamed_from,
-                                          one_pass.__chandle__(), streamed.__chandle__())
+        one_pass = streamed = activation.host_function(x, "silu" if op == "silu_and_mul" else "gelu_tanh")
+        streamed_from = _NEVER
+    else:
+        from .impl.tilelang import norm
+
+        one_pass, streamed, streamed_from = norm.host_functions(x, w, fused="fused" in op, gemma=op.startswith("gemma"))
+    _publish(op, x.dtype, w.dtype, x.shape[-1], x.device.index, streamed_from, one_pass.__chandle__(), streamed.__chandle__())
     _published.add(key)
+
+
+def _publish(*entry: Any) -> None:
+    torch.ops.deepinfer_fast_path.publish(*entry)
 
 
 def clear() -> None:

@@ -13,7 +13,7 @@ Per op:
   reference formula (``decompose``), our Triton kernel through ``torch.library.wrap_triton``
   (``inductor_triton``, what ``torch.library.triton_op`` does inside), or the op itself
   (``opaque``). Eager calls never meet the mode.
-With the C++ entry built (``fast_path.py``), the norm family's ``CUDA`` and ``Autograd`` kernels are
+With the C++ entry built (``fast_path.py``), the ``CUDA`` and ``Autograd`` kernels of ``fast_path.OPS`` are
 C++ ones; the Python kernels above move to a twin op ``deepinfer_py::<op>`` of the same schema, which
 the C++ kernels call for every call they do not serve themselves.
 Every entry validates its arguments with the op definition's ``validate`` before any kernel runs;

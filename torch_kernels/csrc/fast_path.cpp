@@ -1,15 +1,17 @@
-// The C++ entry of the norm family on the CUDA dispatch key: an eager call whose signature (op, dtypes,
-// hidden size, device) the Python selection has already served with TileLang calls that compiled host
-// function itself through TVM-FFI's C ABI, with no Python on the way; every other call goes on to the
-// Python kernels, which select, validate and launch as before (``torch_kernels/fast_path.py``).
+// The C++ entry of the norm and activation ops on the CUDA dispatch key: an eager call whose signature
+// (op, dtypes, width, device) the Python selection has already served with TileLang calls that compiled
+// host function itself through TVM-FFI's C ABI, with no Python on the way; every other call goes on to
+// the Python kernels, which select, validate and launch as before (``torch_kernels/fast_path.py``).
 //
 // Why: host time of one eager rmsnorm 1x4096 bf16 on the H200 was 14-20 µs through the Python kernels
 // against 9-12 for F.rms_norm; 3-4 of it the dispatcher's call into Python, 6 the Python Autograd
 // kernel, 1.4 validation, 1.9 allocation (docs/benchmarks/README.md, bench_overhead.py).
 //
-// Registered here, for rmsnorm, gemma_rmsnorm, fused_add_rmsnorm and gemma_fused_add_rmsnorm:
+// Registered here, for rmsnorm, gemma_rmsnorm, fused_add_rmsnorm, gemma_fused_add_rmsnorm,
+// silu_and_mul and gelu_tanh_and_mul (not gelu_and_mul yet: its string argument is not handled here):
 //   CUDA:     a published signature -> allocate (out-of-place ops), set TVM-FFI's stream to torch's
-//             current one, call the host function (one-pass or streamed by token count); anything
+//             current one, call the host function (the norms' one-pass or streamed one by token
+//             count); anything
 //             else -> the op's twin ``deepinfer_py::<op>`` on the CUDA key (the Python kernel).
 //   Autograd: no gradient asked -> below autograd, as the Python kernel did; else the twin's Python
 //             Autograd kernel (the op's backward formula).
@@ -22,6 +24,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -40,15 +43,17 @@
 
 namespace {
 
-enum Op : int { kRmsnorm, kGemmaRmsnorm, kFusedAdd, kGemmaFusedAdd, kNumOps };
-constexpr const char* kNames[kNumOps] = {"rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm"};
+enum Op : int { kRmsnorm, kGemmaRmsnorm, kFusedAdd, kGemmaFusedAdd, kSilu, kGeluTanh, kNumOps };
+constexpr const char* kNames[kNumOps] = {"rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm",
+                                         "silu_and_mul", "gelu_tanh_and_mul"};
 
 constexpr bool fused(int op) { return op == kFusedAdd || op == kGemmaFusedAdd; }
+constexpr bool activation(int op) { return op >= kSilu; }
 
 struct Entry {
   int op;
   c10::ScalarType dtype, weight_dtype;
-  int64_t hidden;
+  int64_t hidden;          // the input's last dimension
   c10::DeviceIndex device;
   int64_t streamed_from;  // token count from which `streamed` serves
   void* one_pass;         // TVM-FFI function handles (one reference each, held for the process)
@@ -67,11 +72,11 @@ void swap_table(std::vector<Entry>* next) {
   g_retired.emplace_back(g_table.exchange(next));
 }
 
-const Entry* find(int op, const at::Tensor& x, const at::Tensor& w) {
+const Entry* find(int op, const at::Tensor& x, c10::ScalarType weight_dtype) {
   const auto* table = g_table.load(std::memory_order_acquire);
   const int64_t hidden = x.size(-1);
   for (const Entry& e : *table) {
-    if (e.op == op && e.hidden == hidden && e.dtype == x.scalar_type() && e.weight_dtype == w.scalar_type() &&
+    if (e.op == op && e.hidden == hidden && e.dtype == x.scalar_type() && e.weight_dtype == weight_dtype &&
         e.device == x.device().index()) {
       return &e;
     }
@@ -119,7 +124,7 @@ DLDataType dl_dtype(c10::ScalarType t) {
   }
 }
 
-// A DLTensor over a contiguous tensor viewed as (rows, hidden), or as a vector when rows < 0.
+// A DLTensor over a contiguous tensor viewed as (rows, width), or as a vector when rows < 0.
 struct Rows {
   DLTensor t;
   int64_t shape[2];
@@ -183,8 +188,8 @@ bool plain(const at::Tensor& x, const at::Tensor& w, double eps) {
 }
 
 // The published entry for this plain call on the current device, or nullptr.
-const Entry* served_by(int op, const at::Tensor& x, const at::Tensor& w) {
-  const Entry* e = find(op, x, w);
+const Entry* served_by(int op, const at::Tensor& x, c10::ScalarType weight_dtype) {
+  const Entry* e = find(op, x, weight_dtype);
   const bool here = x.device().index() == c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index();
   return here ? e : nullptr;
 }
@@ -203,7 +208,7 @@ bool serve_norm(int op, torch::jit::Stack* stack) {
   const at::Tensor& x = args[0].toTensor();
   const at::Tensor& w = args[1].toTensor();
   const double eps = args[2].toDouble();
-  const Entry* e = plain(x, w, eps) ? served_by(op, x, w) : nullptr;
+  const Entry* e = plain(x, w, eps) ? served_by(op, x, w.scalar_type()) : nullptr;
   if (e == nullptr) return false;
   const int64_t tokens = x.numel() / e->hidden;
   at::Tensor out = at::empty_like(x);
@@ -222,12 +227,29 @@ bool serve_fused(int op, torch::jit::Stack* stack) {
   const double eps = args[3].toDouble();
   const bool residual_plain = r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() && r.is_contiguous() &&
                               r.device() == x.device() && aligned(r) && !r.is_same(x);
-  const Entry* e = plain(x, w, eps) && residual_plain ? served_by(op, x, w) : nullptr;
+  const Entry* e = plain(x, w, eps) && residual_plain ? served_by(op, x, w.scalar_type()) : nullptr;
   if (e == nullptr) return false;
   const int64_t tokens = x.numel() / e->hidden;
   Rows rx(x, tokens, e->hidden), rr(r, tokens, e->hidden), rw(w, -1, e->hidden);
   launch(op, *e, tokens, rx, rr, rw, eps);  // fused_add_rmsnorm(X, R, W, eps), in place
   torch::jit::drop(*stack, 4);
+  return true;
+}
+
+bool serve_activation(int op, torch::jit::Stack* stack) {
+  const at::Tensor& x = torch::jit::peek(*stack, 0, 1).toTensor();
+  const bool plain = x.dim() >= 1 && x.is_contiguous() && x.numel() > 0 && aligned(x);
+  const Entry* e = plain ? served_by(op, x, x.scalar_type()) : nullptr;
+  if (e == nullptr) return false;  // (a published width is even: validation accepted it)
+  const int64_t width = e->hidden, tokens = x.numel() / width;
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = width / 2;
+  at::Tensor out = at::empty(sizes, x.options());
+  Rows rx(x, tokens, width), ro(out, tokens, width / 2);
+  TVMFFIAny call_args[2] = {tensor_arg(rx), tensor_arg(ro)};  // act_and_mul(X, O)
+  call(op, e->one_pass, call_args, 2, e->device);
+  torch::jit::drop(*stack, 1);
+  torch::jit::push(*stack, std::move(out));
   return true;
 }
 
@@ -241,7 +263,7 @@ const c10::OperatorHandle& twin() {
 
 template <int op>
 void cuda_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack* stack) {
-  if (fused(op) ? serve_fused(op, stack) : serve_norm(op, stack)) {
+  if (activation(op) ? serve_activation(op, stack) : fused(op) ? serve_fused(op, stack) : serve_norm(op, stack)) {
     g_hits.fetch_add(1, std::memory_order_relaxed);
     return;
   }
@@ -267,7 +289,7 @@ int op_index(const std::string& name) {
   for (int i = 0; i < kNumOps; ++i) {
     if (name == kNames[i]) return i;
   }
-  TORCH_CHECK(false, "deepinfer_fast_path::publish: argument 'op' must be one of the norm ops, got '", name, "'");
+  TORCH_CHECK(false, "deepinfer_fast_path::publish: argument 'op' must be a norm or activation op, got '", name, "'");
 }
 
 void publish(const std::string& name, c10::ScalarType dtype, c10::ScalarType weight_dtype, int64_t hidden,
@@ -277,11 +299,13 @@ void publish(const std::string& name, c10::ScalarType dtype, c10::ScalarType wei
     TORCH_CHECK(t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Half || t == c10::ScalarType::Float,
                 "deepinfer_fast_path::publish: dtypes must be float16, bfloat16 or float32, got ", t);
   }
-  TORCH_CHECK(hidden > 0 && one_pass != 0 && streamed != 0, "deepinfer_fast_path::publish: bad entry");
+  TORCH_CHECK(hidden > 0 && one_pass != 0 && streamed != 0 && (!activation(op) || (hidden % 2 == 0 && weight_dtype == dtype)),
+              "deepinfer_fast_path::publish: bad entry for ", name);
   void* handles[2] = {reinterpret_cast<void*>(one_pass), reinterpret_cast<void*>(streamed)};
   bind_ffi();
   for (void* h : handles) g_ffi.inc_ref(h);
-  const Entry entry{op, dtype, weight_dtype, hidden, static_cast<c10::DeviceIndex>(device), streamed_from, handles[0], handles[1]};
+  const Entry entry{op, dtype, weight_dtype, hidden, static_cast<c10::DeviceIndex>(device), streamed_from, handles[0],
+                    handles[1]};
   std::lock_guard<std::mutex> lock(g_write);
   auto next = std::make_unique<std::vector<Entry>>(*g_table.load());
   next->push_back(entry);
@@ -308,6 +332,8 @@ TORCH_LIBRARY_IMPL(deepinfer, CUDA, m) {
   m.impl("gemma_rmsnorm", torch::CppFunction::makeFromBoxedFunction<&cuda_kernel<kGemmaRmsnorm>>());
   m.impl("fused_add_rmsnorm", torch::CppFunction::makeFromBoxedFunction<&cuda_kernel<kFusedAdd>>());
   m.impl("gemma_fused_add_rmsnorm", torch::CppFunction::makeFromBoxedFunction<&cuda_kernel<kGemmaFusedAdd>>());
+  m.impl("silu_and_mul", torch::CppFunction::makeFromBoxedFunction<&cuda_kernel<kSilu>>());
+  m.impl("gelu_tanh_and_mul", torch::CppFunction::makeFromBoxedFunction<&cuda_kernel<kGeluTanh>>());
 }
 
 TORCH_LIBRARY_IMPL(deepinfer, Autograd, m) {
@@ -315,4 +341,6 @@ TORCH_LIBRARY_IMPL(deepinfer, Autograd, m) {
   m.impl("gemma_rmsnorm", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<kGemmaRmsnorm>>());
   m.impl("fused_add_rmsnorm", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<kFusedAdd>>());
   m.impl("gemma_fused_add_rmsnorm", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<kGemmaFusedAdd>>());
+  m.impl("silu_and_mul", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<kSilu>>());
+  m.impl("gelu_tanh_and_mul", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<kGeluTanh>>());
 }

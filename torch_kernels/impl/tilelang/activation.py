@@ -155,6 +155,12 @@ def _function(d: int, dtype: torch.dtype, act: str):
     return found
 
 
+def host_function(input: Tensor, act: str):
+    """The compiled host function ``act_and_mul`` calls for rows like ``input``'s, ``fn(x, out)``: what
+    the C++ entry (``fast_path.py``) calls for the plain calls (contiguous, aligned) it serves."""
+    return _function(input.shape[-1] // 2, input.dtype, act)[0]
+
+
 def act_and_mul(input: Tensor, act: str) -> Tensor:
     d = input.shape[-1] // 2
     x = input if input.dim() == 2 else input.reshape(-1, 2 * d)
