@@ -11,8 +11,8 @@
 // silu_and_mul and gelu_tanh_and_mul (not gelu_and_mul yet: its string argument is not handled here):
 //   CUDA:     a published signature -> allocate (out-of-place ops), set TVM-FFI's stream to torch's
 //             current one, call the host function (the norms' one-pass or streamed one by token
-//             count); anything
-//             else -> the op's twin ``deepinfer_py::<op>`` on the CUDA key (the Python kernel).
+//             count); anything else -> the op's twin ``deepinfer_py::<op>`` on the CUDA key (the
+//             Python kernel).
 //   Autograd: no gradient asked -> below autograd, as the Python kernel did; else the twin's Python
 //             Autograd kernel (the op's backward formula).
 // and the ops of ``deepinfer_fast_path``: publish a signature, clear them all, read the counters.
