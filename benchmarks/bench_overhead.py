@@ -1,12 +1,13 @@
 """Where the host time of one eager ``torch.ops.deepinfer.rmsnorm`` call goes (1x4096 bf16 on CUDA,
 TileLang selected), beside ``F.rms_norm`` in the same interleaved rounds (and silu_and_mul beside
-FlashInfer's): allocation, the launchers,
-the op through the C++ entry (``torch_kernels/fast_path.py``) and through the Python kernels (its
-twin ``deepinfer_py::rmsnorm``), with gradients enabled, under ``no_grad`` and in inference mode.
+FlashInfer's): allocation, the launchers, the op through the C++ entry (``torch_kernels/fast_path.py``)
+and through the Python kernels (its twin ``deepinfer_py::rmsnorm``), with gradients enabled, under
+``no_grad`` and in inference mode.
 
     . .gpu-pkgs/setup.sh && python -m torch_kernels build && python benchmarks/bench_overhead.py
 """
 
+import contextlib
 import os
 import sys
 
@@ -24,6 +25,15 @@ from torch_kernels.impl.triton import norm as triton_norm  # noqa: E402
 EPS = 1e-6
 HIDDEN = 4096
 MODES = (("grad enabled", torch.enable_grad), ("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode))
+
+
+@contextlib.contextmanager
+def _tilelang_selected():
+    previous = dispatch.configure(backend="tilelang")
+    try:
+        yield
+    finally:
+        dispatch.configure(previous)
 
 
 def _inputs():
@@ -60,27 +70,21 @@ def host_goal(rounds: int = 5) -> dict:
     """The benchmark issue's host goal: µs per eager call of the op at 1x4096 bf16 with TileLang
     selected, and of ``F.rms_norm``, interleaved, in inference mode (how an engine calls); restores the
     selection."""
-    previous = dispatch.configure(backend="tilelang")
-    try:
+    with _tilelang_selected(), torch.inference_mode():
         x, w = _inputs()
         op = torch.ops.deepinfer.rmsnorm.default
-        with torch.inference_mode():
-            for _ in range(2):
-                op(x, w, EPS)  # the first call publishes the signature to the C++ entry
-            served = fast_path.counters()["served"]
-            times = harness.host_us_interleaved({"op": lambda: op(x, w, EPS), "F.rms_norm": lambda: F.rms_norm(x, (HIDDEN,), w, EPS)},
-                                                rounds=rounds, calls=5000)
+        for _ in range(2):
+            op(x, w, EPS)  # the first call publishes the signature to the C++ entry
+        served = fast_path.counters()["served"]
+        times = harness.host_us_interleaved({"op": lambda: op(x, w, EPS), "F.rms_norm": lambda: F.rms_norm(x, (HIDDEN,), w, EPS)},
+                                            rounds=rounds, calls=5000)
         return {**times, "backend": "tilelang", "mode": "inference_mode",
                 "cpp_entry": fast_path.status().split(" (")[0], "served_in_cpp": fast_path.counters()["served"] > served}
-    finally:
-        dispatch.configure(previous)
 
 
 def layers() -> list:
-    previous = dispatch.configure(backend="tilelang")
-    try:
-        x, w = _inputs()
-        table = cases(x, w)
+    with _tilelang_selected():
+        table = cases(*_inputs())
         rows = []
         for mode, ctx in MODES:
             with ctx():
@@ -88,8 +92,6 @@ def layers() -> list:
             peer = times["F.rms_norm"]
             rows += [{"case": name, "mode": mode, "host us": us, "over F.rms_norm": us - peer} for name, us in times.items()]
         return rows
-    finally:
-        dispatch.configure(previous)
 
 
 if __name__ == "__main__":

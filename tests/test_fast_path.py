@@ -22,18 +22,12 @@ FUSED = ["fused_add_rmsnorm", "gemma_fused_add_rmsnorm"]
 ACTIVATIONS = ["silu_and_mul", "gelu_tanh_and_mul"]
 
 
-def _python(code, **env):
+def _python(code, fails=False, **env):
+    """Run ``code`` in a fresh interpreter: its stdout, or with ``fails`` its stderr after it failed."""
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, **env}, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
-def _python_fails(code, **env):
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, **env}, timeout=300)
-    assert out.returncode != 0, out.stdout
-    return out.stderr
+    assert (out.returncode != 0) == fails, out.stderr or out.stdout
+    return out.stderr if fails else out.stdout
 
 
 _REGISTRATIONS = """
@@ -64,8 +58,8 @@ def test_built_library_carries_the_cuda_and_autograd_kernels_of_the_norm_ops():
 
 
 def test_build_failure_says_so_and_leaves_nothing(tmp_path):
-    out = _python_fails("from torch_kernels import fast_path; fast_path.build()",
-                        DEEPINFER_OPS_CACHE_DIR=str(tmp_path), CXX="false")
+    out = _python("from torch_kernels import fast_path; fast_path.build()", fails=True,
+                  DEEPINFER_OPS_CACHE_DIR=str(tmp_path), CXX="false")
     assert "building the C++ entry failed (false exit 1)" in out
     assert not any(p.is_file() for p in tmp_path.rglob("*"))
 
@@ -147,6 +141,12 @@ for args, words in ((("rotary_embedding", torch.bfloat16, torch.bfloat16, 64, 0,
         assert words in str(e), e
     else:
         raise AssertionError("no error")
+assert torch.ops.deepinfer_fast_path.counters() == [0, 0, 0]
+import tvm_ffi  # a real TVM-FFI function handle: publishing holds a reference, clearing drops the entry
+handle = tvm_ffi.get_global_func("ffi.String").__chandle__()
+torch.ops.deepinfer_fast_path.publish("rmsnorm", torch.bfloat16, torch.float32, 64, 0, 4096, handle, handle)
+assert torch.ops.deepinfer_fast_path.counters() == [1, 0, 0]
+torch.ops.deepinfer_fast_path.clear()
 assert torch.ops.deepinfer_fast_path.counters() == [0, 0, 0]
 """)
 

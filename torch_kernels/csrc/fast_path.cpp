@@ -39,6 +39,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -67,9 +68,13 @@ std::mutex g_write;
 std::vector<std::unique_ptr<const std::vector<Entry>>> g_retired;
 std::atomic<int64_t> g_hits{0}, g_misses{0};
 
-void swap_table(std::vector<Entry>* next) {
+// A publish or clear: `edit` changes a copy of the current table, which then replaces it.
+template <typename Edit>
+void edit_table(Edit edit) {
   std::lock_guard<std::mutex> lock(g_write);
-  g_retired.emplace_back(g_table.exchange(next));
+  auto next = std::make_unique<std::vector<Entry>>(*g_table.load());
+  edit(*next);
+  g_retired.emplace_back(g_table.exchange(next.release()));
 }
 
 const Entry* find(int op, const at::Tensor& x, c10::ScalarType weight_dtype) {
@@ -189,9 +194,8 @@ bool plain(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 // The published entry for this plain call on the current device, or nullptr.
 const Entry* served_by(int op, const at::Tensor& x, c10::ScalarType weight_dtype) {
-  const Entry* e = find(op, x, weight_dtype);
   const bool here = x.device().index() == c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index();
-  return here ? e : nullptr;
+  return here ? find(op, x, weight_dtype) : nullptr;
 }
 
 // The host functions' signature: three tensors (rows, then the weight or the residual rows) and eps.
@@ -238,8 +242,8 @@ bool serve_fused(int op, torch::jit::Stack* stack) {
 
 bool serve_activation(int op, torch::jit::Stack* stack) {
   const at::Tensor& x = torch::jit::peek(*stack, 0, 1).toTensor();
-  const bool plain = x.dim() >= 1 && x.is_contiguous() && x.numel() > 0 && aligned(x);
-  const Entry* e = plain ? served_by(op, x, x.scalar_type()) : nullptr;
+  const bool rows_plain = x.dim() >= 1 && x.is_contiguous() && x.numel() > 0 && aligned(x);
+  const Entry* e = rows_plain ? served_by(op, x, x.scalar_type()) : nullptr;
   if (e == nullptr) return false;  // (a published width is even: validation accepted it)
   const int64_t width = e->hidden, tokens = x.numel() / width;
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
@@ -306,13 +310,12 @@ void publish(const std::string& name, c10::ScalarType dtype, c10::ScalarType wei
   for (void* h : handles) g_ffi.inc_ref(h);
   const Entry entry{op, dtype, weight_dtype, hidden, static_cast<c10::DeviceIndex>(device), streamed_from, handles[0],
                     handles[1]};
-  std::lock_guard<std::mutex> lock(g_write);
-  auto next = std::make_unique<std::vector<Entry>>(*g_table.load());
-  next->push_back(entry);
-  g_retired.emplace_back(g_table.exchange(next.release()));
+  edit_table([&](std::vector<Entry>& table) { table.push_back(entry); });
 }
 
-void clear() { swap_table(new std::vector<Entry>()); }
+void clear() {
+  edit_table([](std::vector<Entry>& table) { table.clear(); });
+}
 
 std::vector<int64_t> counters() {
   return {static_cast<int64_t>(g_table.load()->size()), g_hits.load(), g_misses.load()};
@@ -327,20 +330,24 @@ TORCH_LIBRARY(deepinfer_fast_path, m) {
   m.def("counters() -> int[]", &counters);  // [signatures published, calls served, calls passed on]
 }
 
+namespace {
+
+// Both kernels of every op of kNames, by its name there.
+template <int... ops>
+void register_kernels(torch::Library& m, c10::DispatchKey key, std::integer_sequence<int, ops...>) {
+  if (key == c10::DispatchKey::CUDA) {
+    (m.impl(kNames[ops], torch::CppFunction::makeFromBoxedFunction<&cuda_kernel<ops>>()), ...);
+  } else {
+    (m.impl(kNames[ops], torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<ops>>()), ...);
+  }
+}
+
+}  // namespace
+
 TORCH_LIBRARY_IMPL(deepinfer, CUDA, m) {
-  m.impl("rmsnorm", torch::CppFunction::makeFromBoxedFunction<&cuda_kernel<kRmsnorm>>());
-  m.impl("gemma_rmsnorm", torch::CppFunction::makeFromBoxedFunction<&cuda_kernel<kGemmaRmsnorm>>());
-  m.impl("fused_add_rmsnorm", torch::CppFunction::makeFromBoxedFunction<&cuda_kernel<kFusedAdd>>());
-  m.impl("gemma_fused_add_rmsnorm", torch::CppFunction::makeFromBoxedFunction<&cuda_kernel<kGemmaFusedAdd>>());
-  m.impl("silu_and_mul", torch::CppFunction::makeFromBoxedFunction<&cuda_kernel<kSilu>>());
-  m.impl("gelu_tanh_and_mul", torch::CppFunction::makeFromBoxedFunction<&cuda_kernel<kGeluTanh>>());
+  register_kernels(m, c10::DispatchKey::CUDA, std::make_integer_sequence<int, kNumOps>());
 }
 
 TORCH_LIBRARY_IMPL(deepinfer, Autograd, m) {
-  m.impl("rmsnorm", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<kRmsnorm>>());
-  m.impl("gemma_rmsnorm", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<kGemmaRmsnorm>>());
-  m.impl("fused_add_rmsnorm", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<kFusedAdd>>());
-  m.impl("gemma_fused_add_rmsnorm", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<kGemmaFusedAdd>>());
-  m.impl("silu_and_mul", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<kSilu>>());
-  m.impl("gelu_tanh_and_mul", torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<kGeluTanh>>());
+  register_kernels(m, c10::DispatchKey::Autograd, std::make_integer_sequence<int, kNumOps>());
 }
