@@ -19,6 +19,10 @@ Checks: the Triton kernel's ids equal the reference's exactly; FlashInfer's ids 
 stream) lie in the reference's kept set; renormalised rows match within fp32 tolerance.
 
     . .gpu-pkgs/setup.sh && python benchmarks/bench_sampling.py --out docs/benchmarks/sampling.json [--sweep]
+    . .gpu-pkgs/setup.sh && python benchmarks/bench_sampling.py --prepass-sweep --out docs/benchmarks/sampling_prepass_sweep.json
+
+``--prepass-sweep`` times only ``top_k_renorm_probs`` at 1, 32 and 64 rows under the split prepass's
+launch alternatives (``PREPASS_VARIANTS``), FlashInfer's in the same interleaved rounds.
 """
 
 import argparse
@@ -221,12 +225,53 @@ def sweep() -> list:
     return rows
 
 
+#: The split prepass's launch alternatives (``Config`` fields) for ``--prepass-sweep``.
+PREPASS_VARIANTS = {"default": {}, "groups of 8": {"slice_group": 8}, "ptxas' registers": {"slice_maxnreg": 0},
+                    "56 registers": {"slice_maxnreg": 56}, "8 pivots": {"np_slice": 8},
+                    "8 pivots, 56 registers": {"np_slice": 8, "slice_maxnreg": 56}, "groups of 32": {"slice_group": 32}}
+
+
+def prepass_sweep(rows_list=(1, 32, 64)) -> list:
+    """top_k_renorm_probs (k = 50) under the split prepass's launch alternatives, FlashInfer's in the
+    same interleaved rounds (``harness.replay_us_interleaved``); every variant checked first."""
+    out = []
+    for rows in rows_list:
+        probs = _probs(rows)
+        k = torch.full((rows,), TOP_K, dtype=torch.int32, device="cuda")
+        want = reference.top_k_renorm_probs(probs, k)
+        calls = {}
+        for label, fields in PREPASS_VARIANTS.items():
+            cfg = triton_sampling.DEFAULT._replace(**fields)
+            fn = (lambda cfg=cfg: triton_sampling._launch(probs, k, None, None, None, sample=False, config=cfg))
+            try:
+                _check(OPS[1], label, fn(), want, (probs, k))
+            except Exception as e:  # noqa: BLE001  (out of resources, or wrong: reported)
+                out.append({"case": f"top_k_renorm {rows}x{VOCAB}", "variant": label, "us": f"failed: {e!r}"[:80]})
+                continue
+            calls[label] = fn
+        for name, fn in _flashinfer(OPS[1], (probs, k)).items():
+            if not isinstance(fn, str):
+                calls[name] = fn
+        times, failed = harness.replay_us_interleaved(calls, rounds=5)
+        out += [{"case": f"top_k_renorm {rows}x{VOCAB}", "variant": label, "us": us} for label, us in times.items()]
+        out += [{"case": f"top_k_renorm {rows}x{VOCAB}", "variant": label, "us": f"failed: {e!r}"[:80]} for label, e in failed.items()]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--sweep", action="store_true", help="also time the Triton kernel's launch alternatives")
+    parser.add_argument("--prepass-sweep", action="store_true",
+                        help="only time top_k_renorm_probs under the split prepass's launch alternatives")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.prepass_sweep:
+        swept = prepass_sweep()
+        if args.out:
+            harness.write_json(args.out, {**harness.header(), "prepass_sweep": swept})
+        print(harness.markdown(swept, ["case", "variant", "us"]))
+        return
     rows = bench()
     swept = sweep() if args.sweep else None
     result = {**harness.header(), "cuda_key_serves": {op: [k.backend.value for k in dispatch.plan(op)[0]] for op in OPS},

@@ -16,7 +16,8 @@ Each implementation is first checked against the reference at the shape (the op'
 sampled ids from another random stream must lie in the reference's kept set). Then, on CUDA:
 
 * device µs by CUDA-graph replay: a graph of n back-to-back calls (n up to 100, a replay of about 1 ms),
-  the median of 5 replays over n (``harness.replay_us``); ``--cold-l2``: each call preceded in the
+  the median of 5 replays over n; every implementation of a shape captured first, then timed in 3
+  interleaved rounds in rotated order, the median round kept (``harness.replay_us_interleaved``); ``--cold-l2``: each call preceded in the
   graph by a read of a buffer of max(256 MB, 4 x L2) (a read, so that no dirty line of the flush is
   written back during the op), and the graph of the flushes alone subtracted. A function that cannot
   be captured (a host sync) is timed by CUDA events around 20 eager calls instead (``timing`` says so);
@@ -70,6 +71,7 @@ KEYS = ("op", *(b.value for b in Backend if b is not Backend.TORCH), *PEER_KEYS)
 LABELS = {"op": "deepinfer op", "torch": "torch eager", "compile": "torch.compile", "F.rms_norm": "F.rms_norm",
           "flashinfer-api": "FlashInfer API", "flashinfer": "flashinfer backend"}
 FLUSH_BYTES = 256 << 20
+ROUNDS = 3  # device timing: every implementation of a shape in 3 interleaved rounds, the median kept
 HOST_ROUNDS, HOST_ROUND_US = 3, 5000.0  # host timing: best of 3 rounds of ~5 ms (1 to 200 calls)
 GOAL_TOKENS, GOAL_COPY = 4096, 0.95  # the issue's goals: >= 1.0x best peer from 4096 tokens, 0.95 of copy
 
@@ -215,14 +217,20 @@ class OpRunner:
             return ("MISMATCH: " if impl.role == "ours" else "differs: ") + why
 
 
-def device_time(fn: Callable, ctx: Context) -> Tuple[float, str]:
+def device_times(fns: Dict[str, Callable], ctx: Context) -> Dict[str, object]:
+    """``{name: (µs, how timed)}``, or the exception its timing raised: on CUDA every graph first, then
+    interleaved rounds (``harness.replay_us_interleaved``); a function that cannot be captured (a host
+    sync inside) by CUDA events around eager calls instead."""
     if not ctx.cuda:
-        return harness.wall_us(fn), "wall clock"
-    try:
-        return harness.replay_us(fn, ctx.flush), "graph" + (", cold L2" if ctx.flush else "")
-    except Exception as e:  # noqa: BLE001  (a host sync inside: time it eagerly instead)
-        torch.cuda.synchronize()
-        return harness.events_us(fn), f"eager events ({type(e).__name__} in capture)"
+        return {name: (harness.wall_us(fn), "wall clock") for name, fn in fns.items()}
+    timed, failed = harness.replay_us_interleaved(fns, ctx.flush, rounds=ROUNDS)
+    out: Dict[str, object] = {name: (us, "graph" + (", cold L2" if ctx.flush else "")) for name, us in timed.items()}
+    for name, e in failed.items():
+        try:
+            out[name] = (harness.events_us(fns[name]), f"eager events ({type(e).__name__} in capture)")
+        except Exception as again:  # noqa: BLE001
+            out[name] = again
+    return out
 
 
 def run_case(runner: OpRunner, rows: int, hidden: Optional[int], label: str, args: tuple, ctx: Context) -> List[dict]:
@@ -250,12 +258,12 @@ def run_case(runner: OpRunner, rows: int, hidden: Optional[int], label: str, arg
             continue
         results.append(row)
         live.append((impl, row, call_args))
-    for impl, row, call_args in live:
-        fn = (lambda f, a: lambda: f(*a))(impl.fn, call_args)
-        try:
-            row["device_us"], row["timing"] = device_time(fn, ctx)
-        except Exception as e:  # noqa: BLE001
-            row["status"] = f"failed in timing: {_first_line(e)}"
+    times = device_times({row["impl"]: (lambda f, a: lambda: f(*a))(impl.fn, call_args) for impl, row, call_args in live}, ctx)
+    for _, row, _ in live:
+        if isinstance(times[row["impl"]], Exception):
+            row["status"] = f"failed in timing: {_first_line(times[row['impl']])}"
+        else:
+            row["device_us"], row["timing"] = times[row["impl"]]
     timed = [(impl, row, call_args) for impl, row, call_args in live if "device_us" in row]
     if rows in ctx.host_tokens and timed:
         fns = {row["impl"]: (lambda f, a: lambda: f(*a))(impl.fn, call_args) for impl, row, call_args in timed}
@@ -350,7 +358,8 @@ def header(ctx: Context, command: str) -> dict:
                    compute_capability=None)
     out.update(copy_ceiling_GBps=ctx.ceiling, cold_l2=ctx.flush is not None,
                timing=("CUDA-graph replay: n back-to-back calls a graph (n <= 100, ~1 ms a replay), median of 5 "
-                       "replays / n" + ("; each call after a read of a buffer larger than L2, the flushes alone "
+                       f"replays / n, every implementation of a shape in {ROUNDS} interleaved rounds (rotated), the median "
+                       "round" + ("; each call after a read of a buffer larger than L2, the flushes alone "
                                         "subtracted" if ctx.flush else "; L2 warm") if ctx.cuda else
                        "wall clock: median of 5 blocks of >= 2 ms"),
                host_timing=f"best of {HOST_ROUNDS} interleaved rounds of ~{HOST_ROUND_US / 1e3:.0f} ms, at tokens "

@@ -8,8 +8,9 @@ come from.
     . .gpu-pkgs/setup.sh && python benchmarks/sweep_tilelang.py --out sweep.json
 
 Each variant is built with the module's constants patched, compiled (nvcc in parallel threads), checked
-against the reference on random bf16 inputs, then timed by CUDA-graph replay; GB/s = bytes read +
-written over device time, against a device-to-device copy measured in the same run.
+against the reference on random bf16 inputs, then timed by CUDA-graph replay, every implementation of a
+shape in 5 interleaved rounds (the median kept); GB/s = bytes read + written over device time, against
+a device-to-device copy measured in the same run.
 """
 
 import argparse
@@ -31,8 +32,8 @@ from torch_kernels.impl.torch import rope as ref_rope  # noqa: E402
 from torch_kernels.impl.triton import activation as tr_act, attention as tr_merge, norm as tr_norm  # noqa: E402
 from torch_kernels.impl.triton import rope as tr_rope  # noqa: E402
 
-NORM_SHAPES = ((32, 8192), (4096, 4096), (4096, 7168), (16384, 4096), (16384, 7168), (16384, 8192))
-NORM_OPS = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm")
+NORM_SHAPES = ((1, 4096), (32, 8192), (4096, 4096), (16384, 8192))
+NORM_OPS = ("rmsnorm", "fused_add_rmsnorm")
 # label -> the module constants it patches (names starting DEEPINFER_: environment variables; "streamed":
 # the many-token kernel, norm._build_streamed). The sweeps of 2026-11-29 set _THIRTY_TWO_A_THREAD
 # (elements a thread 8/16/32 x block threads 128/512/1024), _PREFETCH_WEIGHT and _TILE_EXACTLY, timed
@@ -41,17 +42,21 @@ NORM_OPS = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rm
 # L2 hints (sweep_tilelang_6.json; norm.py says by how much), and timed the streamed kernel (rows read
 # twice with L2 hints) against the one-pass kernel (sweep_tilelang_7.json), its hinted loads left to the
 # compiler's scheduling and its block size (sweep_tilelang_8.json), rmsnorm's streamed rows in smaller
-# blocks and kept in registers instead of re-read (sweep_tilelang_9.json); this one times them against
-# the one-pass kernel and 128 threads.
+# blocks and kept in registers instead of re-read (sweep_tilelang_9.json), the L2 hint of the streamed
+# kernel's first-pass loads, the fused ops' block size and the one-pass kernel against the streamed one
+# up to 16384 tokens (sweep_tilelang_10/11.json: the first sweeps timed in interleaved rounds); the
+# activations' and merge's loads with L2 hints lost there (activation.py, attention.py say by how much).
 NORM_VARIANTS = {"tilelang, one pass": {}, "tilelang, streamed": {"streamed": True},
-                 "tilelang, streamed, rmsnorm 128 threads": {"streamed": True, "_STREAMED_RMSNORM_THREADS": 128}}
-MERGE_TOKENS = (4096, 8192, 16384)
-MERGE_VARIANTS = tuple(itertools.product((4, 8, 16), (128, 256, 512)))  # (values a thread, block threads)
-ROPE_TOKENS = (4096, 16384)
-ROPE_VARIANTS = (64, 128, 256, 512)  # block threads
-ACT_SHAPES = ((1, 8192), (32, 8192), (16384, 8192), (4096, 7168))  # (tokens, d)
-ACT_VARIANTS = {"tilelang": {}, "tilelang, IEEE exp and division": {"_FAST_MATH": False},
-                "tilelang, no PDL": {_jit.ENV_PDL: "0"}}
+                 "tilelang, one pass, no early trigger": {"_jit.EARLY_TRIGGER": False},
+                 "tilelang, streamed, no early trigger": {"streamed": True, "_jit.EARLY_TRIGGER": False}}
+MERGE_TOKENS = (1, 4096, 16384)
+MERGE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False}}  # label -> constants
+ROPE_TOKENS = (1, 4096, 16384)
+ROPE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False},
+                 "tilelang, block 128": {"_BLOCK_THREADS": 128}, "tilelang, block 512": {"_BLOCK_THREADS": 512}}
+ACT_SHAPES = ((1, 4096), (32, 8192), (4096, 4096), (4096, 7168), (16384, 4096))  # (tokens, d)
+ROUNDS = 5  # interleaved timing rounds, the median kept
+ACT_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False}}
 
 
 def _row(op: str, shape: str, label: str, nbytes: int, us: float, ceiling: float) -> dict:
@@ -62,19 +67,19 @@ def _row(op: str, shape: str, label: str, nbytes: int, us: float, ceiling: float
 
 def _patched(module, values: dict, build, *key):
     """``build(*key)`` with the module constants in ``values`` patched (names in capitals starting
-    with DEEPINFER_ are environment variables instead)."""
+    with DEEPINFER_ are environment variables instead, names starting ``_jit.`` constants of _jit)."""
     env = {k: v for k, v in values.items() if k.startswith("DEEPINFER_")}
-    consts = {k: v for k, v in values.items() if k not in env}
-    old = {k: getattr(module, k) for k in consts}
+    consts = {(_jit, k[5:]) if k.startswith("_jit.") else (module, k): v for k, v in values.items() if k not in env}
+    old = {(m, k): getattr(m, k) for m, k in consts}
     old_env = {k: os.environ.get(k) for k in env}
     try:
-        for k, v in consts.items():
-            setattr(module, k, v)
+        for (m, k), v in consts.items():
+            setattr(m, k, v)
         os.environ.update(env)
         return build(*key)
     finally:
-        for k, v in old.items():
-            setattr(module, k, v)
+        for (m, k), v in old.items():
+            setattr(m, k, v)
         for k, v in old_env.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -118,6 +123,7 @@ def norm_rows(ceiling: float) -> list:
         impls = {label: fns[(n, op, label)] for label in NORM_VARIANTS}
         impls["triton backend"] = getattr(tr_norm, op)
         impls["flashinfer api"] = getattr(flashinfer.norm, op)
+        calls = {}
         for label, fn in impls.items():
             if isinstance(fn, str):
                 rows.append({"op": op, "shape": f"{tokens}x{n}", "impl": label, "status": fn})
@@ -134,14 +140,22 @@ def norm_rows(ceiling: float) -> list:
                 call = (lambda fn=fn: fn(xx, w, out, cases.EPS)) if kernel else (lambda fn=fn: fn(xx, w, cases.EPS))
                 got = call()
                 torch.testing.assert_close(out if kernel else got, want, atol=2e-2, rtol=2e-2)
-            rows.append(_row(op, f"{tokens}x{n}", label, nbytes, harness.replay_us(call), ceiling))
+            calls[label] = call
+        rows += _timed(op, f"{tokens}x{n}", calls, nbytes, ceiling)
     return rows
+
+
+def _timed(op: str, shape: str, calls: dict, nbytes: int, ceiling: float) -> list:
+    """Rows of ``calls`` (checked already) timed in interleaved rounds (``harness.replay_us_interleaved``)."""
+    times, failed = harness.replay_us_interleaved(calls, rounds=ROUNDS)
+    return ([_row(op, shape, label, nbytes, us, ceiling) for label, us in times.items()]
+            + [{"op": op, "shape": shape, "impl": label, "status": f"failed: {e}"[:160]} for label, e in failed.items()])
 
 
 def merge_rows(ceiling: float) -> list:
     heads, head_size = 32, 128
-    prims = {(e, t): _patched(tl_merge, {"_PER_THREAD": e, "_THREADS": t}, tl_merge._build,
-                              heads, head_size, "bfloat16", True) for e, t in MERGE_VARIANTS}
+    prims = {label: _patched(tl_merge, patch, tl_merge._build, heads, head_size, "bfloat16", True)
+             for label, patch in MERGE_VARIANTS.items()}
     fns = _compile_all(prims)
     rows = []
     for tokens in MERGE_TOKENS:
@@ -149,10 +163,11 @@ def merge_rows(ceiling: float) -> list:
         want = ref_merge.merge_attn_states(*args)
         nbytes = cases.nbytes("merge_attn_states", args)
         peer = cases.flashinfer_api("merge_attn_states", args)
-        impls = {f"tilelang {e}/thread, block {t}": fns[(e, t)] for e, t in MERGE_VARIANTS}
+        impls = {label: fns[label] for label in MERGE_VARIANTS}
         impls["triton backend"] = lambda: tr_merge.merge_attn_states(*args)
         peer_args = peer.prepare(args) if peer.prepare else args
         impls["flashinfer api"] = lambda: peer.fn(*peer_args)
+        calls = {}
         for label, fn in impls.items():
             if isinstance(fn, str):
                 rows.append({"op": "merge_attn_states", "shape": f"{tokens}x{heads}x{head_size}", "impl": label, "status": fn})
@@ -169,13 +184,14 @@ def merge_rows(ceiling: float) -> list:
                     got = peer.adapt(got)
             torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-3)
-            rows.append(_row("merge_attn_states", f"{tokens}x{heads}x{head_size}", label, nbytes, harness.replay_us(call), ceiling))
+            calls[label] = call
+        rows += _timed("merge_attn_states", f"{tokens}x{heads}x{head_size}", calls, nbytes, ceiling)
     return rows
 
 
 def rope_rows(ceiling: float) -> list:
     key = (32, 8, 128, 128, True, "bfloat16", "float32", "int64", 2, True)  # cases' rope shape, aligned
-    prims = {bt: _patched(tl_rope, {"_BLOCK_THREADS": bt}, tl_rope._build, *key) for bt in ROPE_VARIANTS}
+    prims = {label: _patched(tl_rope, patch, tl_rope._build, *key) for label, patch in ROPE_VARIANTS.items()}
     fns = _compile_all(prims)
     rows = []
     for tokens in ROPE_TOKENS:
@@ -185,16 +201,17 @@ def rope_rows(ceiling: float) -> list:
         ref_rope.rotary_embedding(positions, want_q, want_k, hs, cache, neox)
         nbytes = cases.nbytes("rotary_embedding", args)
         peer = cases.flashinfer_api("rotary_embedding", args)
-        impls = {f"tilelang block {bt}": (lambda fn: lambda p, q_, k_: fn(p, q_, k_, cache))(fns[bt]) for bt in ROPE_VARIANTS}
+        impls = {label: (lambda fn: lambda p, q_, k_: fn(p, q_, k_, cache))(fns[label]) for label in ROPE_VARIANTS}
         impls["triton backend"] = lambda p, q_, k_: tr_rope.rotary_embedding(p, q_, k_, hs, cache, neox)
         impls["flashinfer api"] = lambda p, q_, k_: peer.fn(p, q_, k_, hs, cache, neox)
+        calls = {}
         for label, fn in impls.items():
             qq, kk = q.clone(), k.clone()
             fn(positions, qq, kk)
             torch.testing.assert_close(qq, want_q, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(kk, want_k, atol=2e-2, rtol=2e-2)
-            rows.append(_row("rotary_embedding", f"{tokens}x(32+8)x128", label, nbytes,
-                             harness.replay_us(lambda: fn(positions, qq, kk)), ceiling))
+            calls[label] = (lambda fn, qq, kk: lambda: fn(positions, qq, kk))(fn, qq, kk)
+        rows += _timed("rotary_embedding", f"{tokens}x(32+8)x128", calls, nbytes, ceiling)
     return rows
 
 
@@ -214,12 +231,14 @@ def act_rows(ceiling: float) -> list:
         impls = {label: (lambda fn=fns[(d, act, label)]: (fn(x, out), out)[1]) for label in ACT_VARIANTS}
         impls["triton backend"] = lambda: tr_act.act_and_mul(x, act)
         impls["flashinfer api"] = lambda: getattr(flashinfer.activation, f"{act}_and_mul")(x)
+        calls = {}
         for label, fn in impls.items():
             if isinstance(fns.get((d, act, label)), str):
                 rows.append({"op": f"{act}_and_mul", "shape": f"{tokens}x2*{d}", "impl": label, "status": fns[(d, act, label)]})
                 continue
             torch.testing.assert_close(fn(), want, atol=2e-2, rtol=2e-2)
-            rows.append(_row(f"{act}_and_mul", f"{tokens}x2*{d}", label, nbytes, harness.replay_us(fn), ceiling))
+            calls[label] = fn
+        rows += _timed(f"{act}_and_mul", f"{tokens}x2*{d}", calls, nbytes, ceiling)
     return rows
 
 

@@ -419,6 +419,25 @@ def test_inductor_cpu_rmsnorm_decomposes_after_a_pointwise_op_only():
             assert body.count("torch.ops.deepinfer.rmsnorm.default(") == 1, body
 
 
+def test_a_clone_is_looked_through_for_the_pointwise_producer(monkeypatch):
+    """A ``clone`` computes nothing: the op's route follows what produced the cloned tensor. On an
+    input (as ``opcheck``'s AOT test traces it, cloning its inputs) the op stays opaque, so that test
+    runs our kernel, not the reference; after ``x * 2`` and a clone it decomposes."""
+    seen = []
+    route = dispatch.compile_route
+    monkeypatch.setattr(dispatch, "compile_route", lambda op, device, after_pointwise=False: (
+        seen.append(after_pointwise), route(op, device, after_pointwise=after_pointwise))[1])
+    op = torch.ops.deepinfer.per_token_group_quant_fp8.default
+    x = torch.randn(3, 448).mul_(4).bfloat16()
+    torch.library.opcheck(op, (x, 64, 1e-10, True, False), test_utils=("test_aot_dispatch_dynamic",))
+    assert seen and not any(seen), seen
+    torch._dynamo.reset()
+    seen.clear()
+    fn = lambda x: torch.ops.deepinfer.per_token_group_quant_fp8((x * 2).clone(), 64)  # noqa: E731
+    torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
+    assert seen and seen[-1], seen  # the last trace: AOTAutograd's, with the graph below it
+
+
 def _qkv_rope(x, wqkv, positions, cache):
     """The decoder layer's pattern: rotate q and k in place as views of the QKV projection's output."""
     qkv = x @ wqkv

@@ -200,7 +200,9 @@ def _inputs(op, shape, dtype, weight_dtype=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_served_calls_match_the_reference(op, dtype, tilelang_entry):
     """The first call of a signature goes to Python and publishes it; the next ones are served in C++,
-    one-pass below 4096 tokens and streamed from there, with a weight in another dtype too."""
+    one-pass and streamed (from 4096 tokens, the fused ops from 128 MB), with a weight in another dtype
+    too."""
+    from torch_kernels.impl.tilelang import norm
     other = torch.bfloat16 if dtype == torch.float32 else torch.float32  # a weight dtype: a new signature
     for shape, weight_dtype in (((1, 4096), None), ((7, 1000), None), ((2, 3, 5120), None), ((4100, 2048), None),
                                 ((5, 4096), other)):
@@ -208,7 +210,8 @@ def test_served_calls_match_the_reference(op, dtype, tilelang_entry):
         _run_and_compare(op, *_inputs(op, shape, dtype, weight_dtype))
         published = fast_path.counters()
         assert published["passed_on"] == before["passed_on"] + 1 and published["signatures"] == before["signatures"] + 1
-        for tokens in (1, 3, 4096, 4099):  # both kernels, from the C++ entry
+        streamed_from = norm._streamed_from(shape[-1], dtype, op in FUSED)
+        for tokens in (1, 3, 4096, streamed_from + 3):  # both kernels, from the C++ entry
             _run_and_compare(op, *_inputs(op, (tokens, shape[-1]), dtype, weight_dtype))
         after = fast_path.counters()
         assert after["served"] == published["served"] + 4 and after["passed_on"] == published["passed_on"], after

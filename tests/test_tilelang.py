@@ -576,14 +576,14 @@ def _check_norm(fn, reference, x, w, msg, r=None):
                                      (16384, torch.bfloat16)], ids=str)
 @pytest.mark.parametrize("op", ["rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm"])
 def test_streamed_norms_match_the_reference(op, n, dtype):
-    """The many-token kernel (rows read twice with L2 hints), which serves every op of the family from
-    4096 tokens: one chunk or several, a masked last chunk, strided rows."""
+    """The many-token kernel (rows read twice with L2 hints), which serves rmsnorm from 4096 tokens and
+    the fused ops from 128 MB: one chunk or several, a masked last chunk, strided rows."""
     from torch_kernels.impl.tilelang import norm
     reference = registry.BY_OP[op][Backend.TORCH].load()
     fused = "fused" in op
     assert norm._streams(n, norm._DTYPES[dtype], norm._DTYPES[dtype], fused)
     for layout in ("contiguous", "stride8"):
-        x = _views((norm._STREAMED_MIN_TOKENS, n), dtype, layout, "cuda")
+        x = _views((norm._streamed_from(n, dtype, fused), n), dtype, layout, "cuda")
         w = torch.randn(n, device="cuda", dtype=dtype)
         _check_norm(getattr(norm, op), reference, x, w, f"{n} {layout}", _views(x.shape, dtype, layout, "cuda") if fused else None)
     key = (n, dtype, dtype, fused, op.startswith("gemma"))

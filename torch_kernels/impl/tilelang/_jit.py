@@ -64,6 +64,20 @@ def target() -> Any:
     return json.loads(text) if text.startswith("{") else text
 
 
+#: Whether kernels that wait for their predecessor (:func:`dependent_launch`) also let their successor be
+#: scheduled at once (``T.pdl_trigger``, ``griddepcontrol.launch_dependents``, as FlashInfer's kernels do
+#: after their loads): the successor's blocks then start on SMs the tail of this grid leaves idle and
+#: wait there (its ``pdl_sync``, which waits for this grid to complete and flush) instead of being
+#: launched only once this grid has exited. A successor that does not wait (not launched as a dependent)
+#: is launched as before. ``DEEPINFER_OPS_PDL=0`` turns both off.
+EARLY_TRIGGER = True
+
+
+def early_trigger() -> bool:
+    """Whether kernels call ``T.pdl_trigger()`` right after ``T.pdl_sync()`` (:data:`EARLY_TRIGGER`)."""
+    return EARLY_TRIGGER and dependent_launch()
+
+
 def dependent_launch() -> bool:
     """Whether kernels begin with ``T.pdl_sync()`` (``cudaGridDependencySynchronize``): TileLang then
     marks them for programmatic dependent launch, so a kernel is scheduled while the previous one on
@@ -92,6 +106,31 @@ def vector_width(n: int, dtype: str) -> int:
     """Elements per vector access along rows of ``n``: 16 bytes of ``dtype``, down to the largest power
     of two dividing ``n`` (so that every row starts on a vector boundary)."""
     return min(lanes(dtype), n & -n)
+
+
+#: 16-byte global loads with an L2 eviction priority (``createpolicy`` and ``ld ... .L2::cache_hint``, as
+#: Triton lowers ``eviction_policy=``): TileLang's own loads take no such hint. A kernel imports this
+#: source (``T.import_source``) and loads through :func:`load16`. ``asm volatile`` with a "memory" clobber
+#: keeps them in order with the stores; left to the compiler's scheduling (plain ``asm``, no clobber)
+#: they measured the same (sweep_tilelang_8.json, H200, bf16: 4143 against 4155 GB/s for
+#: fused_add_rmsnorm 16384x8192, 4045 against 4043 for rmsnorm 16384x7168).
+HINTS = ("evict_last", "evict_first")
+HINTED_LOADS = "".join(f"""
+__device__ __forceinline__ void tk_load16_{hint}(void* dst, const void* src) {{
+  uint4 v; unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::{hint}.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("ld.global.L1::{hint}.L2::cache_hint.v4.u32 {{%0, %1, %2, %3}}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src), "l"(policy) : "memory");
+  *reinterpret_cast<uint4*>(dst) = v;
+}}""" for hint in HINTS) + "\n"
+
+
+def load16(hint: str, dst: Any, src: Any) -> None:
+    """16 bytes from global ``src`` (an element of a buffer, 16-byte aligned) into the local ``dst``,
+    with L2 eviction priority ``hint`` (one of :data:`HINTS`; the kernel imports :data:`HINTED_LOADS`)."""
+    import tilelang.language as T
+
+    T.evaluate(T.call_extern("handle", f"tk_load16_{hint}", T.address_of(dst), T.address_of(src)))
 
 
 def in_bounds(num_tokens: Any, block_rows: int, n: int, tile: int) -> Callable[[Any, Any], Any]:

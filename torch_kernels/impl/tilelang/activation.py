@@ -38,6 +38,10 @@ _ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 # IEEE): silu 1.33 against 1.68 µs at one token, 1.53 against 1.89 at 32, 4292 against 4319 GB/s at
 # 16384 tokens (within the spread); gelu_tanh 1.32 / 1.53 µs against 1.72 / 1.86, 4331 against 4342.
 _FAST_MATH = True
+# The input's loads take no L2 hint: with evict_first (read once) through _jit.load16 silu_and_mul lost
+# at every shape, evict_last too (sweep_tilelang_11.json, H200, bf16, GB/s, plain / evict_first /
+# evict_last: 4096x2*4096 4244 / 4128 / 4170, 4096x2*7168 4293 / 4114 / 4173, 16384x2*7168 4315 / 4123
+# / 4336).
 
 
 _vec = _jit.vector_width  # over d: the up half starts d elements after the gate
@@ -86,7 +90,7 @@ def _activate(g, act: str, t=None):
 
 
 def _build(d: int, dtype: str, act: str):
-    pdl = _jit.dependent_launch()
+    pdl, trigger = _jit.dependent_launch(), _jit.early_trigger()
     VEC = _vec(d, dtype)
     NV = _PER_THREAD // VEC  # vectors a thread
     BM, BN = _tile(d)
@@ -112,6 +116,8 @@ def _build(d: int, dtype: str, act: str):
         with T.Kernel(T.ceildiv(num_tokens, BM) * COL_TILES, threads=_THREADS) as block:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
+            if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+                T.pdl_trigger()
             # Thread t owns row t // TR of the tile and its vectors k = 0..NV-1 at columns
             # (t % TR + k * TR) * VEC: a warp's lanes touch consecutive 16-byte vectors. The loops over
             # registers are explicit because TileLang does not widen a loop that calls erf.

@@ -33,6 +33,9 @@ _THREADS = 256
 _INF = float("inf")
 # (token, head, lane) threads per launch: the flat thread index is a 32-bit integer.
 _MAX_THREADS = 2**31 - 1 - _THREADS
+# The partials' loads take no L2 hint: through _jit.load16 with evict_first (read once) or evict_last
+# they lost (sweep_tilelang_11.json, H200, bf16, 32 heads of 128, GB/s, plain / evict_first / evict_last:
+# 4096 tokens 4141 / 3958 / 4000, 16384 tokens 4317 / 3957 / 4280; FlashInfer 4120, 4306).
 
 
 def _per_thread(head_size: int) -> int:
@@ -46,7 +49,7 @@ def _vec(head_size: int, dtype: str) -> int:
 
 
 def _build(num_heads: int, head_size: int, dtype: str, aligned: bool):
-    pdl = _jit.dependent_launch()
+    pdl, trigger = _jit.dependent_launch(), _jit.early_trigger()
     H, D = num_heads, head_size
     E = _per_thread(D)
     VEC = _vec(D, dtype)
@@ -86,6 +89,8 @@ def _build(num_heads: int, head_size: int, dtype: str, aligned: bool):
         with T.Kernel(T.ceildiv(Tn * (H * LANES), _THREADS), threads=_THREADS) as block:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
+            if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+                T.pdl_trigger()
             item = block * _THREADS + T.get_thread_binding()  # (token, head, lane), flat
             t = T.alloc_var("int32")
             h = T.alloc_var("int32")

@@ -72,7 +72,7 @@ _EXACT_MAX_PER_THREAD = 64
 # sweep_triton_norm_2.json has Triton's chunks at 4028 GB/s without its L2 hints, 4177 with them: the
 # hints, which TileLang's loads do not take, are the difference. Nor the residual stored before the
 # row's sum (3986 against 4034 at 16384x7168).
-# From _STREAMED_MIN_TOKENS tokens, the fused ops' rows of 16-byte vectors are read twice with L2
+# From _STREAMED_MIN_TOKENS tokens (the fused ops: see _FUSED_STREAMED_MIN_BYTES), the fused ops' rows of 16-byte vectors are read twice with L2
 # eviction hints (:func:`_build_streamed`), as the Triton backend does there: each chunk's residual is
 # stored as soon as it is summed, asked to stay in L2 (evict_last), and re-read to be normalised
 # (evict_first). sweep_tilelang_7.json (H200, bf16, streamed against one pass, Triton in the same run):
@@ -82,7 +82,19 @@ _EXACT_MAX_PER_THREAD = 64
 # against 4062 at 16384x8192, 3387 against 3994 at 16384x4096); it takes the streamed kernel in blocks
 # of 256 threads with its row kept in registers (_STREAMED_RMSNORM_THREADS).
 _STREAMED_MIN_TOKENS = 4096
+# The fused ops take the streamed kernel only from tensors of 128 MB (16384 tokens of 4096 bf16, 8192
+# of 8192): below, the one-pass kernel is faster. sweep_tilelang_11.json (H200, bf16, every variant
+# timed in 5 interleaved rounds, FlashInfer's API in the same rounds; sequential timing had put a
+# row's place in the run above these gaps), one pass / streamed / FlashInfer, GB/s: fused_add_rmsnorm
+# 4096x4096 4168 / 3938 / 4090, 4096x7168 4120 / 3940 / 3970, 4096x8192 4085 / 3988 / 4011, 8192x4096
+# 4141 / 4090 / 4115, 8192x8192 4121 / 4132 / 4043, 16384x4096 4118 / 4172 / 4122; 16384x8192 4052 /
+# 4198 / 4012 (sweep_tilelang_10.json). The same for Gemma's.
+_FUSED_STREAMED_MIN_BYTES = 128 << 20
 _STREAMED_THREADS = 512
+# The L2 hint of the first pass's loads (the input, and the fused ops' residual). evict_first, as the
+# values are dead once loaded, lost from 8192 tokens (sweep_tilelang_10/11.json, fused_add_rmsnorm
+# 16384x8192 3961 against 4198 GB/s, 16384x4096 4023 against 4172; evict_normal 4038 and 3927).
+_FIRST_PASS_HINT = "evict_last"
 # rmsnorm's rows in one chunk (NV vectors a thread, kept in registers from the first pass) in blocks of
 # fewer threads. sweep_tilelang_8.json (H200, bf16, re-read, against 512 threads): 16384x8192 4143
 # against 3890 GB/s (Triton 4159), 16384x4096 4105 against 3400; 1024 threads 2752 at 8192.
@@ -119,7 +131,7 @@ def _layout(n: int, dtype: str, fused: bool = False) -> Tuple[int, int, int, int
 def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, streamed: bool = False):
     if streamed:
         return _build_streamed(n, dtype, fused, gemma)
-    pdl = _jit.dependent_launch()
+    pdl, trigger = _jit.dependent_launch(), _jit.early_trigger()
     VEC, TR, BM, WIDTH = _layout(n, dtype, fused)
     PASSES = -(-n // WIDTH)
     f32 = "float32"
@@ -158,6 +170,8 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, stre
         with T.Kernel(T.ceildiv(num_tokens, BM), threads=TR * BM) as block:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
+            if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+                T.pdl_trigger()
             x = T.alloc_fragment((BM, WIDTH), f32)  # this pass's values of the block's rows
             sq = T.alloc_fragment((BM, WIDTH), f32)  # per-thread sums of squares
             rstd = T.alloc_fragment((BM,), f32)
@@ -228,28 +242,12 @@ def _entry(normalize, n: int, dtype: str, weight_dtype: str, fused: bool, VEC: i
     return rmsnorm
 
 
-#: 16-byte global loads with an L2 eviction priority (``createpolicy`` and ``ld ... .L2::cache_hint``, as
-#: Triton lowers ``eviction_policy=``); TileLang's own loads take no such hint. ``asm volatile`` with a
-#: "memory" clobber keeps them in order with the stores; left to the compiler's scheduling (plain ``asm``,
-#: no clobber: the fused ops' re-read follows the row sum's ``__syncthreads`` anyway) they measured the
-#: same (sweep_tilelang_8.json, H200, bf16: 4143 against 4155 GB/s for fused_add_rmsnorm 16384x8192,
-#: 4045 against 4043 for rmsnorm 16384x7168).
-_HINTED_LOADS = "".join(f"""
-__device__ __forceinline__ void tk_load16_{hint}(void* dst, const void* src) {{
-  uint4 v; unsigned long long policy;
-  asm volatile("createpolicy.fractional.L2::{hint}.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile("ld.global.L1::{hint}.L2::cache_hint.v4.u32 {{%0, %1, %2, %3}}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src), "l"(policy) : "memory");
-  *reinterpret_cast<uint4*>(dst) = v;
-}}""" for hint in ("evict_last", "evict_first")) + "\n"
-
-
 def _streamed_threads(fused: bool) -> int:
     return _STREAMED_THREADS if fused else _STREAMED_RMSNORM_THREADS
 
 
 def _streams(n: int, dtype: str, weight_dtype: str, fused: bool) -> bool:
-    """Whether rows of ``n`` take :func:`_build_streamed` from _STREAMED_MIN_TOKENS tokens: rows of
+    """Whether rows of ``n`` take :func:`_build_streamed` from :func:`_streamed_from` tokens: rows of
     whole 16-byte vectors of the input and of the weight (the same dtype), at least one a thread, and
     one pass's width at most."""
     lanes = _jit.lanes(dtype)
@@ -263,7 +261,7 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
     first pass sums the squares (and stores the fused ops' rounded residual), the block reduces them
     (warp shuffles, then one value a warp through shared memory), the second pass re-reads the fused
     ops' residual and normalises (rmsnorm: the row it kept in registers)."""
-    pdl = _jit.dependent_launch()
+    pdl, trigger = _jit.dependent_launch(), _jit.early_trigger()
     TR, VEC = _streamed_threads(fused), _jit.lanes(dtype)
     NV = 1 if fused else -(-n // (TR * VEC))  # vectors a thread a chunk
     CHUNK = NV * TR * VEC
@@ -275,8 +273,7 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
     def live(col):
         return True if n % CHUNK == 0 else col < n
 
-    def load16(hint, dst, src):
-        T.evaluate(T.call_extern("handle", f"tk_load16_{hint}", T.address_of(dst), T.address_of(src)))
+    load16 = _jit.load16
 
     def scale(w):
         w = T.cast(w, f32)
@@ -287,7 +284,9 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
         with T.Kernel(num_tokens, threads=TR) as row:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
-            T.import_source(_HINTED_LOADS)
+            if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+                T.pdl_trigger()
+            T.import_source(_jit.HINTED_LOADS)
             tid = T.get_thread_binding()
             xr = T.alloc_local((NV, VEC), dtype)  # a chunk's input (then its residual), as loaded
             rr = T.alloc_local((NV, VEC), dtype)  # the fused ops' residual, as loaded
@@ -300,9 +299,9 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
                 for k in T.unroll(NV):
                     col = (c * NV + k) * TR * VEC + tid * VEC
                     if live(col):
-                        load16("evict_last", xr[k, 0], X[row, col])
+                        load16(_FIRST_PASS_HINT, xr[k, 0], X[row, col])
                         if R is not None:
-                            load16("evict_last", rr[k, 0], R[row, col])
+                            load16(_FIRST_PASS_HINT, rr[k, 0], R[row, col])
                 for k in T.unroll(NV):
                     col = (c * NV + k) * TR * VEC + tid * VEC
                     if live(col):
@@ -347,11 +346,18 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
 _functions: dict = {}  # (n, dtype, weight dtype, fused, gemma, streamed) -> (host function, vector width)
 
 
+def _streamed_from(n: int, dtype: torch.dtype, fused: bool) -> int:
+    """The token count from which rows of ``n`` take the streamed kernel (where :func:`_streams`)."""
+    if not fused:
+        return _STREAMED_MIN_TOKENS
+    return max(_STREAMED_MIN_TOKENS, -(-_FUSED_STREAMED_MIN_BYTES // (n * dtype.itemsize)))
+
+
 def _function(n: int, dtype: torch.dtype, weight_dtype: torch.dtype, fused: bool, gemma: bool, tokens: int):
-    """The compiled kernel for these rows: the streamed one from _STREAMED_MIN_TOKENS tokens where the
+    """The compiled kernel for these rows: the streamed one from :func:`_streamed_from` tokens where the
     rows allow it, else the one-pass one. Both are compiled at the first call, whatever its token count,
     so that a change of batch size never compiles."""
-    key = (n, dtype, weight_dtype, fused, gemma, tokens >= _STREAMED_MIN_TOKENS)
+    key = (n, dtype, weight_dtype, fused, gemma, tokens >= _streamed_from(n, dtype, fused))
     found = _functions.get(key)
     if found is None:
         names = _DTYPES[dtype], _DTYPES[weight_dtype]
@@ -371,8 +377,9 @@ def host_functions(input: Tensor, weight: Tensor, fused: bool, gemma: bool):
     (``fast_path.py``) calls these for the plain calls (contiguous, aligned) it serves."""
     n = input.shape[-1]
     one_pass = _function(n, input.dtype, weight.dtype, fused, gemma, 0)[0]
-    streamed = _function(n, input.dtype, weight.dtype, fused, gemma, _STREAMED_MIN_TOKENS)[0]
-    return one_pass, streamed, _STREAMED_MIN_TOKENS
+    streamed_from = _streamed_from(n, input.dtype, fused)
+    streamed = _function(n, input.dtype, weight.dtype, fused, gemma, streamed_from)[0]
+    return one_pass, streamed, streamed_from
 
 
 def _aligned_copy(t: Tensor) -> Tensor:

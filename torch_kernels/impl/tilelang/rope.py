@@ -58,7 +58,7 @@ def _layout(num_heads: int, rot_dim: int, vec: int) -> Tuple[int, int, int, int]
 
 def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_neox: bool, dtype: str,
            cache_dtype: str, positions_dtype: str, rank: int, aligned: bool):
-    pdl = _jit.dependent_launch()
+    pdl, trigger = _jit.dependent_launch(), _jit.early_trigger()
     HQ, HK, HS, ROT = num_q_heads, num_k_heads, head_size, rot_dim
     HALF = rot_dim // 2
     VEC = _vec(rot_dim, is_neox, dtype)
@@ -115,6 +115,8 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
         with T.Kernel(T.ceildiv(Tn, TPAR), threads=THREADS) as block:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
+            if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+                T.pdl_trigger()
             tid = T.get_thread_binding()
             t = block * TPAR + tid // (LANES * HPAR)
             h0 = tid // LANES % HPAR

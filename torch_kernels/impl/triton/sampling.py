@@ -37,7 +37,8 @@ bound of the row's ``t_k``; when every ``cover_s <= tau`` the buffer holds every
 route (no streaming pass). Otherwise (``k > SLICE_CAP``, ties, or fewer positive values than k) the
 row takes the routes above as if there were no prepass.
 
-The slice's count search starts from its group maxima (``Config.slice_group`` values a group): the
+The slice's count search starts from its group maxima (``Config.slice_group`` values a group; 16
+since the sweep in ``Config``'s comments, 8 when this was measured): the
 k-th largest of 512 maxima of 8 is a lower bound of the slice's k-th largest with ~52 values above it
 at k = 50, whatever the distribution, so the search runs on 2 values a thread instead of 16 and one
 count over the slice checks it (the plain search goes on from there when it does not fit: ties, k
@@ -126,12 +127,21 @@ class Config(NamedTuple):
     # can split only when top_k <= min(cap // slices, k_small)
     slices: int = 32  # slices per row: 4008 values a slice at V = 128256, 32 programs for one row
     np_slice: int = 16  # pivots per round of a slice's count search ([16, 4096] compares per round)
-    # values a group of the slice's group maxima, where its count search starts (0: none): 512 groups
-    # of 8 at 4096. Larger groups: fewer maxima to search, but ~k (1 + k / groups) values above their
-    # k-th largest, more often past SLICE_CAP for large k
-    slice_group: int = 8
+    # values a group of the slice's group maxima, where its count search starts (0: none): 256 groups
+    # of 16 at 4096. Larger groups: fewer maxima to search, but ~k (1 + k / groups) values above their
+    # k-th largest (60 at k = 50), more often past SLICE_CAP for large k
+    slice_group: int = 16
     slice_warps: int = 8  # a slice program: 16 values, 16 x 16 compares per thread a round; 80 registers
     # for sm_90 without spills (4 warps: 180, so at most 2 programs an SM; 16 warps: 75)
+    # registers a thread of a slice program at most (ptxas .maxnreg; 0: its choice): 64 fits 4 programs
+    # of 8 warps an SM instead of 3 (80 registers), 2 waves instead of 3 for 32 rows' 1024 programs.
+    # bench_sampling.py --prepass-sweep on the H200 (2026-11-30, top_k_renorm_probs k = 50, 1/32/64 rows,
+    # µs, FlashInfer 37.5/40.4/88.4 in the same rounds): groups of 8 and ptxas' choice 17.9/45.1/87.5;
+    # 64 registers 18.3/42.0/74.5; groups of 16 17.4/44.0/85.2; both 17.8/40.5/71.7; 72 registers
+    # 17.6/42.0/76.2; 8 pivots 18.4/43.0/81.1; 16 slices 19.5/45.4/90.6; 4 warps 20.8/46.3/102.7.
+    # Around the new default (sampling_prepass_sweep_2.json; FlashInfer 37.5/40.8/88.1): 18.1/40.4/72.1;
+    # with 8 pivots 18.9/39.9/70.7; 56 registers 18.5/41.5/74.3; groups of 32 19.8/45.2/77.2
+    slice_maxnreg: int = 64
     # the renormalised row's write (_renorm_write_kernel, grid (B, cdiv(V, write_block))): 4096 values
     # a program, 16 a thread at 8 warps: four 16-byte loads and stores in flight per thread, 32 programs
     # a row at V = 128256 (2048 at 64 rows: a few waves over 132 SMs, enough to hide HBM latency),
@@ -1130,6 +1140,7 @@ def _slice_prepass(probs: Tensor, top_k: Tensor, buf_bits: Tensor, buf_idx: Tens
         K_SPLIT=min(config.cap // slices, config.k_small), NP=config.np_slice,
         GROUPS=triton.next_power_of_2(slice_len) // config.slice_group if config.slice_group else 1,
         GM_CAP=config.cap // slices * 3 // 4, num_warps=config.slice_warps,
+        **({"maxnreg": config.slice_maxnreg} if config.slice_maxnreg else {}),
     )
     return stats
 
