@@ -86,8 +86,8 @@ def replay_us_interleaved(fns: dict, flush=None, rounds: int = 3, target_us: flo
     """:func:`replay_us` of each of ``fns`` (``{name: fn}``, already warm), every graph captured first and
     then timed in ``rounds`` interleaved rounds, the order rotated each round (A B C, B C A, C A B), each
     keeping its median round: in the suite of 2026-11-30 (one implementation after another) the same
-    FlashInfer kernel timed 32.8 µs as one row and 36.5 as the next but two (fused_add_rmsnorm 4096x4096
-    bf16, H200), so a row's place in the sequence outweighed the 5% it was judged by. Returns
+    FlashInfer kernel timed 32.8 µs as one row and 36.5 as another (fused_add_rmsnorm 4096x4096 bf16,
+    H200), so a row's place in the sequence outweighed the 5% it was judged by. Returns
     ``{name: µs}`` and ``{name: exception}`` for those whose capture raised (a host sync inside)."""
     graphs, failed = {}, {}
     for name, fn in fns.items():

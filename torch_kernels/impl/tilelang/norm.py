@@ -72,12 +72,14 @@ _EXACT_MAX_PER_THREAD = 64
 # sweep_triton_norm_2.json has Triton's chunks at 4028 GB/s without its L2 hints, 4177 with them: the
 # hints, which TileLang's loads do not take, are the difference. Nor the residual stored before the
 # row's sum (3986 against 4034 at 16384x7168).
-# From _STREAMED_MIN_TOKENS tokens (the fused ops: see _FUSED_STREAMED_MIN_BYTES), the fused ops' rows of 16-byte vectors are read twice with L2
-# eviction hints (:func:`_build_streamed`), as the Triton backend does there: each chunk's residual is
+# Many-token calls (rmsnorm from _STREAMED_MIN_TOKENS tokens, the fused ops from
+# _FUSED_STREAMED_MIN_BYTES) take :func:`_build_streamed`: the fused ops' rows of 16-byte vectors are
+# read twice with L2 eviction hints, as the Triton backend does from 4096 tokens: each chunk's residual is
 # stored as soon as it is summed, asked to stay in L2 (evict_last), and re-read to be normalised
 # (evict_first). sweep_tilelang_7.json (H200, bf16, streamed against one pass, Triton in the same run):
 # fused_add_rmsnorm 16384x8192 4183 against 4009 GB/s (Triton 4156), 16384x7168 4191 against 4071
-# (4161), 16384x4096 4162 against 3967 (4053), 4096x4096 3898 against 3687 (3813); 32x8192 2.44 against
+# (4161), 16384x4096 4162 against 3967 (4053), 4096x4096 3898 against 3687 (3813: timed one after the
+# other; in interleaved rounds the one-pass kernel won there, _FUSED_STREAMED_MIN_BYTES); 32x8192 2.44 against
 # 2.40 µs, so few tokens keep the one-pass kernel. rmsnorm read twice at 512 threads lost there (3934
 # against 4062 at 16384x8192, 3387 against 3994 at 16384x4096); it takes the streamed kernel in blocks
 # of 256 threads with its row kept in registers (_STREAMED_RMSNORM_THREADS).
