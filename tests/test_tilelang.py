@@ -239,7 +239,8 @@ def test_dependent_launch_on_sm90_unless_turned_off(monkeypatch):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_kernel_waits_for_its_predecessor_before_any_access(family, sm90_build):
     """With programmatic dependent launch a kernel may start before the previous one on the stream has
-    finished: its first statement must be the wait (cudaGridDependencySynchronize)."""
+    finished: its first statement must be the wait (cudaGridDependencySynchronize). Right after it, it
+    lets the next one be scheduled (cudaTriggerProgrammaticLaunchCompletion, _jit.EARLY_TRIGGER)."""
     for k in sm90_build[family]["kernels"]:
         source = open(k["source"]).read()
         body = source[source.index("{", source.index("__launch_bounds__")):]
@@ -247,6 +248,7 @@ def test_every_kernel_waits_for_its_predecessor_before_any_access(family, sm90_b
         assert wait >= 0, k["key"]
         # before it only declarations and register-only initialisation: no global buffer indexed yet
         assert not re.search(r"\b[A-Z]\w*(\[| \+ )", body[:wait]), (k["key"], body[:wait])
+        assert body.find("cudaTriggerProgrammaticLaunchCompletion()") > wait, k["key"]
 
 
 def test_compiled_once_per_key_across_threads(monkeypatch, tmp_path):
@@ -337,6 +339,17 @@ def test_norm_layouts(dtype):
     assert norm._layout(4096, "bfloat16", fused=True) == (8, 128, 1, 4096)
     # 7168 tiled exactly by 128 threads of 56 values, not padded to 8192 columns
     assert norm._layout(7168, "bfloat16") == norm._layout(7168, "bfloat16", fused=True) == (8, 128, 1, 7168)
+
+
+def test_streamed_norm_thresholds():
+    """rmsnorm takes the streamed kernel from 4096 tokens; the fused ops from tensors of 128 MB."""
+    from torch_kernels.impl.tilelang import norm
+    assert norm._streamed_from(8192, torch.bfloat16, fused=False) == norm._STREAMED_MIN_TOKENS == 4096
+    assert norm._streamed_from(4096, torch.bfloat16, fused=True) == 16384
+    assert norm._streamed_from(8192, torch.bfloat16, fused=True) == 8192
+    assert norm._streamed_from(7168, torch.bfloat16, fused=True) == 9363  # ceil(2^27 / 14336)
+    assert norm._streamed_from(4096, torch.float32, fused=True) == 8192
+    assert norm._streamed_from(65536, torch.bfloat16, fused=True) == 4096  # never below rmsnorm's
 
 
 def test_activation_tiles():
