@@ -236,6 +236,7 @@ def prepass_sweep(rows_list=(1, 32, 64)) -> list:
     same interleaved rounds (``harness.replay_us_interleaved``); every variant checked first."""
     out = []
     for rows in rows_list:
+        case = f"top_k_renorm {rows}x{VOCAB}"
         probs = _probs(rows)
         k = torch.full((rows,), TOP_K, dtype=torch.int32, device="cuda")
         want = reference.top_k_renorm_probs(probs, k)
@@ -246,15 +247,15 @@ def prepass_sweep(rows_list=(1, 32, 64)) -> list:
             try:
                 _check(OPS[1], label, fn(), want, (probs, k))
             except Exception as e:  # noqa: BLE001  (out of resources, or wrong: reported)
-                out.append({"case": f"top_k_renorm {rows}x{VOCAB}", "variant": label, "us": f"failed: {e!r}"[:80]})
+                out.append({"case": case, "variant": label, "us": f"failed: {e!r}"[:80]})
                 continue
             calls[label] = fn
         for name, fn in _flashinfer(OPS[1], (probs, k)).items():
             if not isinstance(fn, str):
                 calls[name] = fn
         times, failed = harness.replay_us_interleaved(calls, rounds=5)
-        out += [{"case": f"top_k_renorm {rows}x{VOCAB}", "variant": label, "us": us} for label, us in times.items()]
-        out += [{"case": f"top_k_renorm {rows}x{VOCAB}", "variant": label, "us": f"failed: {e!r}"[:80]} for label, e in failed.items()]
+        out += [{"case": case, "variant": label, "us": us} for label, us in times.items()]
+        out += [{"case": case, "variant": label, "us": f"failed: {e!r}"[:80]} for label, e in failed.items()]
     return out
 
 

@@ -63,32 +63,31 @@ def _capture(body, calls: int):
 
 
 def replay_us(fn, flush=None, target_us: float = 1000.0, max_calls: int = 100, replays: int = 5) -> float:
-    """Device µs per call of ``fn`` (already warmed up: compiled, autotuned): one CUDA graph holds ``n``
-    back-to-back calls, ``n`` such that a replay lasts about ``target_us`` (from a one-call graph's
-    time, at most ``max_calls``), and the median of ``replays`` timed replays is divided by ``n``.
-
-    ``flush``: a callable that evicts the L2 cache (a read of a buffer several times its size); the
-    graph then holds ``n`` x (flush, fn), and the same graph of ``n`` flushes alone, timed the same
-    way, is subtracted: ``fn`` starts every call with its inputs in HBM. Raises what the capture
-    raises (a host sync inside ``fn``)."""
-    body = fn if flush is None else (lambda: (flush(), fn()))
-    torch.cuda.synchronize()
-    estimate = _replay_us(_capture(body, 1), 3)
-    calls = max(1, min(max_calls, int(target_us / max(estimate, 1e-3))))
-    us = _replay_us(_capture(body, calls), replays) / calls
-    if flush is not None:
-        us -= _replay_us(_capture(flush, calls), replays) / calls
-    return us
+    """Device µs per call of ``fn`` (already warmed up: compiled, autotuned), as
+    :func:`replay_us_interleaved` times each function. Raises what the capture raises (a host sync
+    inside ``fn``)."""
+    times, failed = replay_us_interleaved({"fn": fn}, flush, 1, target_us, max_calls, replays)
+    if failed:
+        raise failed["fn"]
+    return times["fn"]
 
 
 def replay_us_interleaved(fns: dict, flush=None, rounds: int = 3, target_us: float = 1000.0,
                           max_calls: int = 100, replays: int = 5) -> dict:
-    """:func:`replay_us` of each of ``fns`` (``{name: fn}``, already warm), every graph captured first and
-    then timed in ``rounds`` interleaved rounds, the order rotated each round (A B C, B C A, C A B), each
-    keeping its median round: in the suite of 2026-11-30 (one implementation after another) the same
-    FlashInfer kernel timed 32.8 µs as one row and 36.5 as another (fused_add_rmsnorm 4096x4096 bf16,
-    H200), so a row's place in the sequence outweighed the 5% it was judged by. Returns
-    ``{name: µs}`` and ``{name: exception}`` for those whose capture raised (a host sync inside)."""
+    """Device µs per call of each of ``fns`` (``{name: fn}``, already warm): one CUDA graph each holds
+    ``n`` back-to-back calls, ``n`` such that a replay lasts about ``target_us`` (from a one-call graph's
+    time, at most ``max_calls``), and the median of ``replays`` timed replays is divided by ``n``.
+
+    Every graph is captured first, then they are timed in ``rounds`` interleaved rounds, the order
+    rotated each round (A B C, B C A, C A B), each keeping its median round: in the suite of 2026-11-30
+    (one implementation after another) the same FlashInfer kernel timed 32.8 µs as one row and 36.5 as
+    another (fused_add_rmsnorm 4096x4096 bf16, H200), so a row's place in the sequence outweighed the 5%
+    it was judged by.
+
+    ``flush``: a callable that evicts the L2 cache (a read of a buffer several times its size); each
+    graph then holds ``n`` x (flush, fn), and a graph of ``n`` flushes alone, timed the same way, is
+    subtracted: ``fn`` starts every call with its inputs in HBM. Returns ``{name: µs}`` and
+    ``{name: exception}`` for those whose capture raised (a host sync inside)."""
     graphs, failed = {}, {}
     for name, fn in fns.items():
         body = fn if flush is None else (lambda fn=fn: (flush(), fn()))
