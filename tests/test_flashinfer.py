@@ -316,8 +316,9 @@ def test_recorded_signatures_parse_and_differ_only_where_read(version):
 
 
 def test_recorded_signatures_are_the_installed_flashinfers():
-    """Where a real FlashInfer imports (CI installs it without its CUDA dependencies), its signatures are
-    the recorded ones for its release: names, kinds, defaults, and whether ``seed`` takes a tensor."""
+    """Where a real FlashInfer imports (the README's test command installs it without its CUDA
+    dependencies; the GPU host has its bundle), its signatures are the recorded ones for its release:
+    names, kinds, defaults, and whether ``seed`` takes a tensor."""
     fi = pytest.importorskip("flashinfer")
     for module in ("norm", "utils", "activation", "rope", "cascade", "sampling"):
         importlib.import_module(f"flashinfer.{module}")
