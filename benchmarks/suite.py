@@ -258,7 +258,8 @@ def run_case(runner: OpRunner, rows: int, hidden: Optional[int], label: str, arg
             continue
         results.append(row)
         live.append((impl, row, call_args))
-    times = device_times({row["impl"]: (lambda f, a: lambda: f(*a))(impl.fn, call_args) for impl, row, call_args in live}, ctx)
+    fns = {row["impl"]: (lambda f, a: lambda: f(*a))(impl.fn, call_args) for impl, row, call_args in live}
+    times = device_times(fns, ctx)
     for _, row, _ in live:
         if isinstance(times[row["impl"]], Exception):
             row["status"] = f"failed in timing: {_first_line(times[row['impl']])}"
@@ -266,10 +267,10 @@ def run_case(runner: OpRunner, rows: int, hidden: Optional[int], label: str, arg
             row["device_us"], row["timing"] = times[row["impl"]]
     timed = [(impl, row, call_args) for impl, row, call_args in live if "device_us" in row]
     if rows in ctx.host_tokens and timed:
-        fns = {row["impl"]: (lambda f, a: lambda: f(*a))(impl.fn, call_args) for impl, row, call_args in timed}
         calls = {row["impl"]: int(min(200, max(1, HOST_ROUND_US / max(row["device_us"], 1.0)))) for _, row, _ in timed}
         try:  # warm already: checked and timed
-            host = harness.host_us_interleaved(fns, rounds=HOST_ROUNDS, calls=calls, warmup=1, sync=ctx.sync)
+            host = harness.host_us_interleaved({name: fns[name] for name in calls}, rounds=HOST_ROUNDS, calls=calls,
+                                               warmup=1, sync=ctx.sync)
             for _, row, _ in timed:
                 row["host_us"] = host[row["impl"]]
         except Exception as e:  # noqa: BLE001

@@ -32,6 +32,7 @@ from torch_kernels.impl.torch import rope as ref_rope  # noqa: E402
 from torch_kernels.impl.triton import activation as tr_act, attention as tr_merge, norm as tr_norm  # noqa: E402
 from torch_kernels.impl.triton import rope as tr_rope  # noqa: E402
 
+ROUNDS = 5  # interleaved timing rounds, the median kept
 NORM_SHAPES = ((1, 4096), (32, 8192), (4096, 4096), (16384, 8192))
 NORM_OPS = ("rmsnorm", "fused_add_rmsnorm")
 # label -> the module constants it patches (names starting DEEPINFER_: environment variables; "streamed":
@@ -55,7 +56,6 @@ ROPE_TOKENS = (1, 4096, 16384)
 ROPE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False},
                  "tilelang, block 128": {"_BLOCK_THREADS": 128}, "tilelang, block 512": {"_BLOCK_THREADS": 512}}
 ACT_SHAPES = ((1, 4096), (32, 8192), (4096, 4096), (4096, 7168), (16384, 4096))  # (tokens, d)
-ROUNDS = 5  # interleaved timing rounds, the median kept
 ACT_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False}}
 
 
