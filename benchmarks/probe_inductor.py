@@ -7,7 +7,7 @@ Triton and TileLang kernels in the same run (the H200 host):
 (``mark_dynamic(x, 0)``, what an engine compiling for any batch size gets: the hidden size stays a
 constant, so Inductor can keep the row in one persistent reduction). Writes each compiled graph's
 generated code to ``<out>/<op>_<mode>_<hidden>.py`` and prints GB/s by CUDA-graph replay against a
-copy measured in the same run.
+copy measured in the same run, every implementation of a shape in interleaved rounds.
 """
 
 import argparse
@@ -24,6 +24,7 @@ from torch_kernels.impl.torch import activation as ref_act, norm as ref_norm  # 
 from torch_kernels.impl.triton import activation as tr_act, norm as tr_norm  # noqa: E402
 
 SHAPES = ((16384, 8192), (16384, 7168))
+ROUNDS = 5  # interleaved timing rounds, the median kept (harness.replay_us_interleaved)
 OPS = {  # op -> (reference, Triton, TileLang, bytes moved per element of the (tokens, hidden) output)
     "rmsnorm": (ref_norm.rmsnorm, tr_norm.rmsnorm, tl_norm.rmsnorm, 4),
     "gemma_rmsnorm": (ref_norm.gemma_rmsnorm, tr_norm.gemma_rmsnorm, tl_norm.gemma_rmsnorm, 4),
@@ -88,15 +89,20 @@ def main() -> None:
                     print(f"{op} {tokens}x{n} {mode}: {name} {config}", flush=True)
             want = [t.clone() for t in call_args]
             want_out = ref(*want)
+            calls = {}
             for label, fn in impls.items():
                 mine = [t.clone() for t in call_args]
                 got = fn(*mine)
                 torch.testing.assert_close(got if got is not None else mine[0], want_out if want_out is not None else want[0],
                                            atol=2e-2, rtol=2e-2)
-                us = harness.replay_us(lambda: fn(*mine))
+                calls[label] = (lambda fn, mine: lambda: fn(*mine))(fn, mine)
+            times, failed = harness.replay_us_interleaved(calls, rounds=ROUNDS)
+            for label, us in times.items():
                 rows.append({"op": op, "shape": f"{tokens}x{n}", "impl": label, "us": us,
                              "GB/s": nbytes / us / 1e3, "of copy": nbytes / us / 1e3 / ceiling})
                 print(rows[-1], flush=True)
+            rows += [{"op": op, "shape": f"{tokens}x{n}", "impl": label, "status": f"failed: {e}"[:160]}
+                     for label, e in failed.items()]
     harness.write_json(os.path.join(args.out, "probe.json"), {**harness.header(), "copy GB/s": ceiling, "rows": rows})
     print(f"\ncopy ceiling {ceiling:.0f} GB/s\n")
     print(harness.markdown(rows, ["op", "shape", "impl", "us", "GB/s", "of copy", "status"]))

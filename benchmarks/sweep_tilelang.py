@@ -2,7 +2,7 @@
 FlashInfer's API in the same run: where the constants of ``impl/tilelang/norm.py``
 (``_ELEMENTS_PER_THREAD``, ``_THIRTY_TWO_A_THREAD``, ``_PREFETCH_WEIGHT``, ``_TILE_EXACTLY``),
 ``impl/tilelang/attention.py`` (``_PER_THREAD``, ``_THREADS``), ``impl/tilelang/rope.py``
-(``_BLOCK_THREADS``), ``impl/tilelang/activation.py`` (``_FAST_MATH``) and ``_jit.dependent_launch``
+(``_BLOCK_THREADS``), ``impl/tilelang/activation.py`` (``_FAST_MATH``, ``_WIDE_PER_THREAD``) and ``_jit.dependent_launch``
 come from.
 
     . .gpu-pkgs/setup.sh && python benchmarks/sweep_tilelang.py --out sweep.json
@@ -33,7 +33,7 @@ from torch_kernels.impl.triton import activation as tr_act, attention as tr_merg
 from torch_kernels.impl.triton import rope as tr_rope  # noqa: E402
 
 ROUNDS = 5  # interleaved timing rounds, the median kept
-NORM_SHAPES = ((1, 4096), (32, 8192), (4096, 4096), (16384, 8192))
+NORM_SHAPES = ((4096, 4096), (4096, 7168), (4096, 8192), (8192, 4096), (8192, 7168), (16384, 4096))
 NORM_OPS = ("rmsnorm", "fused_add_rmsnorm")
 # label -> the module constants it patches (names starting DEEPINFER_: environment variables; "streamed":
 # the many-token kernel, norm._build_streamed). The sweeps of 2026-11-29 set _THIRTY_TWO_A_THREAD
@@ -47,16 +47,18 @@ NORM_OPS = ("rmsnorm", "fused_add_rmsnorm")
 # kernel's first-pass loads, the fused ops' block size and the one-pass kernel against the streamed one
 # up to 16384 tokens (sweep_tilelang_10/11.json: the first sweeps timed in interleaved rounds); the
 # activations' and merge's loads with L2 hints lost there (activation.py, attention.py say by how much).
-NORM_VARIANTS = {"tilelang, one pass": {}, "tilelang, streamed": {"streamed": True},
-                 "tilelang, one pass, no early trigger": {"_jit.EARLY_TRIGGER": False},
-                 "tilelang, streamed, no early trigger": {"streamed": True, "_jit.EARLY_TRIGGER": False}}
+NORM_VARIANTS = {"tilelang, one pass": {}, "tilelang, streamed": {"streamed": True}}
 MERGE_TOKENS = (1, 4096, 16384)
 MERGE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False}}  # label -> constants
 ROPE_TOKENS = (1, 4096, 16384)
 ROPE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False},
                  "tilelang, block 128": {"_BLOCK_THREADS": 128}, "tilelang, block 512": {"_BLOCK_THREADS": 512}}
-ACT_SHAPES = ((1, 4096), (32, 8192), (4096, 4096), (4096, 7168), (16384, 4096))  # (tokens, d)
-ACT_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False}}
+ACT_SHAPES = ((1, 4096), (32, 8192), (4096, 4096), (16384, 7168), (16384, 8192))  # (tokens, d)
+ACT_KINDS = ("gelu",)
+# label -> constants, "per_thread": the kernel's outputs a thread (else the launcher's, activation._per_thread).
+# sweep_tilelang_13.json timed 8 and 16 a thread and 256 threads for every activation (activation.py).
+ACT_VARIANTS = {"tilelang": {}, "tilelang, 32 a thread": {"per_thread": 32},
+                "tilelang, 16 a thread, 64 threads": {"per_thread": 16, "_THREADS": 64}}
 
 
 def _row(op: str, shape: str, label: str, nbytes: int, us: float, ceiling: float) -> dict:
@@ -218,23 +220,31 @@ def rope_rows(ceiling: float) -> list:
 def act_rows(ceiling: float) -> list:
     import flashinfer.activation
 
-    acts = ("silu", "gelu_tanh")
-    prims = {(d, act, label): _patched(tl_act, ACT_VARIANTS[label], tl_act._build, d, "bfloat16", act)
-             for (_, d) in ACT_SHAPES for act in acts for label in ACT_VARIANTS}
+    acts = ACT_KINDS
+    def per_thread(label, act, tokens):
+        return ACT_VARIANTS[label].get("per_thread") or tl_act._per_thread(act, tokens)
+
+    prims = {(d, act, label, per_thread(label, act, tokens)):
+             _patched(tl_act, {k: v for k, v in ACT_VARIANTS[label].items() if k != "per_thread"}, tl_act._build,
+                      d, "bfloat16", act, per_thread(label, act, tokens))
+             for (tokens, d) in ACT_SHAPES for act in acts for label in ACT_VARIANTS}
     fns = _compile_all(prims)
+    fns = {(tokens, d, act, label): fns[(d, act, label, per_thread(label, act, tokens))]
+           for (tokens, d) in ACT_SHAPES for act in acts for label in ACT_VARIANTS}
     rows = []
     for (tokens, d), act in itertools.product(ACT_SHAPES, acts):
         x = torch.randn(tokens, 2 * d, device="cuda", dtype=torch.bfloat16) * 2
-        want = ref_act.silu_and_mul(x) if act == "silu" else ref_act.gelu_and_mul(x, "tanh")
+        want = ref_act.silu_and_mul(x) if act == "silu" else ref_act.gelu_and_mul(x, "tanh" if act == "gelu_tanh" else "none")
         nbytes = x.numel() * 2 * 3 // 2
         out = torch.empty(tokens, d, device="cuda", dtype=torch.bfloat16)
-        impls = {label: (lambda fn=fns[(d, act, label)]: (fn(x, out), out)[1]) for label in ACT_VARIANTS}
+        impls = {label: (lambda fn=fns[(tokens, d, act, label)]: (fn(x, out), out)[1]) for label in ACT_VARIANTS}
         impls["triton backend"] = lambda: tr_act.act_and_mul(x, act)
         impls["flashinfer api"] = lambda: getattr(flashinfer.activation, f"{act}_and_mul")(x)
         calls = {}
         for label, fn in impls.items():
-            if isinstance(fns.get((d, act, label)), str):
-                rows.append({"op": f"{act}_and_mul", "shape": f"{tokens}x2*{d}", "impl": label, "status": fns[(d, act, label)]})
+            if isinstance(fns.get((tokens, d, act, label)), str):
+                rows.append({"op": f"{act}_and_mul", "shape": f"{tokens}x2*{d}", "impl": label,
+                             "status": fns[(tokens, d, act, label)]})
                 continue
             torch.testing.assert_close(fn(), want, atol=2e-2, rtol=2e-2)
             calls[label] = fn

@@ -123,8 +123,8 @@ def _global_accesses(source: str, buffers):
 @pytest.mark.parametrize("family,key,buffers", [
     ("norm", "8192_bfloat16_bfloat16_False_False", ("X", "Wt", "O")),
     ("norm", "8192_bfloat16_bfloat16_True_False", ("X", "R", "Wt")),
-    ("activation", "14336_bfloat16_silu", ("Xa", "O")),
-    ("activation", "14336_bfloat16_gelu", ("Xa", "O")),
+    ("activation", "14336_bfloat16_silu_8", ("Xa", "O")),
+    ("activation", "14336_bfloat16_gelu_16", ("Xa", "O")),
 ])
 def test_benchmark_shapes_compile_to_16_byte_accesses(family, key, buffers, sm90_build):
     """The H200 benchmark shapes read and write every tensor in 16-byte vectors (uint4: 8 bf16)."""
@@ -342,9 +342,13 @@ def test_norm_layouts(dtype):
 
 
 def test_streamed_norm_thresholds():
-    """rmsnorm takes the streamed kernel from 4096 tokens; the fused ops from tensors of 128 MB."""
+    """Every norm takes the streamed kernel from tensors of 128 MB; rmsnorm's rows of 16 KB from 4096
+    tokens."""
     from torch_kernels.impl.tilelang import norm
     assert norm._streamed_from(8192, torch.bfloat16, fused=False) == norm._STREAMED_MIN_TOKENS == 4096
+    assert norm._streamed_from(4096, torch.float32, fused=False) == 4096  # rows of 16 KB
+    assert norm._streamed_from(4096, torch.bfloat16, fused=False) == 16384  # narrower: from 128 MB
+    assert norm._streamed_from(7168, torch.bfloat16, fused=False) == 9363
     assert norm._streamed_from(4096, torch.bfloat16, fused=True) == 16384
     assert norm._streamed_from(8192, torch.bfloat16, fused=True) == 8192
     assert norm._streamed_from(7168, torch.bfloat16, fused=True) == 9363  # ceil(2^27 / 14336)
@@ -354,13 +358,18 @@ def test_streamed_norm_thresholds():
 
 def test_activation_tiles():
     from torch_kernels.impl.tilelang import activation
-    for d in [1, 2, 3, 5, 8, 100, 128, 200, 257, 1000, 1024, 1536, 4864, 14336, 65536]:
-        bm, bn = activation._tile(d)
-        assert bm * bn == activation._TILE and bn & (bn - 1) == 0 and bn >= activation._PER_THREAD, d
-        assert bn >= min(d, activation._TILE) and (bm == 1 or bn < max(2 * d, 2 * activation._PER_THREAD)), d
+    for d, per_thread in itertools.product([1, 2, 3, 5, 8, 100, 128, 200, 257, 1000, 1024, 1536, 4864, 14336, 65536],
+                                           [activation._PER_THREAD, activation._WIDE_PER_THREAD]):
+        tile = per_thread * activation._THREADS
+        bm, bn = activation._tile(d, per_thread)
+        assert bm * bn == tile and bn & (bn - 1) == 0 and bn >= per_thread, d
+        assert bn >= min(d, tile) and (bm == 1 or bn < max(2 * d, 2 * per_thread)), d
         for dtype in ("float16", "bfloat16", "float32"):
             vec = activation._vec(d, dtype)
-            assert d % vec == 0 and vec * _jit.ELEMENT_BYTES[dtype] <= 16 and activation._PER_THREAD % vec == 0
+            assert d % vec == 0 and vec * _jit.ELEMENT_BYTES[dtype] <= 16 and per_thread % vec == 0
+    # the erf GELU's 16 a thread from 32 tokens; every other activation and token count 8
+    assert [activation._per_thread("gelu", t) for t in (1, 31, 32, 16384)] == [8, 8, 16, 16]
+    assert {activation._per_thread(act, t) for act in ("silu", "gelu_tanh") for t in (1, 32, 16384)} == {8}
 
 
 def test_ci_kernels_cover_every_variant():
@@ -381,6 +390,7 @@ def test_ci_kernels_cover_every_variant():
     assert {k[2] for k in keys} == set(activation._ACTIVATIONS)
     assert any(activation._tile(k[0])[0] > 1 for k in keys) and any(k[0] % activation._tile(k[0])[1] for k in keys)
     assert any(activation._vec(k[0], k[1]) == 1 for k in keys)
+    assert {k[3] for k in keys} == {activation._PER_THREAD, activation._WIDE_PER_THREAD}
 
 
 # --- the launchers' contract with the kernels, on CPU ---------------------------------------------
@@ -500,10 +510,11 @@ def test_activation_launchers_keep_the_kernel_contract(op, approximate, layout, 
     reference_of = {"silu": ref.silu_and_mul, "gelu": lambda x: ref.gelu_and_mul(x, "none"),
                     "gelu_tanh": ref.gelu_tanh_and_mul}
 
-    def function(d, dtype, act):
+    def function(d, dtype, act, per_thread):
         vec = activation._vec(d, activation._DTYPES[dtype])
 
         def host(x, out):
+            assert per_thread == activation._per_thread(act, x.shape[0])
             calls.append((x, out))
             _check_contract(vec, (x, out), (out,))
             out.copy_(reference_of[act](x))
@@ -511,7 +522,7 @@ def test_activation_launchers_keep_the_kernel_contract(op, approximate, layout, 
     monkeypatch.setattr(activation, "_function", function)
     args = () if approximate is None else (approximate,)
     reference = registry.BY_OP[op][Backend.TORCH].load()
-    for shape in [(3, 4, 96), (2, 5, 514), (0, 2, 64), (2, 0, 16)] + (
+    for shape in [(3, 4, 96), (2, 20, 96), (2, 5, 514), (0, 2, 64), (2, 0, 16)] + (
             [] if layout == "sliced" else [(5, 514), (1, 2), (0, 64), (10,)]):
         x = _views(shape, torch.bfloat16, layout)
         before = len(calls)

@@ -3,13 +3,13 @@ of silu, gelu (erf) and gelu (tanh), computed in fp32 as the reference (``impl/t
 writes them, and rounded once to the input's dtype.
 
 Shapes: ``input`` ``(T, 2d)`` row view (last dim contiguous, any row stride that is a multiple of the
-vector); the output is ``(T, d)``, contiguous. One kernel per (d, dtype, activation); the token count
-is a runtime value (``T.dynamic``), so a batch-size change never compiles again.
+vector); the output is ``(T, d)``, contiguous. One kernel per (d, dtype, activation, outputs a thread); the token
+count is a runtime value (``T.dynamic``), so a batch-size change never compiles again.
 
-A streaming kernel: each block of :data:`_THREADS` threads writes one tile of :data:`_TILE` outputs
-(``BM`` rows of ``BN`` columns, ``BM > 1`` only when a row is shorter than the tile), every thread 8 of
-them in 16-byte accesses (two in fp32) of the gate, the up half ``d`` columns to its right, and the
-output. Blocks are numbered column tile fastest on one grid axis (2^31 - 1 blocks), so consecutive
+A streaming kernel: each block of :data:`_THREADS` threads writes one tile of outputs (``BM`` rows of
+``BN`` columns, ``BM > 1`` only when a row is shorter than the tile), every thread 8 of them in 16-byte
+accesses (two in fp32) of the gate, the up half ``d`` columns to its right, and the output; the erf
+GELU's many-token kernel 16 (:data:`_WIDE_PER_THREAD`). Blocks are numbered column tile fastest on one grid axis (2^31 - 1 blocks), so consecutive
 blocks stream consecutive memory, as the Triton kernel and Inductor's pointwise grid do.
 
 Data pointers not 16-byte aligned, or row strides that are not a multiple of the vector, are rare: the
@@ -26,12 +26,20 @@ from . import _jit
 
 _NAME = "act_and_mul"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# Outputs a block writes, over 4 warps: 8 a thread, one 16-byte vector of the gate, the up half and
+# A block of 4 warps writes 1024 outputs, 8 a thread: one 16-byte vector of the gate, the up half and
 # the output in bf16/fp16. The Triton kernel's tile (triton/activation.py), which ran 8192 x 2*14336
 # bf16 at 4363 GB/s on the H200.
-_TILE = 1024
 _THREADS = 128
-_PER_THREAD = _TILE // _THREADS
+_PER_THREAD = 8
+# The erf GELU from _WIDE_MIN_TOKENS tokens: 16 outputs a thread, so each thread has two vectors of
+# each half in flight before its longer arithmetic (a reciprocal, an exp and a polynomial an element).
+# sweep_tilelang_13.json (H200, bf16, 5 interleaved rounds, 8 against 16 a thread): 16384x2*7168 3839
+# against 4058 GB/s (Triton 3640, FlashInfer 3459), 16384x2*8192 3956 against 4049, 4096x2*4096 3811
+# against 3992; 32x2*8192 1.48 against 1.48 µs, one token 0.90 against 1.05 µs (hence the threshold).
+# silu and the tanh GELU gained nothing (within 0.4% at 16384 tokens) and lost at 1 and 32 tokens;
+# 256 threads a block lost for the erf GELU (3578 GB/s at 16384x2*7168).
+_WIDE_PER_THREAD = 16
+_WIDE_MIN_TOKENS = 32
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 # silu and the tanh GELU by __expf and an approximate reciprocal (as Triton's tl.exp and 1.0 / x lower),
 # not expf and an IEEE division. sweep_tilelang.py on the H200 (2026-11-29, bf16, 2*8192, fast against
@@ -47,11 +55,16 @@ _FAST_MATH = True
 _vec = _jit.vector_width  # over d: the up half starts d elements after the gate
 
 
-def _tile(d: int):
-    """``(BM, BN)``: a row of up to :data:`_TILE` columns (a power of two, at least one thread's 8),
-    rows filling the tile."""
-    bn = min(max(1 << (d - 1).bit_length(), _PER_THREAD), _TILE)
-    return _TILE // bn, bn
+def _tile(d: int, per_thread: int = _PER_THREAD):
+    """``(BM, BN)`` of a block's ``per_thread * _THREADS`` outputs: a row of up to that many columns (a
+    power of two, at least one thread's ``per_thread``), rows filling the tile."""
+    tile = per_thread * _THREADS
+    bn = min(max(1 << (d - 1).bit_length(), per_thread), tile)
+    return tile // bn, bn
+
+
+def _per_thread(act: str, tokens: int) -> int:
+    return _WIDE_PER_THREAD if act == "gelu" and tokens >= _WIDE_MIN_TOKENS else _PER_THREAD
 
 
 def _erfc_t(g):
@@ -89,12 +102,12 @@ def _activate(g, act: str, t=None):
     return g / (f(1) + T.exp(f(-1.5957691216057308) * (g + f(0.044715) * g * g * g)))
 
 
-def _build(d: int, dtype: str, act: str):
+def _build(d: int, dtype: str, act: str, per_thread: int = _PER_THREAD):
     pdl, trigger = _jit.dependent_launch(), _jit.early_trigger()
     VEC = _vec(d, dtype)
-    NV = _PER_THREAD // VEC  # vectors a thread
-    BM, BN = _tile(d)
-    TR = BN // _PER_THREAD  # threads a row
+    NV = per_thread // VEC  # vectors a thread
+    BM, BN = _tile(d, per_thread)
+    TR = BN // per_thread  # threads a row
     COL_TILES = -(-d // BN)
     f32 = "float32"
     num_tokens = T.dynamic("num_tokens")
@@ -149,21 +162,22 @@ def _build(d: int, dtype: str, act: str):
 # Launchers: the reference's signatures. Per call, after the first: one dict lookup for the
 # compiled host function (its vector width beside it), an alignment test, and the call.
 
-_functions: dict = {}  # (d, dtype, activation) -> (host function, vector width)
+_functions: dict = {}  # (d, dtype, activation, outputs a thread) -> (host function, vector width)
 
 
-def _function(d: int, dtype: torch.dtype, act: str):
-    key = (d, dtype, act)
+def _function(d: int, dtype: torch.dtype, act: str, per_thread: int = _PER_THREAD):
+    key = (d, dtype, act, per_thread)
     found = _functions.get(key)
     if found is None:
-        kernel = _jit.compiled(_NAME, _build, d, _DTYPES[dtype], act)
+        kernel = _jit.compiled(_NAME, _build, d, _DTYPES[dtype], act, per_thread)
         found = _functions[key] = (_jit.entry(kernel), _vec(d, _DTYPES[dtype]))
     return found
 
 
 def host_function(input: Tensor, act: str):
     """The compiled host function ``act_and_mul`` calls for rows like ``input``'s, ``fn(x, out)``: what
-    the C++ entry (``fast_path.py``) calls for the plain calls (contiguous, aligned) it serves."""
+    the C++ entry (``fast_path.py``) calls for the plain calls (contiguous, aligned) it serves (silu and
+    the tanh GELU: one kernel for every token count)."""
     return _function(input.shape[-1] // 2, input.dtype, act)[0]
 
 
@@ -172,7 +186,7 @@ def act_and_mul(input: Tensor, act: str) -> Tensor:
     x = input if input.dim() == 2 else input.reshape(-1, 2 * d)
     out = x.new_empty((x.shape[0], d))  # contiguous; half the host time of torch.empty(shape, dtype=, device=)
     if x.shape[0]:
-        fn, vec = _function(d, x.dtype, act)
+        fn, vec = _function(d, x.dtype, act, _per_thread(act, x.shape[0]))
         if x.data_ptr() & 15 or x.stride(0) % vec:  # rare: a view at an odd offset; a fresh copy is aligned
             x = x.clone(memory_format=torch.contiguous_format)
         fn(x, out)
@@ -194,12 +208,14 @@ def gelu_tanh_and_mul(input: Tensor) -> Tensor:
 def ci_kernels() -> Iterator[tuple]:
     """(name, build, key) of the specialisations CI compiles for sm_90: every activation, every dtype,
     and each tiling: whole column tiles (14336 = 14 x 1024), a masked last column tile (4864), rows
-    shorter than the tile (several a block, 200: masked), and an odd ``d`` (scalar accesses)."""
-    for d, dtype, act in (
-        (14336, "bfloat16", "silu"),  # the benchmark shape
-        (14336, "bfloat16", "gelu"),
-        (4864, "float16", "gelu_tanh"),
-        (200, "float32", "silu"),
-        (257, "bfloat16", "gelu"),
+    shorter than the tile (several a block, 200: masked), and an odd ``d`` (scalar accesses); the erf
+    GELU's 16 a thread too."""
+    for d, dtype, act, per_thread in (
+        (14336, "bfloat16", "silu", _PER_THREAD),  # the benchmark shape
+        (14336, "bfloat16", "gelu", _WIDE_PER_THREAD),
+        (4864, "float16", "gelu_tanh", _PER_THREAD),
+        (200, "float32", "silu", _PER_THREAD),
+        (257, "bfloat16", "gelu", _PER_THREAD),
+        (4864, "float32", "gelu", _WIDE_PER_THREAD),
     ):
-        yield _NAME, _build, (d, dtype, act)
+        yield _NAME, _build, (d, dtype, act, per_thread)

@@ -72,26 +72,31 @@ _EXACT_MAX_PER_THREAD = 64
 # sweep_triton_norm_2.json has Triton's chunks at 4028 GB/s without its L2 hints, 4177 with them: the
 # hints, which TileLang's loads do not take, are the difference. Nor the residual stored before the
 # row's sum (3986 against 4034 at 16384x7168).
-# Many-token calls (rmsnorm from _STREAMED_MIN_TOKENS tokens, the fused ops from
-# _FUSED_STREAMED_MIN_BYTES) take :func:`_build_streamed`: the fused ops' rows of 16-byte vectors are
+# Many-token calls (from _STREAMED_MIN_BYTES a tensor, rmsnorm's rows of _STREAMED_WIDE_ROW_BYTES from
+# _STREAMED_MIN_TOKENS tokens) take :func:`_build_streamed`: the fused ops' rows of 16-byte vectors are
 # read twice with L2 eviction hints, as the Triton backend does from 4096 tokens: each chunk's residual is
 # stored as soon as it is summed, asked to stay in L2 (evict_last), and re-read to be normalised
 # (evict_first). sweep_tilelang_7.json (H200, bf16, streamed against one pass, Triton in the same run):
 # fused_add_rmsnorm 16384x8192 4183 against 4009 GB/s (Triton 4156), 16384x7168 4191 against 4071
 # (4161), 16384x4096 4162 against 3967 (4053), 4096x4096 3898 against 3687 (3813: timed one after the
-# other; in interleaved rounds the one-pass kernel won there, _FUSED_STREAMED_MIN_BYTES); 32x8192 2.44 against
+# other; in interleaved rounds the one-pass kernel won there, _STREAMED_MIN_BYTES); 32x8192 2.44 against
 # 2.40 µs, so few tokens keep the one-pass kernel. rmsnorm read twice at 512 threads lost there (3934
 # against 4062 at 16384x8192, 3387 against 3994 at 16384x4096); it takes the streamed kernel in blocks
 # of 256 threads with its row kept in registers (_STREAMED_RMSNORM_THREADS).
 _STREAMED_MIN_TOKENS = 4096
-# The fused ops take the streamed kernel only from tensors of 128 MB (16384 tokens of 4096 bf16, 8192
-# of 8192): below, the one-pass kernel is faster. sweep_tilelang_11.json (H200, bf16, every variant
-# timed in 5 interleaved rounds, FlashInfer's API in the same rounds; sequential timing had put a
-# row's place in the run above these gaps), one pass / streamed / FlashInfer, GB/s: fused_add_rmsnorm
+# The streamed kernel only from tensors of 128 MB (16384 tokens of 4096 bf16, 8192 of 8192), and for
+# rmsnorm from 4096 tokens where a row has 16 KB (8192 bf16): elsewhere the one-pass kernel is faster.
+# rmsnorm, sweep_tilelang_13.json (H200, bf16, 5 interleaved rounds), one pass / streamed, GB/s:
+# 4096x4096 4145 / 3965, 4096x7168 4107 / 3988, 4096x8192 4012 / 4054, 8192x4096 4164 / 4096, 8192x7168
+# 4151 / 4141, 16384x4096 4172 / 4174; 16384x8192 4150 / 4254 (sweep_tilelang_12.json). The fused ops,
+# sweep_tilelang_11.json (H200, bf16, every variant timed in 5 interleaved rounds, FlashInfer's API in
+# the same rounds; sequential timing had put a row's place in the run above these gaps), one pass /
+# streamed / FlashInfer, GB/s: fused_add_rmsnorm
 # 4096x4096 4168 / 3938 / 4090, 4096x7168 4120 / 3940 / 3970, 4096x8192 4085 / 3988 / 4011, 8192x4096
 # 4141 / 4090 / 4115, 8192x8192 4121 / 4132 / 4043, 16384x4096 4118 / 4172 / 4122; 16384x8192 4052 /
 # 4198 / 4012 (sweep_tilelang_10.json). The same for Gemma's.
-_FUSED_STREAMED_MIN_BYTES = 128 << 20
+_STREAMED_MIN_BYTES = 128 << 20
+_STREAMED_WIDE_ROW_BYTES = 16 << 10
 _STREAMED_THREADS = 512
 # The L2 hint of the first pass's loads (the input, and the fused ops' residual). evict_first, as the
 # values are dead once loaded, lost from 8192 tokens (sweep_tilelang_10/11.json, fused_add_rmsnorm
@@ -350,9 +355,10 @@ _functions: dict = {}  # (n, dtype, weight dtype, fused, gemma, streamed) -> (ho
 
 def _streamed_from(n: int, dtype: torch.dtype, fused: bool) -> int:
     """The token count from which rows of ``n`` take the streamed kernel (where :func:`_streams`)."""
-    if not fused:
+    row_bytes = n * dtype.itemsize
+    if not fused and row_bytes >= _STREAMED_WIDE_ROW_BYTES:
         return _STREAMED_MIN_TOKENS
-    return max(_STREAMED_MIN_TOKENS, -(-_FUSED_STREAMED_MIN_BYTES // (n * dtype.itemsize)))
+    return max(_STREAMED_MIN_TOKENS, -(-_STREAMED_MIN_BYTES // row_bytes))
 
 
 def _function(n: int, dtype: torch.dtype, weight_dtype: torch.dtype, fused: bool, gemma: bool, tokens: int):
