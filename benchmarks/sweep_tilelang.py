@@ -33,7 +33,7 @@ from torch_kernels.impl.triton import activation as tr_act, attention as tr_merg
 from torch_kernels.impl.triton import rope as tr_rope  # noqa: E402
 
 ROUNDS = 5  # interleaved timing rounds, the median kept
-NORM_SHAPES = ((4096, 4096), (4096, 7168), (4096, 8192), (8192, 4096), (8192, 7168), (16384, 4096))
+NORM_SHAPES = tuple((t, n) for n in (4096, 8192) for t in (1, 128, 512, 1024, 4096))
 NORM_OPS = ("rmsnorm", "fused_add_rmsnorm")
 # label -> the module constants it patches (names starting DEEPINFER_: environment variables; "streamed":
 # the many-token kernel, norm._build_streamed). The sweeps of 2026-11-29 set _THIRTY_TWO_A_THREAD
@@ -47,18 +47,22 @@ NORM_OPS = ("rmsnorm", "fused_add_rmsnorm")
 # kernel's first-pass loads, the fused ops' block size and the one-pass kernel against the streamed one
 # up to 16384 tokens (sweep_tilelang_10/11.json: the first sweeps timed in interleaved rounds); the
 # activations' and merge's loads with L2 hints lost there (activation.py, attention.py say by how much).
-NORM_VARIANTS = {"tilelang, one pass": {}, "tilelang, streamed": {"streamed": True}}
-MERGE_TOKENS = (1, 4096, 16384)
-MERGE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False}}  # label -> constants
-ROPE_TOKENS = (1, 4096, 16384)
+NORM_VARIANTS = {"tilelang, one pass": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False},
+                 "tilelang, always early trigger": {"_jit.NO_TRIGGER_BYTES": (0, 0)}}
+MERGE_TOKENS = (1, 256, 512, 4096)
+MERGE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False},  # label -> constants
+                  "tilelang, always early trigger": {"_jit.NO_TRIGGER_BYTES": (0, 0)}}
+ROPE_TOKENS = (1, 256, 512, 4096)
 ROPE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False},
-                 "tilelang, block 128": {"_BLOCK_THREADS": 128}, "tilelang, block 512": {"_BLOCK_THREADS": 512}}
-ACT_SHAPES = ((1, 4096), (32, 8192), (4096, 4096), (16384, 7168), (16384, 8192))  # (tokens, d)
-ACT_KINDS = ("gelu",)
+                 "tilelang, always early trigger": {"_jit.NO_TRIGGER_BYTES": (0, 0)}}
+ACT_SHAPES = tuple((t, d) for d in (4096, 8192) for t in (1, 128, 512, 1024, 4096))  # (tokens, d)
+ACT_KINDS = ("silu",)
 # label -> constants, "per_thread": the kernel's outputs a thread (else the launcher's, activation._per_thread).
-# sweep_tilelang_13.json timed 8 and 16 a thread and 256 threads for every activation (activation.py).
-ACT_VARIANTS = {"tilelang": {}, "tilelang, 32 a thread": {"per_thread": 32},
-                "tilelang, 16 a thread, 64 threads": {"per_thread": 16, "_THREADS": 64}}
+# sweep_tilelang_13.json timed 8 and 16 a thread and 256 threads for every activation (activation.py),
+# sweep_tilelang_14.json 32 a thread and 64 threads for the erf GELU, sweep_tilelang_15/16.json the early
+# trigger from 64 to 2048 tokens (_jit.NO_TRIGGER_BYTES), sweep_tilelang_17.json its window.
+ACT_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False},
+                "tilelang, always early trigger": {"_jit.NO_TRIGGER_BYTES": (0, 0)}}
 
 
 def _row(op: str, shape: str, label: str, nbytes: int, us: float, ceiling: float) -> dict:

@@ -134,6 +134,19 @@ def test_benchmark_shapes_compile_to_16_byte_accesses(family, key, buffers, sm90
     assert accesses and set(accesses) == {"uint4"}, accesses
 
 
+def test_the_early_trigger_skips_the_calls_that_sit_in_l2(sm90_build):
+    """Kernels trigger their successor early except where a call moves 4 to 32 MB
+    (_jit.NO_TRIGGER_BYTES): silu_and_mul of 2*14336 bf16 moves 86016 bytes a token, so from 49 to 390
+    tokens it leaves the trigger to its blocks' exit."""
+    kernels = {os.path.basename(k["source"]): k for k in sm90_build["activation"]["kernels"] if k["error"] is None}
+    source = open(kernels["activation-14336_bfloat16_silu_8.cu"]["source"]).read()
+    low, high = (-(-limit // (3 * 14336 * 2)) for limit in _jit.NO_TRIGGER_BYTES)
+    assert (low, high) == (49, 391)
+    condition = re.search(r"if \(\(num_tokens < (\d+)\) \|\| \((\d+) <= num_tokens\)\) \{\s*"
+                          r"cudaTriggerProgrammaticLaunchCompletion\(\);", source)
+    assert condition and (int(condition[1]), int(condition[2])) == (low, high), source[:3000]
+
+
 # --- the disk cache across processes, the trace --------------------------------------------------
 
 _COMPILE_ONE = """

@@ -130,7 +130,8 @@ def _build(d: int, dtype: str, act: str, per_thread: int = _PER_THREAD):
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
             if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-                T.pdl_trigger()
+                if _jit.triggers_early(num_tokens, 3 * d * _jit.ELEMENT_BYTES[dtype]):
+                    T.pdl_trigger()
             # Thread t owns row t // TR of the tile and its vectors k = 0..NV-1 at columns
             # (t % TR + k * TR) * VEC: a warp's lanes touch consecutive 16-byte vectors. The loops over
             # registers are explicit because TileLang does not widen a loop that calls erf.

@@ -90,7 +90,8 @@ def _build(num_heads: int, head_size: int, dtype: str, aligned: bool):
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
             if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-                T.pdl_trigger()
+                if _jit.triggers_early(Tn, num_heads * (3 * head_size * _jit.ELEMENT_BYTES[dtype] + 12)):
+                    T.pdl_trigger()
             item = block * _THREADS + T.get_thread_binding()  # (token, head, lane), flat
             t = T.alloc_var("int32")
             h = T.alloc_var("int32")

@@ -178,7 +178,8 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, stre
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
             if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-                T.pdl_trigger()
+                if _jit.triggers_early(num_tokens, (4 if fused else 2) * n * _jit.ELEMENT_BYTES[dtype]):
+                    T.pdl_trigger()
             x = T.alloc_fragment((BM, WIDTH), f32)  # this pass's values of the block's rows
             sq = T.alloc_fragment((BM, WIDTH), f32)  # per-thread sums of squares
             rstd = T.alloc_fragment((BM,), f32)
@@ -292,7 +293,8 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
             if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-                T.pdl_trigger()
+                if _jit.triggers_early(num_tokens, (4 if fused else 2) * n * _jit.ELEMENT_BYTES[dtype]):
+                    T.pdl_trigger()
             T.import_source(_jit.HINTED_LOADS)
             tid = T.get_thread_binding()
             xr = T.alloc_local((NV, VEC), dtype)  # a chunk's input (then its residual), as loaded

@@ -94,7 +94,8 @@ def _build(group_size: int, dtype: str, ue8m0: bool, exact_div: bool, aligned: b
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
             if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-                T.pdl_trigger()
+                if _jit.triggers_early(Tn, H * (_jit.ELEMENT_BYTES[dtype] + 1) + G * 4):
+                    T.pdl_trigger()
             tid = T.get_thread_binding()
             pair = block * GROUPS_PER_BLOCK + tid // LANES  # (row, group), flat
             # Row and group kept in registers: one 32-bit division per thread (sizes are positive:

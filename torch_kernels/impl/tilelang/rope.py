@@ -116,7 +116,8 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
             if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-                T.pdl_trigger()
+                if _jit.triggers_early(Tn, 2 * (HQ + HK) * HS * _jit.ELEMENT_BYTES[dtype] + ROT * _jit.ELEMENT_BYTES[cache_dtype]):
+                    T.pdl_trigger()
             tid = T.get_thread_binding()
             t = block * TPAR + tid // (LANES * HPAR)
             h0 = tid // LANES % HPAR
