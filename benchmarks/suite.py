@@ -9,8 +9,9 @@ Implementations timed for each (op, shape), by key (``--backends`` narrows to so
   (``KernelSpec.dtypes`` or its ``check``) is reported ``refused: <why>``, not timed;
 * the peers: ``torch``, the reference in eager mode; ``compile``, ``torch.compile`` of the reference,
   compiled with the token dimension dynamic (:func:`_tokens_dynamic`: one graph per hidden size serves
-  every token count; Dynamo adds one for a single token), skipped where the inventory records that Inductor fails on it; ``F.rms_norm`` (for
-  ``rmsnorm``); ``flashinfer-api``, FlashInfer's own function (``cases.flashinfer_api``).
+  every token count; Dynamo adds one for a single token), skipped where the inventory records that
+  Inductor fails on it; ``F.rms_norm`` (for ``rmsnorm``); ``flashinfer-api``, FlashInfer's own function
+  (``cases.flashinfer_api``).
 
 Each implementation is first checked against the reference at the shape (the op's own comparison;
 sampled ids from another random stream must lie in the reference's kept set). Then, on CUDA:

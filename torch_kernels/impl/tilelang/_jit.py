@@ -87,6 +87,8 @@ def early_trigger() -> bool:
 #: 2.84 / 2.62; outside, silu 64x2*4096 (1.5 MB) 1.04 / 1.22, 2048x2*4096 (50 MB) 11.74 / 12.01,
 #: fused 1024x4096 (32 MB) 6.51 / 6.89, rmsnorm 1024x8192 6.89 / 7.31. Inside, it won by at most 6%
 #: (merge_attn_states 512 tokens, 12.6 MB, 2.61 / 2.76). Those sizes sit in L2 (60 MB) across replays.
+#: sweep_tilelang_17.json timed the window against both: silu 512x2*8192 3.87 µs (never 3.79, always
+#: 5.47), 1x2*4096 0.79 (0.79 always, 1.01 never), fused_add_rmsnorm 4096x4096 31.89 (31.85, 32.45).
 NO_TRIGGER_BYTES = (4 << 20, 32 << 20)
 
 

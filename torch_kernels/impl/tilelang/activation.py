@@ -3,14 +3,16 @@ of silu, gelu (erf) and gelu (tanh), computed in fp32 as the reference (``impl/t
 writes them, and rounded once to the input's dtype.
 
 Shapes: ``input`` ``(T, 2d)`` row view (last dim contiguous, any row stride that is a multiple of the
-vector); the output is ``(T, d)``, contiguous. One kernel per (d, dtype, activation, outputs a thread); the token
-count is a runtime value (``T.dynamic``), so a batch-size change never compiles again.
+vector); the output is ``(T, d)``, contiguous. One kernel per (d, dtype, activation, outputs a
+thread); the token count is a runtime value (``T.dynamic``), so a batch-size change never compiles
+again.
 
 A streaming kernel: each block of :data:`_THREADS` threads writes one tile of outputs (``BM`` rows of
 ``BN`` columns, ``BM > 1`` only when a row is shorter than the tile), every thread 8 of them in 16-byte
 accesses (two in fp32) of the gate, the up half ``d`` columns to its right, and the output; the erf
-GELU's many-token kernel 16 (:data:`_WIDE_PER_THREAD`). Blocks are numbered column tile fastest on one grid axis (2^31 - 1 blocks), so consecutive
-blocks stream consecutive memory, as the Triton kernel and Inductor's pointwise grid do.
+GELU's many-token kernel 16 (:data:`_WIDE_PER_THREAD`). Blocks are numbered column tile fastest on one
+grid axis (2^31 - 1 blocks), so consecutive blocks stream consecutive memory, as the Triton kernel and
+Inductor's pointwise grid do.
 
 Data pointers not 16-byte aligned, or row strides that are not a multiple of the vector, are rare: the
 launcher then runs the kernel on an aligned copy, with the same result.
