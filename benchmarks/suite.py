@@ -182,8 +182,9 @@ class OpRunner:
         if "compile" in keys and self.compile_status != "off":
             if self.compiled is None and self.compile_status is None:
                 self.compiled = torch.compile(self.reference, dynamic=False)
+            data_arg = self.opdef.data_arg
             out.append(Impl("compile", LABELS["compile"], "peer", self.compiled, self.compile_status,
-                            _tokens_dynamic))
+                            lambda args: _tokens_dynamic(args, data_arg)))
         if "F.rms_norm" in keys and self.op == "rmsnorm":
             out.append(Impl("F.rms_norm", LABELS["F.rms_norm"], "peer",
                             lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps)))
@@ -235,16 +236,22 @@ def device_times(fns: Dict[str, Callable], ctx: Context) -> Dict[str, object]:
     return out
 
 
-def _tokens_dynamic(args: tuple) -> tuple:
-    """``args`` with the token dimension (dim 0 of each tensor as long as the first one's) marked dynamic
-    for the ``compile`` peer, as vLLM compiles a model: one graph per hidden size serves every batch
-    size, the other sizes constants Inductor can tile for. With ``dynamic=True`` (every size symbolic)
-    Inductor's kernels ran far slower: silu_and_mul 16384x2*4096 bf16 1659 GB/s against 4323 token-dynamic
-    (the H200 suite of 2026-11-30, probe_inductor_3.json), rmsnorm 16384x8192 2277 against 4143."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim()]
-    for t in tensors:
-        if t.shape[0] == tensors[0].shape[0]:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+def _tokens_dynamic(args: tuple, data_arg: int) -> tuple:
+    """``args`` with the token dimension marked dynamic for the ``compile`` peer, as vLLM compiles a
+    model: one graph per hidden size serves every batch size, the other sizes constants Inductor can
+    tile for. With ``dynamic=True`` (every size symbolic) Inductor's kernels ran far slower: silu_and_mul
+    16384x2*4096 bf16 1659 GB/s against 4323 token-dynamic (the H200 suite of 2026-11-30,
+    probe_inductor_3.json), rmsnorm 16384x8192 2277 against 4143.
+
+    The token dimension: dim 0 of every tensor as long as the data argument's, except a weight (a 1-D
+    float tensor as long as the data's last dim, as 4096 tokens of 4096): marking it would recompile."""
+    data = args[data_arg]
+    for t in args:
+        if not isinstance(t, torch.Tensor) or not t.dim() or t.shape[0] != data.shape[0]:
+            continue
+        if t is not data and t.dim() == 1 and t.is_floating_point() and t.shape[0] == data.shape[-1]:
+            continue
+        torch._dynamo.maybe_mark_dynamic(t, 0)
     return args
 
 

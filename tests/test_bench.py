@@ -158,3 +158,21 @@ def test_host_goal_is_judged_on_the_measurement_with_a_backend_selected():
     by_goal = [g for g in suite.goals(rows, host) if g["goal"].startswith("host")]
     assert [g["met"] for g in by_rows] == [False] and [g["met"] for g in by_goal] == [True]
     assert by_goal[0]["worst"] == 9.0 / 7.5 and "tilelang selected, C++ entry loaded" in by_goal[0]["at"]
+
+
+def test_compile_peer_is_one_graph_per_hidden_size():
+    """The suite's torch.compile peer marks the token dimension dynamic (suite._tokens_dynamic): one graph
+    serves every token count of a hidden size, as in an engine; another hidden size is another graph."""
+    from torch._dynamo.testing import CompileCounter
+    from torch_kernels.impl.torch import norm as ref
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(ref.rmsnorm, dynamic=False, backend=counter)
+    w = torch.randn(64)
+    for tokens in (16, 256, 64):  # 64: the weight's length too, which must not force a recompile
+        compiled(*suite._tokens_dynamic((torch.randn(tokens, 64), w, 1e-6), 0))
+    assert counter.frame_count == 1
+    compiled(*suite._tokens_dynamic((torch.randn(16, 128), torch.randn(128), 1e-6), 0))
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
