@@ -114,6 +114,19 @@ def replay_us_interleaved(fns: dict, flush=None, rounds: int = 3, target_us: flo
     return {name: statistics.median(t) for name, t in times.items()}, failed
 
 
+def bandwidth_rows(op: str, shape: str, calls: dict, nbytes: int, ceiling: float, rounds: int) -> list:
+    """One row per implementation in ``calls`` (``{label: fn}``, checked already) of ``op`` at ``shape``,
+    timed in ``rounds`` interleaved rounds (:func:`replay_us_interleaved`): µs, GB/s of ``nbytes`` and the
+    fraction of ``ceiling``, printed as it comes; a capture that raised, as a ``status`` row."""
+    times, failed = replay_us_interleaved(calls, rounds=rounds)
+    rows = []
+    for label, us in times.items():
+        rows.append({"op": op, "shape": shape, "impl": label, "us": us, "GB/s": nbytes / us / 1e3,
+                     "of copy": nbytes / us / 1e3 / ceiling})
+        print(rows[-1], flush=True)
+    return rows + [{"op": op, "shape": shape, "impl": label, "status": f"failed: {e}"[:160]} for label, e in failed.items()]
+
+
 def events_us(fn, calls: int = 20, replays: int = 5) -> float:
     """Median µs per call of ``calls`` back-to-back eager calls of ``fn`` between two CUDA events:
     device time where the device is the bottleneck, host time otherwise (for what cannot be captured)."""

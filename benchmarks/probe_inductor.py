@@ -96,13 +96,7 @@ def main() -> None:
                 torch.testing.assert_close(got if got is not None else mine[0], want_out if want_out is not None else want[0],
                                            atol=2e-2, rtol=2e-2)
                 calls[label] = (lambda fn, mine: lambda: fn(*mine))(fn, mine)
-            times, failed = harness.replay_us_interleaved(calls, rounds=ROUNDS)
-            for label, us in times.items():
-                rows.append({"op": op, "shape": f"{tokens}x{n}", "impl": label, "us": us,
-                             "GB/s": nbytes / us / 1e3, "of copy": nbytes / us / 1e3 / ceiling})
-                print(rows[-1], flush=True)
-            rows += [{"op": op, "shape": f"{tokens}x{n}", "impl": label, "status": f"failed: {e}"[:160]}
-                     for label, e in failed.items()]
+            rows += harness.bandwidth_rows(op, f"{tokens}x{n}", calls, nbytes, ceiling, ROUNDS)
     harness.write_json(os.path.join(args.out, "probe.json"), {**harness.header(), "copy GB/s": ceiling, "rows": rows})
     print(f"\ncopy ceiling {ceiling:.0f} GB/s\n")
     print(harness.markdown(rows, ["op", "shape", "impl", "us", "GB/s", "of copy", "status"]))

@@ -65,12 +65,6 @@ ACT_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGG
                 "tilelang, always early trigger": {"_jit.NO_TRIGGER_BYTES": (0, 0)}}
 
 
-def _row(op: str, shape: str, label: str, nbytes: int, us: float, ceiling: float) -> dict:
-    row = {"op": op, "shape": shape, "impl": label, "us": us, "GB/s": nbytes / us / 1e3, "of copy": nbytes / us / 1e3 / ceiling}
-    print(row, flush=True)
-    return row
-
-
 def _patched(module, values: dict, build, *key):
     """``build(*key)`` with the module constants in ``values`` patched (names in capitals starting
     with DEEPINFER_ are environment variables instead, names starting ``_jit.`` constants of _jit)."""
@@ -147,15 +141,8 @@ def norm_rows(ceiling: float) -> list:
                 got = call()
                 torch.testing.assert_close(out if kernel else got, want, atol=2e-2, rtol=2e-2)
             calls[label] = call
-        rows += _timed(op, f"{tokens}x{n}", calls, nbytes, ceiling)
+        rows += harness.bandwidth_rows(op, f"{tokens}x{n}", calls, nbytes, ceiling, ROUNDS)
     return rows
-
-
-def _timed(op: str, shape: str, calls: dict, nbytes: int, ceiling: float) -> list:
-    """Rows of ``calls`` (checked already) timed in interleaved rounds (``harness.replay_us_interleaved``)."""
-    times, failed = harness.replay_us_interleaved(calls, rounds=ROUNDS)
-    return ([_row(op, shape, label, nbytes, us, ceiling) for label, us in times.items()]
-            + [{"op": op, "shape": shape, "impl": label, "status": f"failed: {e}"[:160]} for label, e in failed.items()])
 
 
 def merge_rows(ceiling: float) -> list:
@@ -191,7 +178,7 @@ def merge_rows(ceiling: float) -> list:
             torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-3)
             calls[label] = call
-        rows += _timed("merge_attn_states", f"{tokens}x{heads}x{head_size}", calls, nbytes, ceiling)
+        rows += harness.bandwidth_rows("merge_attn_states", f"{tokens}x{heads}x{head_size}", calls, nbytes, ceiling, ROUNDS)
     return rows
 
 
@@ -217,7 +204,7 @@ def rope_rows(ceiling: float) -> list:
             torch.testing.assert_close(qq, want_q, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(kk, want_k, atol=2e-2, rtol=2e-2)
             calls[label] = (lambda fn, qq, kk: lambda: fn(positions, qq, kk))(fn, qq, kk)
-        rows += _timed("rotary_embedding", f"{tokens}x(32+8)x128", calls, nbytes, ceiling)
+        rows += harness.bandwidth_rows("rotary_embedding", f"{tokens}x(32+8)x128", calls, nbytes, ceiling, ROUNDS)
     return rows
 
 
@@ -252,7 +239,7 @@ def act_rows(ceiling: float) -> list:
                 continue
             torch.testing.assert_close(fn(), want, atol=2e-2, rtol=2e-2)
             calls[label] = fn
-        rows += _timed(f"{act}_and_mul", f"{tokens}x2*{d}", calls, nbytes, ceiling)
+        rows += harness.bandwidth_rows(f"{act}_and_mul", f"{tokens}x2*{d}", calls, nbytes, ceiling, ROUNDS)
     return rows
 
 

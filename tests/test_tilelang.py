@@ -613,8 +613,8 @@ def _check_norm(fn, reference, x, w, msg, r=None):
                                      (16384, torch.bfloat16)], ids=str)
 @pytest.mark.parametrize("op", ["rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm"])
 def test_streamed_norms_match_the_reference(op, n, dtype):
-    """The many-token kernel (rows read twice with L2 hints), which serves rmsnorm from 4096 tokens and
-    the fused ops from 128 MB: one chunk or several, a masked last chunk, strided rows."""
+    """The many-token kernel (rows read twice with L2 hints), from norm._streamed_from tokens: one chunk
+    or several, a masked last chunk, strided rows."""
     from torch_kernels.impl.tilelang import norm
     reference = registry.BY_OP[op][Backend.TORCH].load()
     fused = "fused" in op
@@ -623,8 +623,8 @@ def test_streamed_norms_match_the_reference(op, n, dtype):
         x = _views((norm._streamed_from(n, dtype, fused), n), dtype, layout, "cuda")
         w = torch.randn(n, device="cuda", dtype=dtype)
         _check_norm(getattr(norm, op), reference, x, w, f"{n} {layout}", _views(x.shape, dtype, layout, "cuda") if fused else None)
-    key = (n, dtype, dtype, fused, op.startswith("gemma"))
-    assert norm._functions[key + (True,)] is not norm._functions[key + (False,)]
+    one_pass, streamed = norm._functions[(n, dtype, dtype, fused, op.startswith("gemma"))][:2]
+    assert streamed is not one_pass
 
 
 # (hidden size, dtype): the layouts at their boundaries — several rows a block, one row over 1024

@@ -73,11 +73,6 @@ def target() -> Any:
 EARLY_TRIGGER = True
 
 
-def early_trigger() -> bool:
-    """Whether kernels call ``T.pdl_trigger()`` right after ``T.pdl_sync()`` (:data:`EARLY_TRIGGER`), for
-    the calls :func:`triggers_early` lets through."""
-    return EARLY_TRIGGER and dependent_launch()
-
 
 #: Calls that move this many bytes (read + written, ``[low, high)``) do not trigger early, and their
 #: successor is launched as their blocks exit. The early trigger lost there and won outside
@@ -93,8 +88,12 @@ NO_TRIGGER_BYTES = (4 << 20, 32 << 20)
 
 
 def triggers_early(tokens: Any, bytes_per_token: Any) -> Any:
-    """The condition, over a kernel's runtime token count, under which it triggers early: the bytes it
-    moves (``bytes_per_token``: an int or a TIR expression) outside :data:`NO_TRIGGER_BYTES`."""
+    """Whether a kernel calls ``T.pdl_trigger()`` right after its ``T.pdl_sync()``: ``False`` without
+    :data:`EARLY_TRIGGER` or :func:`dependent_launch`, else the condition over its runtime token count
+    that the bytes it moves (``bytes_per_token``: an int or a TIR expression) lie outside
+    :data:`NO_TRIGGER_BYTES`."""
+    if not (EARLY_TRIGGER and dependent_launch()):
+        return False
     import tilelang.language as T
 
     moved = T.cast(tokens, "int64") * bytes_per_token

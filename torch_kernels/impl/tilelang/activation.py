@@ -105,7 +105,7 @@ def _activate(g, act: str, t=None):
 
 
 def _build(d: int, dtype: str, act: str, per_thread: int = _PER_THREAD):
-    pdl, trigger = _jit.dependent_launch(), _jit.early_trigger()
+    pdl = _jit.dependent_launch()
     VEC = _vec(d, dtype)
     NV = per_thread // VEC  # vectors a thread
     BM, BN = _tile(d, per_thread)
@@ -131,9 +131,9 @@ def _build(d: int, dtype: str, act: str, per_thread: int = _PER_THREAD):
         with T.Kernel(T.ceildiv(num_tokens, BM) * COL_TILES, threads=_THREADS) as block:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
-            if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-                if _jit.triggers_early(num_tokens, 3 * d * _jit.ELEMENT_BYTES[dtype]):
-                    T.pdl_trigger()
+            # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+            if _jit.triggers_early(num_tokens, 3 * d * _jit.ELEMENT_BYTES[dtype]):
+                T.pdl_trigger()
             # Thread t owns row t // TR of the tile and its vectors k = 0..NV-1 at columns
             # (t % TR + k * TR) * VEC: a warp's lanes touch consecutive 16-byte vectors. The loops over
             # registers are explicit because TileLang does not widen a loop that calls erf.

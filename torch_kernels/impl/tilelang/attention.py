@@ -49,7 +49,7 @@ def _vec(head_size: int, dtype: str) -> int:
 
 
 def _build(num_heads: int, head_size: int, dtype: str, aligned: bool):
-    pdl, trigger = _jit.dependent_launch(), _jit.early_trigger()
+    pdl = _jit.dependent_launch()
     H, D = num_heads, head_size
     E = _per_thread(D)
     VEC = _vec(D, dtype)
@@ -89,9 +89,9 @@ def _build(num_heads: int, head_size: int, dtype: str, aligned: bool):
         with T.Kernel(T.ceildiv(Tn * (H * LANES), _THREADS), threads=_THREADS) as block:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
-            if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-                if _jit.triggers_early(Tn, num_heads * (3 * head_size * _jit.ELEMENT_BYTES[dtype] + 12)):
-                    T.pdl_trigger()
+            # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+            if _jit.triggers_early(Tn, num_heads * (3 * head_size * _jit.ELEMENT_BYTES[dtype] + 12)):
+                T.pdl_trigger()
             item = block * _THREADS + T.get_thread_binding()  # (token, head, lane), flat
             t = T.alloc_var("int32")
             h = T.alloc_var("int32")

@@ -138,7 +138,7 @@ def _layout(n: int, dtype: str, fused: bool = False) -> Tuple[int, int, int, int
 def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, streamed: bool = False):
     if streamed:
         return _build_streamed(n, dtype, fused, gemma)
-    pdl, trigger = _jit.dependent_launch(), _jit.early_trigger()
+    pdl = _jit.dependent_launch()
     VEC, TR, BM, WIDTH = _layout(n, dtype, fused)
     PASSES = -(-n // WIDTH)
     f32 = "float32"
@@ -177,9 +177,9 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, stre
         with T.Kernel(T.ceildiv(num_tokens, BM), threads=TR * BM) as block:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
-            if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-                if _jit.triggers_early(num_tokens, (4 if fused else 2) * n * _jit.ELEMENT_BYTES[dtype]):
-                    T.pdl_trigger()
+            # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+            if _jit.triggers_early(num_tokens, _bytes_per_token(n, dtype, fused)):
+                T.pdl_trigger()
             x = T.alloc_fragment((BM, WIDTH), f32)  # this pass's values of the block's rows
             sq = T.alloc_fragment((BM, WIDTH), f32)  # per-thread sums of squares
             rstd = T.alloc_fragment((BM,), f32)
@@ -250,6 +250,11 @@ def _entry(normalize, n: int, dtype: str, weight_dtype: str, fused: bool, VEC: i
     return rmsnorm
 
 
+def _bytes_per_token(n: int, dtype: str, fused: bool) -> int:
+    """Bytes a row moves: read and written, the fused ops' residual too (the weight is read once)."""
+    return (4 if fused else 2) * n * _jit.ELEMENT_BYTES[dtype]
+
+
 def _streamed_threads(fused: bool) -> int:
     return _STREAMED_THREADS if fused else _STREAMED_RMSNORM_THREADS
 
@@ -269,7 +274,7 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
     first pass sums the squares (and stores the fused ops' rounded residual), the block reduces them
     (warp shuffles, then one value a warp through shared memory), the second pass re-reads the fused
     ops' residual and normalises (rmsnorm: the row it kept in registers)."""
-    pdl, trigger = _jit.dependent_launch(), _jit.early_trigger()
+    pdl = _jit.dependent_launch()
     TR, VEC = _streamed_threads(fused), _jit.lanes(dtype)
     NV = 1 if fused else -(-n // (TR * VEC))  # vectors a thread a chunk
     CHUNK = NV * TR * VEC
@@ -292,9 +297,9 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
         with T.Kernel(num_tokens, threads=TR) as row:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
-            if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-                if _jit.triggers_early(num_tokens, (4 if fused else 2) * n * _jit.ELEMENT_BYTES[dtype]):
-                    T.pdl_trigger()
+            # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+            if _jit.triggers_early(num_tokens, _bytes_per_token(n, dtype, fused)):
+                T.pdl_trigger()
             T.import_source(_jit.HINTED_LOADS)
             tid = T.get_thread_binding()
             xr = T.alloc_local((NV, VEC), dtype)  # a chunk's input (then its residual), as loaded
@@ -352,7 +357,7 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
 # Launchers: the reference's signatures. Per call, after the first: one dict lookup for the
 # compiled host function (its vector width beside it), an alignment test, and the call.
 
-_functions: dict = {}  # (n, dtype, weight dtype, fused, gemma, streamed) -> (host function, vector width)
+_functions: dict = {}  # (n, dtype, weight dtype, fused, gemma) -> _kernels' tuple
 
 
 def _streamed_from(n: int, dtype: torch.dtype, fused: bool) -> int:
@@ -363,33 +368,35 @@ def _streamed_from(n: int, dtype: torch.dtype, fused: bool) -> int:
     return max(_STREAMED_MIN_TOKENS, -(-_STREAMED_MIN_BYTES // row_bytes))
 
 
-def _function(n: int, dtype: torch.dtype, weight_dtype: torch.dtype, fused: bool, gemma: bool, tokens: int):
-    """The compiled kernel for these rows: the streamed one from :func:`_streamed_from` tokens where the
-    rows allow it, else the one-pass one. Both are compiled at the first call, whatever its token count,
-    so that a change of batch size never compiles."""
-    key = (n, dtype, weight_dtype, fused, gemma, tokens >= _streamed_from(n, dtype, fused))
+def _kernels(n: int, dtype: torch.dtype, weight_dtype: torch.dtype, fused: bool, gemma: bool):
+    """``(one-pass host function, streamed one, token count from which the streamed one serves, vector
+    width)`` for these rows (the streamed one is the one-pass one where the rows do not allow it). Both
+    are compiled at the first call, whatever its token count, so that a change of batch size never
+    compiles."""
+    key = (n, dtype, weight_dtype, fused, gemma)
     found = _functions.get(key)
     if found is None:
         names = _DTYPES[dtype], _DTYPES[weight_dtype]
-        vec = _vec(n, names[0])
-        one_pass = (_jit.entry(_jit.compiled(_NAME, _build, n, *names, fused, gemma)), vec)
-        streamed = one_pass
+        one_pass = streamed = _jit.entry(_jit.compiled(_NAME, _build, n, *names, fused, gemma))
         if _streams(n, *names, fused):
-            streamed = (_jit.entry(_jit.compiled(_NAME, _build, n, *names, fused, gemma, True)), vec)
-        _functions[key[:-1] + (False,)], _functions[key[:-1] + (True,)] = one_pass, streamed
-        found = _functions[key]
+            streamed = _jit.entry(_jit.compiled(_NAME, _build, n, *names, fused, gemma, True))
+        found = _functions[key] = (one_pass, streamed, _streamed_from(n, dtype, fused), _vec(n, names[0]))
     return found
+
+
+def _function(n: int, dtype: torch.dtype, weight_dtype: torch.dtype, fused: bool, gemma: bool, tokens: int):
+    """``(host function, vector width)`` for ``tokens`` rows of ``n``: the streamed kernel from its
+    threshold, else the one-pass one."""
+    one_pass, streamed, streamed_from, vec = (_functions.get((n, dtype, weight_dtype, fused, gemma))
+                                              or _kernels(n, dtype, weight_dtype, fused, gemma))
+    return (streamed if tokens >= streamed_from else one_pass), vec
 
 
 def host_functions(input: Tensor, weight: Tensor, fused: bool, gemma: bool):
     """The compiled host functions the launchers call for rows like ``input``'s: the one-pass one, the
     streamed one, and the token count from which they take the streamed one. The C++ entry
     (``fast_path.py``) calls these for the plain calls (contiguous, aligned) it serves."""
-    n = input.shape[-1]
-    one_pass = _function(n, input.dtype, weight.dtype, fused, gemma, 0)[0]
-    streamed_from = _streamed_from(n, input.dtype, fused)
-    streamed = _function(n, input.dtype, weight.dtype, fused, gemma, streamed_from)[0]
-    return one_pass, streamed, streamed_from
+    return _kernels(input.shape[-1], input.dtype, weight.dtype, fused, gemma)[:3]
 
 
 def _aligned_copy(t: Tensor) -> Tensor:

@@ -59,7 +59,7 @@ def _vec(group_size: int, dtype: str) -> int:
 
 
 def _build(group_size: int, dtype: str, ue8m0: bool, exact_div: bool, aligned: bool):
-    pdl, trigger = _jit.dependent_launch(), _jit.early_trigger()
+    pdl = _jit.dependent_launch()
     GS = group_size
     E = _per_thread(GS)
     LANES = GS // E  # threads a group: a power of two, at most 32
@@ -93,9 +93,9 @@ def _build(group_size: int, dtype: str, ue8m0: bool, exact_div: bool, aligned: b
         with T.Kernel(T.ceildiv(Tn * G, GROUPS_PER_BLOCK), threads=_THREADS) as block:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
-            if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-                if _jit.triggers_early(Tn, H * (_jit.ELEMENT_BYTES[dtype] + 1) + G * 4):
-                    T.pdl_trigger()
+            # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+            if _jit.triggers_early(Tn, H * (_jit.ELEMENT_BYTES[dtype] + 1) + G * 4):
+                T.pdl_trigger()
             tid = T.get_thread_binding()
             pair = block * GROUPS_PER_BLOCK + tid // LANES  # (row, group), flat
             # Row and group kept in registers: one 32-bit division per thread (sizes are positive:

@@ -58,9 +58,10 @@ def _layout(num_heads: int, rot_dim: int, vec: int) -> Tuple[int, int, int, int]
 
 def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_neox: bool, dtype: str,
            cache_dtype: str, positions_dtype: str, rank: int, aligned: bool):
-    pdl, trigger = _jit.dependent_launch(), _jit.early_trigger()
+    pdl = _jit.dependent_launch()
     HQ, HK, HS, ROT = num_q_heads, num_k_heads, head_size, rot_dim
     HALF = rot_dim // 2
+    MOVED = 2 * (HQ + HK) * HS * _jit.ELEMENT_BYTES[dtype] + ROT * _jit.ELEMENT_BYTES[cache_dtype]  # bytes a token
     VEC = _vec(rot_dim, is_neox, dtype)
     LANES, HPAR, ITER, TPAR = _layout(HQ + HK, rot_dim, VEC)
     THREADS = LANES * HPAR * TPAR
@@ -115,9 +116,9 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
         with T.Kernel(T.ceildiv(Tn, TPAR), threads=THREADS) as block:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
-            if trigger:  # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-                if _jit.triggers_early(Tn, 2 * (HQ + HK) * HS * _jit.ELEMENT_BYTES[dtype] + ROT * _jit.ELEMENT_BYTES[cache_dtype]):
-                    T.pdl_trigger()
+            # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+            if _jit.triggers_early(Tn, MOVED):
+                T.pdl_trigger()
             tid = T.get_thread_binding()
             t = block * TPAR + tid // (LANES * HPAR)
             h0 = tid // LANES % HPAR
