@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import cases, harness  # noqa: E402
+from torch_kernels.testing import TOLERANCES  # noqa: E402
 from torch_kernels.impl.tilelang import _jit, activation as tl_act, attention as tl_merge, norm as tl_norm  # noqa: E402
 from torch_kernels.impl.tilelang import rope as tl_rope  # noqa: E402
 from torch_kernels.impl.torch import activation as ref_act, attention as ref_merge, norm as ref_norm  # noqa: E402
@@ -55,14 +56,17 @@ MERGE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRI
 ROPE_TOKENS = (1, 256, 512, 4096)
 ROPE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False},
                  "tilelang, always early trigger": {"_jit.NO_TRIGGER_BYTES": (0, 0)}}
-ACT_SHAPES = tuple((t, d) for d in (4096, 8192) for t in (1, 128, 512, 1024, 4096))  # (tokens, d)
-ACT_KINDS = ("silu",)
+ACT_SHAPES = tuple((t, d) for d in (4096, 7168, 8192) for t in (1, 32, 512, 1024, 2048, 4096, 16384))  # (tokens, d)
+ACT_KINDS = ("silu", "gelu_tanh")
 # label -> constants, "per_thread": the kernel's outputs a thread (else the launcher's, activation._per_thread).
 # sweep_tilelang_13.json timed 8 and 16 a thread and 256 threads for every activation (activation.py),
 # sweep_tilelang_14.json 32 a thread and 64 threads for the erf GELU, sweep_tilelang_15/16.json the early
-# trigger from 64 to 2048 tokens (_jit.NO_TRIGGER_BYTES), sweep_tilelang_17.json its window.
-ACT_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False},
-                "tilelang, always early trigger": {"_jit.NO_TRIGGER_BYTES": (0, 0)}}
+# trigger from 64 to 2048 tokens (_jit.NO_TRIGGER_BYTES), sweep_tilelang_17.json its window,
+# sweep_tilelang_18.json tanh.approx (_TANH_APPROX), 1024 threads and 16 a thread from 512 tokens.
+ACT_VARIANTS = {"tilelang": {}, "tilelang, sigmoid form": {"_TANH_APPROX": {}},
+                "tilelang, tanh.approx": {"_TANH_APPROX": {"silu": ("bfloat16",), "gelu_tanh": ("bfloat16",)}},
+                "tilelang, 1024 threads": {"_THREADS": 1024}, "tilelang, 16 a thread": {"per_thread": 16},
+                "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False}}
 
 
 def _patched(module, values: dict, build, *key):
@@ -208,6 +212,44 @@ def rope_rows(ceiling: float) -> list:
     return rows
 
 
+def _of_tolerance(got, exact) -> float:
+    """The largest error of ``got`` against the fp64 ``exact``, as a fraction of the test tolerance of
+    ``got``'s dtype (atol + rtol |exact|, ``torch_kernels.testing.TOLERANCES``): at most 1 passes."""
+    atol, rtol = TOLERANCES[got.dtype]
+    return ((got.double() - exact).abs() / (atol + rtol * exact.abs())).max().item()
+
+
+def tanh_rows(ceiling: float) -> list:
+    """The error of the activations' two forms (``activation._TANH_APPROX``: tanh.approx, or the sigmoid
+    by ex2 and rcp) at every bf16 gate value of size 2^-8 to 16, up half 1: the largest error over |g| (the
+    approximation's own, as the output rounds to bf16 relative to its own size), where it occurs, and as
+    a fraction of the bf16 test tolerance."""
+    g = torch.arange(0x3B80, 0x4181, dtype=torch.int16).view(torch.bfloat16).to("cuda")  # 2^-8 .. 16
+    g = torch.cat([g, -g])
+    d = g.numel() // 8 * 8
+    x = torch.cat([g[:d], torch.ones(d, device="cuda", dtype=torch.bfloat16)]).view(1, 2 * d)
+    rows = []
+    for act in ("silu", "gelu_tanh"):
+        exact = ref_act.silu_and_mul(x.double()) if act == "silu" else ref_act.gelu_tanh_and_mul(x.double())
+        forms = {"tanh.approx": {act: ("bfloat16",)}, "sigmoid form": {}}
+        fns = _compile_all({label: _patched(tl_act, {"_TANH_APPROX": forms[label]}, tl_act._build, d, "bfloat16", act)
+                            for label in forms})
+        for label, fn in [("reference", None), *fns.items()]:
+            if isinstance(fn, str):
+                rows.append({"op": f"{act}_and_mul", "impl": label, "status": fn})
+                continue
+            got = ref_act.silu_and_mul(x) if act == "silu" else ref_act.gelu_tanh_and_mul(x)
+            if fn is not None:
+                got = torch.empty_like(got)
+                fn(x, got)
+            err = (got.double() - exact).abs()[0] / g[:d].double().abs()
+            worst = int(err.argmax())
+            rows.append({"op": f"{act}_and_mul", "shape": f"1x2*{d}, 2^-8 <= |g| <= 16", "impl": label,
+                         "max err / |g|": err.max().item(), "at g": g[worst].item(), "of tol": _of_tolerance(got, exact)})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def act_rows(ceiling: float) -> list:
     import flashinfer.activation
 
@@ -226,6 +268,9 @@ def act_rows(ceiling: float) -> list:
     for (tokens, d), act in itertools.product(ACT_SHAPES, acts):
         x = torch.randn(tokens, 2 * d, device="cuda", dtype=torch.bfloat16) * 2
         want = ref_act.silu_and_mul(x) if act == "silu" else ref_act.gelu_and_mul(x, "tanh" if act == "gelu_tanh" else "none")
+        exact = (ref_act.silu_and_mul(x.double()) if act == "silu"
+                 else ref_act.gelu_and_mul(x.double(), "tanh" if act == "gelu_tanh" else "none"))
+        errors = {"reference": _of_tolerance(want, exact)}  # the bf16 rounding alone
         nbytes = x.numel() * 2 * 3 // 2
         out = torch.empty(tokens, d, device="cuda", dtype=torch.bfloat16)
         impls = {label: (lambda fn=fns[(tokens, d, act, label)]: (fn(x, out), out)[1]) for label in ACT_VARIANTS}
@@ -237,21 +282,25 @@ def act_rows(ceiling: float) -> list:
                 rows.append({"op": f"{act}_and_mul", "shape": f"{tokens}x2*{d}", "impl": label,
                              "status": fns[(tokens, d, act, label)]})
                 continue
-            torch.testing.assert_close(fn(), want, atol=2e-2, rtol=2e-2)
+            got = fn()
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+            errors[label] = _of_tolerance(got, exact)
             calls[label] = fn
-        rows += harness.bandwidth_rows(f"{act}_and_mul", f"{tokens}x2*{d}", calls, nbytes, ceiling, ROUNDS)
+        rows += [dict(r, **{"of tol": errors.get(r["impl"])})
+                 for r in harness.bandwidth_rows(f"{act}_and_mul", f"{tokens}x2*{d}", calls, nbytes, ceiling, ROUNDS)]
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="JSON file for the results")
-    parser.add_argument("--only", default="norm,merge,rope,act", help="comma list of norm, merge, rope, act")
+    parser.add_argument("--only", default="norm,merge,rope,act,tanh", help="comma list of norm, merge, rope, act, tanh")
     args = parser.parse_args()
     torch.manual_seed(0)
     ceiling = harness.copy_ceiling_gbps()
     rows = []
-    for name, sweep in (("merge", merge_rows), ("norm", norm_rows), ("rope", rope_rows), ("act", act_rows)):
+    for name, sweep in (("merge", merge_rows), ("norm", norm_rows), ("rope", rope_rows), ("act", act_rows),
+                        ("tanh", tanh_rows)):
         if name in args.only.split(","):
             try:
                 rows += sweep(ceiling)
@@ -261,7 +310,7 @@ def main() -> None:
     if args.out:
         harness.write_json(args.out, {**harness.header(), "copy GB/s": ceiling, "rows": rows})
     print(f"\ncopy ceiling {ceiling:.0f} GB/s\n")
-    print(harness.markdown(rows, ["op", "shape", "impl", "us", "GB/s", "of copy", "status"]))
+    print(harness.markdown(rows, ["op", "shape", "impl", "us", "GB/s", "of copy", "of tol", "max err / |g|", "at g", "status"]))
 
 
 if __name__ == "__main__":

@@ -134,6 +134,19 @@ def test_benchmark_shapes_compile_to_16_byte_accesses(family, key, buffers, sm90
     assert accesses and set(accesses) == {"uint4"}, accesses
 
 
+def test_only_the_bf16_tanh_gelu_takes_tanh_approx(sm90_build):
+    """activation._TANH_APPROX: the bf16 tanh GELU evaluates tanh by one tanh.approx.f32 (no ex2, no
+    rcp); the fp16 one and silu keep the sigmoid form, whose error the tighter tolerances need."""
+    kernels = {os.path.basename(k["source"]): k for k in sm90_build["activation"]["kernels"] if k["error"] is None}
+    source = {key: open(kernels[f"activation-{key}.cu"]["source"]).read()
+              for key in ("14336_bfloat16_gelu_tanh_8", "4864_float16_gelu_tanh_8", "14336_bfloat16_silu_8")}
+    approx = source["14336_bfloat16_gelu_tanh_8"]
+    assert "tanh.approx.f32" in approx and "tk_tanh_approx(" in approx.split("tk_tanh_approx(float", 1)[1]
+    assert "fast_rcp" not in approx and "__expf" not in approx
+    for key in ("4864_float16_gelu_tanh_8", "14336_bfloat16_silu_8"):
+        assert "tanh.approx" not in source[key] and "fast_rcp" in source[key], key
+
+
 def test_the_early_trigger_skips_the_calls_that_sit_in_l2(sm90_build):
     """Kernels trigger their successor early except where a call moves 4 to 32 MB
     (_jit.NO_TRIGGER_BYTES): silu_and_mul of 2*14336 bf16 moves 86016 bytes a token, so from 49 to 390

@@ -1,6 +1,7 @@
 """TileLang gated activations: ``(T, 2d) -> (T, d)``, ``out = act(x[:, :d]) * x[:, d:]`` with ``act`` one
 of silu, gelu (erf) and gelu (tanh), computed in fp32 as the reference (``impl/torch/activation.py``)
-writes them, and rounded once to the input's dtype.
+writes them (the bf16 tanh GELU's tanh by the hardware's approximation: :data:`_TANH_APPROX`), and
+rounded once to the input's dtype.
 
 Shapes: ``input`` ``(T, 2d)`` row view (last dim contiguous, any row stride that is a multiple of the
 vector); the output is ``(T, d)``, contiguous. One kernel per (d, dtype, activation, outputs a
@@ -43,6 +44,21 @@ _PER_THREAD = 8
 _WIDE_PER_THREAD = 16
 _WIDE_MIN_TOKENS = 32
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# Activation -> the dtypes whose kernel takes tanh from the hardware's approximation (``tanh.approx.f32``,
+# one special-function instruction where the sigmoid form issues two: ex2 and rcp), as FlashInfer's
+# gelu_tanh_and_mul does. Its error is an absolute 2^-11 or so in tanh, so at most |g| * 2^-12 in
+# act(g) (measured on the H200 by sweep_tilelang.py: see its rows' "max err"): below an ulp of bf16
+# where the output is not far smaller than |g|, and within the bf16 test tolerance everywhere. fp16 and
+# fp32 keep the sigmoid form (their tolerances, 2e-3 and 2e-5, are tighter than that error); silu keeps
+# it everywhere, as FlashInfer's and vLLM's silu_and_mul are exact to fp32 rounding.
+_TANH_APPROX = {"gelu_tanh": ("bfloat16",)}
+_TANH_APPROX_SOURCE = """
+__device__ __forceinline__ float tk_tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
 # silu and the tanh GELU by __expf and an approximate reciprocal (as Triton's tl.exp and 1.0 / x lower),
 # not expf and an IEEE division. sweep_tilelang.py on the H200 (2026-11-29, bf16, 2*8192, fast against
 # IEEE): silu 1.33 against 1.68 µs at one token, 1.53 against 1.89 at 32, 4292 against 4319 GB/s at
@@ -76,15 +92,26 @@ def _erfc_t(g):
     return T.fast_rcp(T.float32(1) + T.float32(0.3275911 * 0.7071067811865476) * T.abs(g))
 
 
-def _activate(g, act: str, t=None):
+def _tanh_approx(u):
+    """``tanh(u)`` for an fp32 expression, by ``tanh.approx.f32`` (the kernel imports
+    :data:`_TANH_APPROX_SOURCE`)."""
+    return T.call_extern("float32", "tk_tanh_approx", u)
+
+
+def _activate(g, act: str, t=None, tanh_approx: bool = False):
     """``act(g)`` for an fp32 expression ``g``: silu as ATen's CUDA kernel computes it (with
     :data:`_FAST_MATH`, by ``__expf`` and ``fast_rcp`` as Triton's ``tl.exp`` and division), the GELUs in the
     Triton backend's forms (``triton/activation.py``: ``_activate``, which says why each is exact
-    enough); ``t``: :func:`_erfc_t` of ``g`` (erf GELU). With CUDA's ``erff``/``tanhf`` this kernel ran
+    enough); ``t``: :func:`_erfc_t` of ``g`` (erf GELU); ``tanh_approx``: the form
+    ``h + h * tanh(u)`` with one ``tanh.approx.f32`` (:data:`_TANH_APPROX`). With CUDA's ``erff``/``tanhf`` this kernel ran
     the GELUs at 3686 and 3949 GB/s against silu's 4345 (16384x2*8192 bf16, H200 suite of 2026-11-29):
     both branch on the argument. With IEEE divisions and an if/else the erf form still ran at 3759
     against Triton's 3945 (same shape, sweep_tilelang.py)."""
     f = T.float32
+    if tanh_approx:  # act(g) = h + h * tanh(u), h = g / 2: silu's u = h, the tanh GELU's sqrt(2/pi)(g + 0.044715 g^3)
+        h = f(0.5) * g
+        u = h if act == "silu" else g * (f(0.7978845608028654) + f(0.7978845608028654 * 0.044715) * g * g)
+        return h + h * _tanh_approx(u)
     if act == "silu":
         if _FAST_MATH:
             return g * T.fast_rcp(f(1) + T.__exp(-g))
@@ -116,6 +143,7 @@ def _build(d: int, dtype: str, act: str, per_thread: int = _PER_THREAD):
     x_stride = T.dynamic("x_row_stride", "int64")
 
     live = _jit.in_bounds(num_tokens, BM, d, BN)  # of the output
+    tanh_approx = dtype in _TANH_APPROX.get(act, ())
 
     @T.prim_func
     def act_and_mul(
@@ -129,6 +157,8 @@ def _build(d: int, dtype: str, act: str, per_thread: int = _PER_THREAD):
         T.assume(T.Or(num_tokens <= 1, x_stride % VEC == 0))
         Xa = T.view(X, strides=(x_stride // VEC * VEC, 1))
         with T.Kernel(T.ceildiv(num_tokens, BM) * COL_TILES, threads=_THREADS) as block:
+            if tanh_approx:
+                T.import_source(_TANH_APPROX_SOURCE)
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
             # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
@@ -154,7 +184,7 @@ def _build(d: int, dtype: str, act: str, per_thread: int = _PER_THREAD):
                     for v in T.unroll(VEC):
                         if act == "gelu":
                             t[0] = _erfc_t(T.cast(gate[k, v], f32))
-                        gate[k, v] = T.cast(_activate(T.cast(gate[k, v], f32), act, t[0]) * T.cast(up[k, v], f32), dtype)
+                        gate[k, v] = T.cast(_activate(T.cast(gate[k, v], f32), act, t[0], tanh_approx) * T.cast(up[k, v], f32), dtype)
                     for v in T.vectorized(VEC):
                         O[row, col + k * TR * VEC + v] = gate[k, v]
 
@@ -217,6 +247,7 @@ def ci_kernels() -> Iterator[tuple]:
         (14336, "bfloat16", "silu", _PER_THREAD),  # the benchmark shape
         (14336, "bfloat16", "gelu", _WIDE_PER_THREAD),
         (4864, "float16", "gelu_tanh", _PER_THREAD),
+        (14336, "bfloat16", "gelu_tanh", _PER_THREAD),  # tanh.approx
         (200, "float32", "silu", _PER_THREAD),
         (257, "bfloat16", "gelu", _PER_THREAD),
         (4864, "float32", "gelu", _WIDE_PER_THREAD),
