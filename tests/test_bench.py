@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import cases, suite  # noqa: E402
 from torch_kernels import registry  # noqa: E402
-from torch_kernels.spec import Backend, Capability, KernelSpec  # noqa: E402
+from torch_kernels.spec import Backend, Capability, KernelSpec, Platform  # noqa: E402
 
 try:
     import matplotlib  # noqa: F401
@@ -158,6 +158,19 @@ def test_host_goal_is_judged_on_the_measurement_with_a_backend_selected():
     by_goal = [g for g in suite.goals(rows, host) if g["goal"].startswith("host")]
     assert [g["met"] for g in by_rows] == [False] and [g["met"] for g in by_goal] == [True]
     assert by_goal[0]["worst"] == 9.0 / 7.5 and "tilelang selected, C++ entry loaded" in by_goal[0]["at"]
+
+
+def test_compile_peer_is_first_called_at_the_largest_token_count():
+    """OpRunner.warm_compile: the compile peer's first call of each hidden size is at that size's largest
+    token count (Inductor sizes the dynamic graph's kernels from it); one token is left to its own graph."""
+    ctx = suite.Context(cuda=False, device="cpu", dtype=torch.float32, profile=cases.PROFILES["cpu"],
+                        keys=("compile",), explicit_keys=True, host_tokens=(), sync=lambda: None)
+    runner = suite.OpRunner("silu_and_mul", ctx, Platform())
+    calls = []
+    runner.compiled = lambda x: calls.append(tuple(x.shape))
+    runner.warm_compile([(1, 64, "1x2*64"), (32, 64, "32x2*64"), (256, 64, "256x2*64"), (1, 128, "1x2*128"),
+                         (16, 128, "16x2*128")])
+    assert calls == [(256, 128), (16, 256)]
 
 
 def test_compile_peer_is_one_graph_per_hidden_size():

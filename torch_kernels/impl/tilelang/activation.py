@@ -45,12 +45,18 @@ _WIDE_PER_THREAD = 16
 _WIDE_MIN_TOKENS = 32
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 # Activation -> the dtypes whose kernel takes tanh from the hardware's approximation (``tanh.approx.f32``,
-# one special-function instruction where the sigmoid form issues two: ex2 and rcp), as FlashInfer's
-# gelu_tanh_and_mul does. Its error is an absolute 2^-11 or so in tanh, so at most |g| * 2^-12 in
-# act(g) (measured on the H200 by sweep_tilelang.py: see its rows' "max err"): below an ulp of bf16
-# where the output is not far smaller than |g|, and within the bf16 test tolerance everywhere. fp16 and
-# fp32 keep the sigmoid form (their tolerances, 2e-3 and 2e-5, are tighter than that error); silu keeps
-# it everywhere, as FlashInfer's and vLLM's silu_and_mul are exact to fp32 rounding.
+# FlashInfer's gelu_tanh_and_mul's instruction): one special-function instruction an output where the
+# sigmoid form issues two (ex2, rcp), and those instructions (16 a clock an SM) bound the calls that sit
+# in L2. sweep_tilelang_18.json (H200, bf16, 5 interleaved rounds, tanh.approx / sigmoid form /
+# FlashInfer's API, µs): gelu_tanh 512x2*4096 2.54 / 2.83 / 2.52, 512x2*7168 3.83 / 4.50 / 3.69,
+# 32x2*8192 0.97 / 1.24 / 1.31, 1x2*8192 0.78 / 0.85 / 1.11; level from 2048 tokens (HBM-bound).
+# Its error: 1 + tanh(u) cancels where act(g) is small against g, as it does in the reference's own fp32
+# formula. sweep_tilelang_19.json (every bf16 gate of size 2^-8 to 16, against fp64): the reference 238
+# outputs over an ulp off (all at g <= -4.3, where |act(g)| < 4e-6 |g|; 221 of them flushed to 0),
+# tanh.approx 257, the sigmoid form 94; the largest error as a fraction of the bf16 tolerance 0.159 for
+# all three. So bf16 only: fp16's and fp32's tolerances are tighter. silu keeps the sigmoid form:
+# tanh.approx would gain as much (512x2*7168 3.52 against 4.01 µs) but put 61 outputs over an ulp (up
+# to 36, at g = -15) where the reference, FlashInfer's and vLLM's silu are exact to the rounding.
 _TANH_APPROX = {"gelu_tanh": ("bfloat16",)}
 _TANH_APPROX_SOURCE = """
 __device__ __forceinline__ float tk_tanh_approx(float x) {
