@@ -316,8 +316,8 @@ def main() -> None:
     if args.out:
         harness.write_json(args.out, {**harness.header(), "copy GB/s": ceiling, "rows": rows})
     print(f"\ncopy ceiling {ceiling:.0f} GB/s\n")
-    print(harness.markdown(rows, ["op", "shape", "impl", "us", "GB/s", "of copy", "of tol", "max err / |g|", "max ulp", "at g", "over 1 ulp",
-                                  "status"]))
+    print(harness.markdown(rows, ["op", "shape", "impl", "us", "GB/s", "of copy", "of tol", "max err / |g|", "max ulp",
+                                  "at g", "over 1 ulp", "status"]))
 
 
 if __name__ == "__main__":

@@ -108,13 +108,13 @@ def _activate(g, act: str, t=None, tanh_approx: bool = False):
     """``act(g)`` for an fp32 expression ``g``: silu as ATen's CUDA kernel computes it (with
     :data:`_FAST_MATH`, by ``__expf`` and ``fast_rcp`` as Triton's ``tl.exp`` and division), the GELUs in the
     Triton backend's forms (``triton/activation.py``: ``_activate``, which says why each is exact
-    enough); ``t``: :func:`_erfc_t` of ``g`` (erf GELU); ``tanh_approx``: the form
-    ``h + h * tanh(u)`` with one ``tanh.approx.f32`` (:data:`_TANH_APPROX`). With CUDA's ``erff``/``tanhf`` this kernel ran
-    the GELUs at 3686 and 3949 GB/s against silu's 4345 (16384x2*8192 bf16, H200 suite of 2026-11-29):
-    both branch on the argument. With IEEE divisions and an if/else the erf form still ran at 3759
-    against Triton's 3945 (same shape, sweep_tilelang.py)."""
+    enough); ``t``: :func:`_erfc_t` of ``g`` (erf GELU); ``tanh_approx``: silu or the tanh GELU as
+    ``h + h * tanh(u)`` with one ``tanh.approx.f32`` (:data:`_TANH_APPROX`). With CUDA's
+    ``erff``/``tanhf`` this kernel ran the GELUs at 3686 and 3949 GB/s against silu's 4345 (16384x2*8192
+    bf16, H200 suite of 2026-11-29): both branch on the argument. With IEEE divisions and an if/else
+    the erf form still ran at 3759 against Triton's 3945 (same shape, sweep_tilelang.py)."""
     f = T.float32
-    if tanh_approx:  # act(g) = h + h * tanh(u), h = g / 2: silu's u = h, the tanh GELU's sqrt(2/pi)(g + 0.044715 g^3)
+    if tanh_approx:  # h = g / 2; silu's u = h, the tanh GELU's sqrt(2/pi) (g + 0.044715 g^3)
         h = f(0.5) * g
         u = h if act == "silu" else g * (f(0.7978845608028654) + f(0.7978845608028654 * 0.044715) * g * g)
         return h + h * _tanh_approx(u)
@@ -150,6 +150,8 @@ def _build(d: int, dtype: str, act: str, per_thread: int = _PER_THREAD):
 
     live = _jit.in_bounds(num_tokens, BM, d, BN)  # of the output
     tanh_approx = dtype in _TANH_APPROX.get(act, ())
+    if tanh_approx and act == "gelu":
+        raise ValueError("activation._TANH_APPROX: the erf GELU has no tanh form")
 
     @T.prim_func
     def act_and_mul(
@@ -190,7 +192,8 @@ def _build(d: int, dtype: str, act: str, per_thread: int = _PER_THREAD):
                     for v in T.unroll(VEC):
                         if act == "gelu":
                             t[0] = _erfc_t(T.cast(gate[k, v], f32))
-                        gate[k, v] = T.cast(_activate(T.cast(gate[k, v], f32), act, t[0], tanh_approx) * T.cast(up[k, v], f32), dtype)
+                        gate[k, v] = T.cast(_activate(T.cast(gate[k, v], f32), act, t[0], tanh_approx)
+                                            * T.cast(up[k, v], f32), dtype)
                     for v in T.vectorized(VEC):
                         O[row, col + k * TR * VEC + v] = gate[k, v]
 
