@@ -172,9 +172,10 @@ class OpRunner:
         """Call the compile peer first at each hidden size's largest token count in ``shapes`` (``(rows,
         hidden, label)``): Inductor then sizes and autotunes the token-dynamic graph's kernels for a full
         batch, as vLLM compiles with its largest batch as the hint. First compiled at 32 tokens (the
-        shapes ascend), its pick among configs that tie there decided the large shapes: silu_and_mul
-        16384x2*8192 bf16 ran 3202 GB/s in the first suite of 2026-11-30's tenth session, 4349 in the
-        ninth's, 4323 in probe_inductor_3 (compiled at 16384 tokens)."""
+        shapes ascend), its configs for 32 tokens served the large shapes, picked differently from run
+        to run where they tie: silu_and_mul 16384x2*8192 bf16 ran 3202 GB/s in one suite and 4346 in the
+        next, merge_attn_states 16384x32x128 230 (4276 and 4191 compiled at 16384 tokens; the tenth
+        session's section of docs/benchmarks/README.md)."""
         if "compile" not in self.ctx.keys or self.compile_status is not None:
             return
         largest: Dict[Optional[int], int] = {}
