@@ -147,13 +147,15 @@ class OpRunner:
             except Exception as e:  # noqa: BLE001  (reported on every shape)
                 self.backends.append((spec, label, None, None, f"failed to load: {_first_line(e)}"))
         self.chain = dispatch.plan(op, platform)[0] if ctx.cuda else []
-        self.compiled = None
         self.compile_status = None
         no_compile = registry.REFERENCE_NOT_COMPILABLE.get(op)
         if no_compile:
             self.compile_status = f"skipped: {no_compile}"
         elif not ctx.cuda and not ctx.explicit_keys:
             self.compile_status = "off"  # the CPU set compiles only on request (Inductor's C++ build is slow)
+        # compiles nothing until called (warm_compile)
+        self.compiled = (torch.compile(self.reference, dynamic=False)
+                         if self.compile_status is None and "compile" in ctx.keys else None)
 
     def serves(self, args: tuple) -> str:
         """The backend the op's CUDA entry picks for ``args`` (first in its chain that takes them)."""
@@ -184,8 +186,6 @@ class OpRunner:
         for hidden, rows in largest.items():
             if rows > 1:  # one token is a graph of its own (Dynamo specialises sizes 0 and 1)
                 args = cases.build(self.op, rows, hidden, self.ctx.profile, self.ctx.device, self.ctx.dtype)
-                if self.compiled is None:
-                    self.compiled = torch.compile(self.reference, dynamic=False)
                 try:
                     self.compiled(*_tokens_dynamic(args, self.opdef.data_arg))
                 except Exception:  # noqa: BLE001  (run_case reports it at that shape)
@@ -204,8 +204,6 @@ class OpRunner:
         if "torch" in keys:
             out.append(Impl("torch", LABELS["torch"], "peer", self.reference))
         if "compile" in keys and self.compile_status != "off":
-            if self.compiled is None and self.compile_status is None:
-                self.compiled = torch.compile(self.reference, dynamic=False)
             data_arg = self.opdef.data_arg
             out.append(Impl("compile", LABELS["compile"], "peer", self.compiled, self.compile_status,
                             lambda args: _tokens_dynamic(args, data_arg)))

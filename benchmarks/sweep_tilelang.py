@@ -212,6 +212,17 @@ def rope_rows(ceiling: float) -> list:
     return rows
 
 
+def _exact(act: str, x):
+    """``act(x[:, :d]) * x[:, d:]`` in fp64; the tanh GELU as ``g * sigmoid(2u)``, since its reference
+    form's ``1 + tanh(u)`` cancels to 0 in the tail (g <= -4.3 in bf16's range) even in fp64."""
+    x = x.double()
+    d = x.shape[-1] // 2
+    g, up = x[:, :d], x[:, d:]
+    if act == "gelu_tanh":
+        return g * torch.sigmoid(1.5957691216057308 * (g + 0.044715 * g ** 3)) * up
+    return (ref_act.silu_and_mul(x) if act == "silu" else ref_act.gelu_and_mul(x, "none"))
+
+
 def _of_tolerance(got, exact) -> float:
     """The largest error of ``got`` against the fp64 ``exact``, as a fraction of the test tolerance of
     ``got``'s dtype (atol + rtol |exact|, ``torch_kernels.testing.TOLERANCES``): at most 1 passes."""
@@ -231,9 +242,7 @@ def tanh_rows(ceiling: float) -> list:
     x = torch.cat([g[:d], torch.ones(d, device="cuda", dtype=torch.bfloat16)]).view(1, 2 * d)
     rows = []
     for act in ("silu", "gelu_tanh"):
-        # fp64, the tanh GELU as g * sigmoid(2u): 1 + tanh(u) cancels to 0 in the tail
-        gd = g[:d].double().view(1, d)
-        exact = gd * torch.sigmoid(gd if act == "silu" else 1.5957691216057308 * (gd + 0.044715 * gd ** 3))
+        exact = _exact(act, x)
         forms = {"tanh.approx": {act: ("bfloat16",)}, "sigmoid form": {}}
         fns = _compile_all({label: _patched(tl_act, {"_TANH_APPROX": forms[label]}, tl_act._build, d, "bfloat16", act)
                             for label in forms})
@@ -274,8 +283,7 @@ def act_rows(ceiling: float) -> list:
     for (tokens, d), act in itertools.product(ACT_SHAPES, acts):
         x = torch.randn(tokens, 2 * d, device="cuda", dtype=torch.bfloat16) * 2
         want = ref_act.silu_and_mul(x) if act == "silu" else ref_act.gelu_and_mul(x, "tanh" if act == "gelu_tanh" else "none")
-        exact = (ref_act.silu_and_mul(x.double()) if act == "silu"
-                 else ref_act.gelu_and_mul(x.double(), "tanh" if act == "gelu_tanh" else "none"))
+        exact = _exact(act, x)
         errors = {"reference": _of_tolerance(want, exact)}  # the bf16 rounding alone
         nbytes = x.numel() * 2 * 3 // 2
         out = torch.empty(tokens, d, device="cuda", dtype=torch.bfloat16)

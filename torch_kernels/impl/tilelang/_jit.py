@@ -73,7 +73,6 @@ def target() -> Any:
 EARLY_TRIGGER = True
 
 
-
 #: Calls that move this many bytes (read + written, ``[low, high)``) do not trigger early, and their
 #: successor is launched as their blocks exit. The early trigger lost there and won outside
 #: (sweep_tilelang_16.json, H200, bf16, 5 interleaved rounds, µs with / without it): silu_and_mul
