@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -77,6 +78,112 @@ def _rewrite(path, change):
     data = json.loads(path.read_text())
     change(data)
     path.write_text(json.dumps(data))
+
+
+def _within(seconds, fn):
+    """``fn()``, failing rather than hanging the suite if it blocks (a FIFO opened for reading would)."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # raised here, in the test's thread
+            out["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn} still blocked after {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _replace_with(path, make):
+    path.unlink()
+    make(path)
+
+
+_HOSTILE = {
+    "op a list": lambda p: _rewrite(p, lambda d: d["entries"][0].update(op=["rmsnorm"])),
+    "winner a list": lambda p: _rewrite(p, lambda d: d["entries"][0].update(winner=["triton"])),
+    "width a float": lambda p: _rewrite(p, lambda d: d["entries"][0].update(width=96.0)),
+    "width a bool": lambda p: _rewrite(p, lambda d: d["entries"][0].update(width=True)),
+    "rows beyond a float": lambda p: _rewrite(p, lambda d: d["entries"][1].update(rows=10 ** 300)),
+    "key nested": lambda p: _rewrite(p, lambda d: d["key"].update(torch={"v": [1]})),
+    "5000-digit int": lambda p: p.write_text(p.read_text().replace('"rows": 64', '"rows": ' + "9" * 5000)),
+    "deep nesting": lambda p: p.write_text(p.read_text().replace('"rows": 64', '"rows": ' + "[" * 100000 + "]" * 100000)),
+    "oversized": lambda p: p.write_text(p.read_text() + " " * tuning.MAX_TABLE_BYTES),
+    "fifo": lambda p: _replace_with(p, os.mkfifo),
+    "link to /dev/zero": lambda p: _replace_with(p, lambda q: q.symlink_to("/dev/zero")),
+    "a directory": lambda p: _replace_with(p, os.mkdir),
+}
+_HOSTILE_WHY = {"op a list": "unknown op ['rmsnorm']", "winner a list": "names backend ['triton']",
+                "width a float": "lacks dtype, width or rows", "width a bool": "lacks dtype, width or rows",
+                "rows beyond a float": "lacks dtype, width or rows", "key nested": "key's fields are not all strings",
+                "5000-digit int": "corrupt: ValueError", "deep nesting": "corrupt: RecursionError",
+                "oversized": f"larger than the {8 << 20} read", "fifo": "not a regular file",
+                "link to /dev/zero": "not a regular file", "a directory": "not a regular file"}
+
+
+@pytest.mark.parametrize("damage", sorted(_HOSTILE))
+def test_a_hostile_table_is_refused_once_and_auto_still_serves(cuda_platform, capfd, damage):
+    saved = _save(cuda_platform, RMSNORM_TABLE)
+    _HOSTILE[damage](saved.path)
+    table, notices = _within(30, lambda: tuning.find(cuda_platform))
+    assert table is None and len(notices) == 1
+    assert str(saved.path) in notices[0] and _HOSTILE_WHY[damage] in notices[0] and len(notices[0]) < 1000, notices
+    capfd.readouterr()
+    dispatch.configure(backend="auto")
+    reference = registry.BY_OP["rmsnorm"][Backend.TORCH].load()
+    w = torch.randn(96)
+    for rows in (3, 100, 3, 100):  # each bucket the table named, twice: the refusal is not read again
+        x = torch.randn(rows, 96)
+        assert_close(_within(60, lambda: dispatch.slot("rmsnorm").call(x, w, 1e-6)), reference(x, w, 1e-6))
+    err = capfd.readouterr().err
+    assert err.count(f"tuned table {saved.path} ignored") == 1 and _HOSTILE_WHY[damage] in err, err
+    assert "the platform default serves every op" in err
+
+
+def test_the_shipped_tables_are_well_under_the_size_read():
+    sizes = [p.stat().st_size for p in tuning.PACKAGED_DIR.glob("*.json")]
+    assert sizes and max(sizes) * 16 < tuning.MAX_TABLE_BYTES
+
+
+def test_a_link_to_a_regular_table_is_read(cuda_platform, tmp_path):
+    saved = _save(cuda_platform, RMSNORM_TABLE)
+    elsewhere = tmp_path / "elsewhere.json"
+    saved.path.rename(elsewhere)
+    saved.path.symlink_to(elsewhere)
+    table, notices = tuning.find(cuda_platform)
+    assert notices == [] and table.entries == saved.entries
+
+
+def test_save_never_follows_or_truncates_through_its_lock(cuda_platform, tmp_path):
+    path = tuning.user_dir() / tuning.file_name(cuda_platform)
+    path.parent.mkdir(parents=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    lock = path.with_name(path.name + ".lock")
+    lock.symlink_to(victim)
+    with pytest.raises(OSError, match="tuning lock .* not opened: it is a symbolic link"):
+        _save(cuda_platform, RMSNORM_TABLE)
+    assert victim.read_text() == "precious" and not path.exists()
+    lock.unlink()
+    os.mkfifo(lock)
+    with pytest.raises(OSError, match="tuning lock .* not opened: it is a FIFO"):
+        _within(30, lambda: _save(cuda_platform, RMSNORM_TABLE))
+    lock.unlink()
+    lock.write_text("held by someone")  # a regular lock is locked, not emptied
+    _save(cuda_platform, RMSNORM_TABLE)
+    assert lock.read_text() == "held by someone" and tuning.find(cuda_platform)[0] is not None
+
+
+def test_save_replaces_a_hostile_table_in_place_of_the_link(cuda_platform):
+    path = tuning.user_dir() / tuning.file_name(cuda_platform)
+    path.parent.mkdir(parents=True)
+    path.symlink_to("/dev/zero")
+    _within(30, lambda: _save(cuda_platform, RMSNORM_TABLE))
+    assert not path.is_symlink() and len(tuning.find(cuda_platform)[0].entries) == 3
 
 
 def test_no_table_says_where_it_looked(cuda_platform):

@@ -13,20 +13,24 @@ the tuned counts); a dtype never tuned takes the platform default.
 The table is one JSON file per GPU model, ``<gpu>-sm<cc>.json``, looked up in ``DEEPINFER_OPS_TUNE_DIR``
 (default ``~/.cache/torch_kernels/tune``), then among the tables shipped in ``torch_kernels/tuned/``. It
 is keyed by the GPU name, the compute capability and the versions of torch, torch_kernels and each
-backend: a table whose key differs (stale), that does not parse (corrupt) or that misses fields or
-names unknown ops or backends (partial) is ignored with one notice, and the platform default serves.
-Writers merge into the file under an exclusive lock and replace it atomically, so two processes tuning
-at once leave one complete table.
+backend: a table whose key differs (stale), that does not parse (corrupt), that misses fields, has
+fields of the wrong type or names unknown ops or backends (partial), that is not a regular file (a FIFO,
+a device) or that is larger than :data:`MAX_TABLE_BYTES` is ignored with one notice when it is looked
+up, once per selection, and the platform default serves. Writers merge into the file under an exclusive
+lock (a ``.lock`` file beside it, never followed if it is a link, never truncated) and replace it
+atomically, so two processes tuning at once leave one complete table.
 """
 
 from __future__ import annotations
 
 import bisect
+import errno
 import fcntl
 import json
 import math
 import os
 import re
+import stat
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -44,6 +48,10 @@ PACKAGED_DIR = Path(__file__).resolve().parent / "tuned"
 MIN_GAIN = 0.01
 _DISTRIBUTIONS = {Backend.TRITON: "triton", Backend.TILELANG: "tilelang", Backend.FLASHINFER: "flashinfer-python"}
 _MEMO_LIMIT = 1 << 16  # (dtype, shape) pairs remembered per op, then forgotten all at once
+#: the largest table file read: the shipped H200 table is 31 KB (1780 lines) for 232 buckets
+MAX_TABLE_BYTES = 8 << 20
+_MAX_EXTENT = 1 << 62  # width and rows: the product of two stays a float for the bucket bounds
+_NOTICE_CHARS = 200  # of a field quoted in a notice
 
 
 class TableError(ValueError):
@@ -106,22 +114,26 @@ class Table:
 
     @classmethod
     def from_json(cls, data: object, path: Optional[Path] = None) -> "Table":
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        """Validate a parsed table whole (every field a lookup reads, of its type and range) and index it;
+        :class:`TableError` says what is wrong, so that no call under ``auto`` can fail on the table."""
+        if not isinstance(data, dict) or type(data.get("schema")) is not int or data["schema"] != SCHEMA:
             raise TableError(f"not a schema-{SCHEMA} table")
         key, entries = data.get("key"), data.get("entries")
         if not isinstance(key, dict) or not isinstance(entries, list):
             raise TableError("partial: no key or no entries")
+        if not all(isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in key.items()):
+            raise TableError("partial: the key's fields are not all strings")
         known = {b.value for b in Backend}
         for i, e in enumerate(entries):
             if not isinstance(e, dict):
                 raise TableError(f"partial: entry {i} is not an object")
-            if e.get("op") not in registry.BY_OP:
-                raise TableError(f"entry {i} names unknown op {e.get('op')!r}")
-            if e.get("winner") not in known or Backend(e["winner"]) not in registry.BY_OP[e["op"]]:
-                raise TableError(f"entry {i} ({e['op']}) names backend {e.get('winner')!r}, which does not implement it")
-            if not (isinstance(e.get("dtype"), str) and isinstance(e.get("width"), int) and isinstance(e.get("rows"), int)
-                    and e["width"] > 0 and e["rows"] >= 0):
-                raise TableError(f"partial: entry {i} ({e['op']}) lacks dtype, width or rows")
+            op, winner = e.get("op"), e.get("winner")
+            if not isinstance(op, str) or op not in registry.BY_OP:
+                raise TableError(f"entry {i} names unknown op {_quote(op)}")
+            if not isinstance(winner, str) or winner not in known or Backend(winner) not in registry.BY_OP[op]:
+                raise TableError(f"entry {i} ({op}) names backend {_quote(winner)}, which does not implement it")
+            if not (isinstance(e.get("dtype"), str) and _extent(e.get("width"), 1) and _extent(e.get("rows"), 0)):
+                raise TableError(f"partial: entry {i} ({op}) lacks dtype, width or rows")
         return cls(key, entries, path)
 
     def to_json(self) -> dict:
@@ -136,15 +148,55 @@ class Table:
         return "; ".join(parts)
 
 
-def _read(path: Path, key: dict) -> Table:
+def _clip(text: str) -> str:
+    return text if len(text) <= _NOTICE_CHARS else text[:_NOTICE_CHARS] + "..."
+
+
+def _quote(value: object) -> str:
+    return _clip(repr(value))
+
+
+def _extent(value: object, least: int) -> bool:
+    """A width (``least`` 1) or row count (0): an int, not a bool, in range."""
+    return type(value) is int and least <= value <= _MAX_EXTENT
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes, refusing what is not a regular file (a FIFO or ``/dev/zero`` would block or never
+    end) or is larger than :data:`MAX_TABLE_BYTES`, without blocking: a link to a regular file is read."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # before opening: a device is never opened
+            raise TableError("not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise TableError(f"unreadable: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)  # what was opened, should the name have been replaced since the stat
+        if not stat.S_ISREG(info.st_mode):
+            raise TableError("not a regular file")
+        if info.st_size > MAX_TABLE_BYTES:
+            raise TableError(f"{info.st_size} bytes, larger than the {MAX_TABLE_BYTES} read")
+        try:
+            data = f.read(MAX_TABLE_BYTES + 1)
+        except OSError as e:
+            raise TableError(f"unreadable: {e.strerror or e}") from None
+    if len(data) > MAX_TABLE_BYTES:  # it grew after the fstat
+        raise TableError(f"larger than the {MAX_TABLE_BYTES} bytes read")
+    return data
+
+
+def _read(path: Path, key: dict) -> Table:
+    data = _read_bytes(path)
+    try:
+        parsed = json.loads(data.decode("utf-8"))
+    # ValueError: JSONDecodeError, or an int of more than sys.get_int_max_str_digits() (4300) digits;
+    # RecursionError: nesting deeper than the interpreter's recursion limit
+    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
         raise TableError(f"corrupt: {type(e).__name__}: {str(e)[:120]}") from None
-    table = Table.from_json(data, path)
+    table = Table.from_json(parsed, path)
     if table.key != key:
         diff = sorted(k for k in set(key) | set(table.key) if key.get(k) != table.key.get(k))
-        raise TableError("stale: tuned for " + ", ".join(f"{k} {table.key.get(k)}" for k in diff)
+        raise TableError("stale: tuned for " + ", ".join(f"{k} {_clip(str(table.key.get(k)))}" for k in diff)
                          + "; here " + ", ".join(f"{k} {key.get(k)}" for k in diff))
     return table
 
@@ -155,12 +207,14 @@ def find(platform: Platform) -> Tuple[Optional[Table], List[str]]:
     key, name, notices = table_key(platform), file_name(platform), []
     for folder in (user_dir(), PACKAGED_DIR):
         path = folder / name
-        if not path.exists():
+        if not os.path.lexists(path):
             continue
         try:
             return _read(path, key), notices
         except TableError as e:
             notices.append(f"tuned table {path} ignored ({e})")
+        except Exception as e:  # a table never makes a call fail: whatever was missed, the default serves
+            notices.append(f"tuned table {path} ignored (unusable: {type(e).__name__}: {_clip(str(e))})")
     if not notices:
         notices.append(f"no tuned table for {platform.device_name} sm_{''.join(map(str, platform.compute_capability or ()))}"
                        f" in {user_dir()} or {PACKAGED_DIR}")
@@ -171,7 +225,7 @@ def save(entries: List[dict], key: dict, path: Path) -> Table:
     """Merge ``entries`` into the table at ``path`` (kept where its key matches; a new measurement of a
     bucket replaces the old) under an exclusive lock, and replace the file atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "w") as lock:
+    with _lock_file(Path(str(path) + ".lock")) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         merged: Dict[tuple, dict] = {}
         if path.exists():
@@ -183,10 +237,13 @@ def save(entries: List[dict], key: dict, path: Path) -> Table:
         merged.update({(e["op"], e["dtype"], e["width"], e["rows"]): e for e in entries})
         table = Table.from_json({"schema": SCHEMA, "key": key, "entries": sorted(merged.values(), key=lambda e: (
             e["op"], e["dtype"], e["width"], e["rows"]))}, path)
+        text = json.dumps(table.to_json(), indent=1)
+        if len(text.encode()) > MAX_TABLE_BYTES:
+            raise ValueError(f"tuned table {path}: {len(table.entries)} entries are more than the {MAX_TABLE_BYTES} bytes read back")
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as f:
-                json.dump(table.to_json(), f, indent=1)
+                f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -194,6 +251,20 @@ def save(entries: List[dict], key: dict, path: Path) -> Table:
             os.unlink(tmp)
             raise
     return table
+
+
+def _lock_file(path: Path):
+    """The lock beside a table, opened for writing without following a link (whose target ``"w"`` would
+    truncate), without truncating, and without blocking on a FIFO; refused unless a regular file."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        why = "it is a symbolic link" if e.errno == errno.ELOOP else "it is a FIFO" if e.errno == errno.ENXIO else e.strerror
+        raise OSError(e.errno, f"tuning lock {path} not opened: {why}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"tuning lock {path} not opened: not a regular file")
+    return os.fdopen(fd, "w")
 
 
 def _bounds(rows: Sequence[int]) -> List[float]:
