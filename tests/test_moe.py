@@ -29,14 +29,18 @@ def _reference(op):
 # --- the definition, one row at a time in Python floats ---------------------------------------------
 
 def _softmax(row):
+    """A score that is not finite counts as 0: a NaN or +inf logit, or only -inf logits, make every
+    probability of the row NaN (inf - inf, -inf + inf), hence 0."""
+    if any(math.isnan(v) or v == math.inf for v in row) or all(v == -math.inf for v in row):
+        return [0.0] * len(row)
     m = max(row)
-    if math.isinf(m):
-        return [math.nan] * len(row)
     e = [math.exp(v - m) for v in row]
     return [v / sum(e) for v in e]
 
 
 def _sigmoid(v):
+    if math.isnan(v):
+        return 0.0  # the only logit whose sigmoid is not finite (+-inf give 1 and 0)
     return 1.0 / (1.0 + math.exp(-v)) if v >= 0 else math.exp(v) / (1.0 + math.exp(v))
 
 
@@ -47,8 +51,8 @@ def _best(keys, candidates, n):
 
 
 def _finish(weights, renormalize, factor=1.0):
-    if renormalize:
-        total = sum(weights)
+    total = sum(weights)
+    if renormalize and total > 0:  # a row of zeros stays zero
         weights = [w / total for w in weights]
     return [w * factor for w in weights]
 
@@ -183,11 +187,11 @@ def _assert_valid_routing(op, args, got, rows, rtol=2e-6):
     n, experts = x.shape
     if op == "topk_softmax":
         topk, renormalize = args[1], (args[2] if len(args) > 2 else False)
-        scores = key = torch.softmax(x, -1)
+        scores = key = torch.softmax(x, -1).nan_to_num(0.0, 0.0, 0.0)
         groups, topk_group, bias, factor = 1, 1, None, 1.0
     else:
         topk, renormalize, groups, topk_group, scoring, bias, factor = (args[1:8] + ("softmax", None, 1.0))[:7]
-        scores = torch.softmax(x, -1) if scoring == "softmax" else torch.sigmoid(x)
+        scores = (torch.softmax(x, -1) if scoring == "softmax" else torch.sigmoid(x)).nan_to_num(0.0, 0.0, 0.0)
         key = scores if bias is None else scores + bias.cpu().double()
     assert bool(((ids >= 0) & (ids < experts)).all()), "expert ids out of range"
     chosen = torch.zeros(n, experts, dtype=torch.bool).scatter_(1, ids, True)
@@ -224,7 +228,8 @@ def _assert_valid_routing(op, args, got, rows, rtol=2e-6):
         assert bool((ordered[:-1] >= ordered[1:] - rtol * ordered[:-1].abs()).all()), f"row {int(idx[r])}: ids not by key"
     want = scores.gather(1, ids)
     if renormalize:
-        want = want / want.sum(-1, keepdim=True)
+        total = want.sum(-1, keepdim=True)
+        want = want / torch.where(total > 0, total, 1.0)
     assert_close(w, (want * factor).float(), torch.float32, msg="near-tie rows: weights of the chosen ids")
 
 
@@ -320,41 +325,142 @@ def test_many_ties_match_the_formula(op, dtype, device):
                 raise AssertionError(f"{name} {op} {args[1:]}: {e}") from None
 
 
-def _nonfinite_logits(device):
-    x = torch.randn(4, 32, device=device)
-    x[0, 5] = float("nan")
-    x[1, 9] = float("inf")
-    x[2, :20] = float("-inf")
-    x[3, 3] = float("nan")  # sigmoid: only expert 3 is NaN, and ranks first
-    return x
+NAN, INF = float("nan"), float("inf")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op", OPS)
-def test_nonfinite_logits(op, device):
-    """A NaN or +inf logit makes a softmax row NaN (its weights NaN, its ids still the first
-    experts: NaN ranks as +inf, ties to the lower index); -inf logits are probability 0."""
-    x = _nonfinite_logits(device)
-    bias = torch.randn(32, device=device) * 0.1
-    cases = {"topk_softmax": [(x, 6, True), (x, 3, False)],
-             "grouped_topk": [(x, 6, True, 4, 2, "sigmoid", bias, 2.5), (x, 4, False, 8, 2, "softmax", None, 1.0)]}
-    for args in cases[op]:
-        want = _reference(op)(*args)
-        for name, fn in _backends(op, device):
-            got = fn(*args)
-            try:
-                compare_routing(list(got), list(want), torch.float32)
-            except AssertionError as e:
-                raise AssertionError(f"{name} {op} {args[1:]}: {e}") from None
-            ids = got[1]
-            assert ((ids >= 0) & (ids < 32)).all(), f"{name}: ids outside the experts"
+def _nonfinite_rows(device, dtype, experts=32):
+    """Rows 0-8 hold non-finite logits, rows 9-11 are finite: all NaN, one NaN, one +inf, one -inf,
+    two +inf, all -inf, all but 4 -inf (fewer finite experts than topk), NaN with +inf and -inf,
+    every other logit -inf with a NaN."""
+    x = torch.randn(12, experts, generator=torch.Generator().manual_seed(7)) * 2
+    x[0] = NAN
+    x[1, 5] = NAN
+    x[2, 9] = INF
+    x[3, 17] = -INF
+    x[4, [3, 20]] = INF
+    x[5] = -INF
+    x[6, :experts - 4] = -INF
+    x[7, [1, 12, experts - 2]] = torch.tensor([NAN, INF, -INF])
+    x[8, 0::2] = -INF
+    x[8, 7] = NAN
+    return x.to(device=device, dtype=dtype)
+
+
+#: rows whose softmax is NaN everywhere, hence all scores 0
+SOFTMAX_ZERO_ROWS = [0, 1, 2, 4, 5, 7, 8]
+
+
+def _nonfinite_cases(op, device, dtype):
+    x = _nonfinite_rows(device, dtype)
     if op == "topk_softmax":
-        w, ids = topk_softmax(x, 6, True)
-        assert w[:2].isnan().all() and ids[:2].tolist() == [list(range(6))] * 2
-        assert w[2].isfinite().all() and (ids[2] >= 20).all()
-    else:
-        _, ids = grouped_topk(x, 6, True, 4, 2, "sigmoid", bias, 2.5)
-        assert ids[3, 0] == 3
+        return [(x, 6, False), (x, 6, True), (x, 32, True), (x, 1, False)]
+    bias = torch.randn(32, generator=torch.Generator().manual_seed(8)).to(device) * 0.1
+    bad_bias = bias.clone()
+    bad_bias[[2, 11, 25]] = torch.tensor([NAN, INF, -INF], device=device)  # a NaN key ranks as +inf
+    return [(x, 6, True, 4, 2, "sigmoid", bias, 2.5), (x, 6, False, 4, 2, "sigmoid", bias, 1.0),
+            (x, 6, True, 4, 2, "softmax", bias, 1.0), (x, 4, False, 8, 3, "softmax", bias, 1.0),
+            (x, 4, True, 8, 2, "softmax", None, 1.0), (x, 5, False, 4, 2, "sigmoid", None, 1.0),
+            (x, 5, True, 1, 1, "softmax", None, 1.0), (x, 6, True, 4, 2, "sigmoid", bad_bias, 1.0),
+            (x, 6, False, 8, 4, "softmax", bad_bias, 2.5)]
+
+
+def _assert_finite_and_distinct(w, ids, experts, what):
+    assert bool(w.isfinite().all()), f"{what}: non-finite weights in rows {(~w.isfinite()).any(-1).nonzero().flatten().tolist()}"
+    assert bool(((ids >= 0) & (ids < experts)).all()), f"{what}: ids outside the experts"
+    ordered = ids.sort(-1).values
+    assert bool((ordered[:, 1:] != ordered[:, :-1]).all()), f"{what}: repeated ids"
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")  # Triton's interpreter, all-NaN rows
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_nonfinite_logits_match_the_formula(op, dtype, device):
+    """NaN and +-inf logits (and in grouped_topk a bias with NaN and +-inf entries): every backend
+    gives the independent formula's ids exactly and its weights at the fp32 tolerance, the
+    reference's too, with finite weights and distinct ids on every row."""
+    for args in _nonfinite_cases(op, device, dtype):
+        want = FORMULA[op](*_cpu(args))
+        ref = [t.cpu() for t in _reference(op)(*args)]
+        for name, fn in _backends(op, device):
+            got = [t.cpu() for t in fn(*args)]
+            what = f"{name} {op} {dtype} {args[1:]}"
+            _assert_finite_and_distinct(*got, 32, what)
+            for expected in (want, ref):
+                try:
+                    compare_routing(got, list(expected), dtype)
+                except AssertionError as e:
+                    raise AssertionError(f"{what}: {e}") from None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_nonfinite_rows_in_large_batches(op, dtype):
+    """Every 16th row of the large shapes poisoned with the patterns of :func:`_nonfinite_rows`, with
+    and without renormalising: every backend gives finite weights and distinct ids on every row, the
+    reference's ids on every row without a near tie (rows whose scores are all 0 tie exactly, so
+    they are always compared), and a valid top-k within tolerance on the near-tie rows."""
+    torch.manual_seed(0)
+    for row in GPU_EXTRA[op]:
+        for renormalize in (False, True):
+            args = list(_args(op, row, "cuda", dtype))
+            args[2] = renormalize
+            x = args[0]
+            poisoned = torch.arange(0, x.shape[0], 16, device="cuda")
+            patterns = _nonfinite_rows("cuda", dtype, x.shape[1])[:9]
+            x[poisoned] = patterns[torch.arange(poisoned.numel(), device="cuda") % 9]
+            args = tuple(args)
+            want = _reference(op)(*args)
+            _assert_finite_and_distinct(*want, x.shape[1], "reference")
+            scoring = "softmax" if op == "topk_softmax" else args[5]
+            xd = x.double()
+            scores = (torch.softmax(xd, -1) if scoring == "softmax" else torch.sigmoid(xd)).nan_to_num(0.0, 0.0, 0.0)
+            skip = near_ties(op, args) & ~(scores == 0).all(-1)
+            _check_backends(op, args, dtype, skip)
+            for name, fn in _backends(op, "cuda"):
+                got = fn(*args)
+                what = f"backend {name}, {op} {tuple(x.shape)} {args[1:]}"
+                _assert_finite_and_distinct(*got, x.shape[1], what)
+                try:
+                    _assert_valid_routing(op, args, got, skip)
+                except AssertionError as e:
+                    raise AssertionError(f"{what}: {e}") from None
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_nonfinite_softmax_rows_route_to_the_first_experts_with_zero_weights(renormalize):
+    """vLLM's clamp: a softmax row with a NaN or +inf logit, or only -inf, scores 0 everywhere: ids
+    0..topk-1 by the tie rule, weights 0 (renormalised too, no 0/0); a -inf logit is probability 0."""
+    x = _nonfinite_rows("cpu", torch.float32)
+    w, ids = topk_softmax(x, 6, renormalize)
+    assert ids[SOFTMAX_ZERO_ROWS].tolist() == [list(range(6))] * len(SOFTMAX_ZERO_ROWS)
+    assert w[SOFTMAX_ZERO_ROWS].eq(0).all()
+    assert 17 not in ids[3].tolist() and w[3].gt(0).all()
+    assert set(ids[6, :4].tolist()) == {28, 29, 30, 31} and ids[6, 4:].tolist() == [0, 1] and w[6, 4:].eq(0).all()
+    p = torch.softmax(x[3], -1).gather(0, ids[3].long())
+    assert_close(w[3], p / p.sum() if renormalize else p)
+    # grouped_topk with one group and no bias is the same router
+    compare_routing(list(grouped_topk(x, 6, renormalize, 1, 1)), [w, ids], torch.float32)
+
+
+def test_nonfinite_grouped_topk_scores_count_as_zero():
+    """Sigmoid: a NaN logit scores 0 (its key is its bias alone), +inf scores 1; softmax: a row with
+    a NaN or +inf logit scores 0 everywhere and selects by the bias alone, with weights 0 that stay 0
+    when renormalised and scaled. Groups {0,1} {2,3} {4,5} {6,7}, expert 6 biased by 0.9."""
+    x = torch.zeros(3, 8)
+    x[0, 6] = NAN
+    x[1, 2] = INF
+    x[2] = NAN
+    bias = torch.zeros(8)
+    bias[6] = 0.9
+    w, ids = grouped_topk(x, 2, False, 4, 2, "sigmoid", bias, 2.0)
+    # row 0: key 6 = 0 + 0.9 (group 3: 1.4), every other key 0.5; row 1: key 2 = 1 (group 1: 1.5),
+    # key 6 = 1.4 (group 3: 1.9); row 2: keys = bias, group 3 then group 0 by the tie rule
+    assert ids.tolist() == [[6, 0], [6, 2], [6, 0]]
+    assert_close(w, torch.tensor([[0.0, 1.0], [1.0, 2.0], [0.0, 0.0]]))
+    w, ids = grouped_topk(x, 2, True, 4, 2, "softmax", bias, 2.5)
+    assert ids.tolist() == [[6, 0]] * 3 and w.eq(0).all()
 
 
 # --- registration details that the generic tests do not see ----------------------------------------

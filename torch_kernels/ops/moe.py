@@ -4,7 +4,9 @@ DeepSeek-V2/V3 router).
 Semantics of vLLM's ``fused_topk``/``topk_softmax`` and ``grouped_topk``
 (``vllm/model_executor/layers/fused_moe/fused_moe.py``) and sglang's ``topk_softmax``; the reference
 is ``torch_kernels/impl/torch/moe.py``. Both return fp32 weights and int32 expert ids ``(T, topk)``,
-ordered by descending selection key, ties to the lower expert index (NaN keys rank as ``+inf``).
+ordered by descending selection key, ties to the lower expert index. A score (probability or sigmoid)
+that is not finite counts as 0, as in vLLM's ``topk_softmax`` kernel: the weights are finite and the
+ids distinct whatever the logits hold.
 """
 
 from typing import Iterator, Optional
@@ -127,13 +129,18 @@ def _fake_grouped_topk(gating_output: Tensor, topk: int, renormalize: bool, num_
 
 
 def topk_softmax(gating_output: Tensor, topk: int, renormalize: bool = False):
-    """``p = softmax(gating_output, -1); ids = top-k indices of p; weights = p[ids] (/ sum(p[ids]) if renormalize)``
+    """``p = softmax(gating_output, -1), non-finite as 0; ids = top-k indices of p; w = p[ids] (/ sum if renormalize)``
 
     The MoE router of Mixtral, Qwen-MoE and most top-k MoE models (vLLM's ``fused_topk`` /
     ``topk_softmax``, sglang's ``topk_softmax``). The softmax over the experts is computed in fp32
     (fp64 for fp64 input). The ``topk`` experts come in descending order of probability, ties to
-    the lower expert index; a NaN probability ranks as ``+inf`` (a row with a NaN or ``+inf`` logit
-    has NaN weights, and its ids are still valid expert indices).
+    the lower expert index.
+
+    Non-finite logits, as vLLM's ``topk_softmax`` kernel clamps them: a probability that is not
+    finite counts as 0 before selection. A row with a NaN or ``+inf`` logit, or with only ``-inf``
+    logits, has every probability NaN, so it routes to experts ``0 .. topk-1`` with weights 0 (the
+    token adds nothing; renormalising a row of zeros leaves it zero). A ``-inf`` logit among finite
+    ones is probability 0. So the weights are always finite and the ids distinct.
 
     Args:
         gating_output: ``(T, E)`` router logits, fp16/bf16/fp32/fp64, last dimension contiguous
@@ -151,23 +158,30 @@ def topk_softmax(gating_output: Tensor, topk: int, renormalize: bool = False):
 def grouped_topk(gating_output: Tensor, topk: int, renormalize: bool, num_expert_group: int, topk_group: int,
                  scoring_func: str = "softmax", e_score_correction_bias: Optional[Tensor] = None,
                  routed_scaling_factor: float = 1.0):
-    """``s = score(gating_output); ids = topk(s + bias) in the topk_group best groups; w = s[ids] (/ sum) * factor``
+    """``s = score(gating_output), non-finite as 0; ids = topk(s + bias) in the kept groups; w = s[ids] (/ sum) * factor``
 
     The DeepSeek-V2/V3 router, as vLLM's ``grouped_topk`` (``factor`` is ``routed_scaling_factor``).
     In fp32 (fp64 for fp64 input):
 
-    1. ``s = softmax(gating_output, -1)`` or ``sigmoid(gating_output)`` (``scoring_func``).
+    1. ``s = softmax(gating_output, -1)`` or ``sigmoid(gating_output)`` (``scoring_func``); a score
+       that is not finite counts as 0, as in :func:`topk_softmax` (softmax: every score of a row with
+       a NaN or ``+inf`` logit, or of only ``-inf``; sigmoid: a NaN logit, ``+-inf`` giving 1 and 0).
     2. ``key = s + e_score_correction_bias`` (``key = s`` without a bias). The bias only selects.
     3. The ``E`` experts form ``num_expert_group`` consecutive groups; a group's score is the sum of
        its two largest keys with a bias, its largest key without one. The ``topk_group`` groups of
        highest score are kept.
     4. ``ids``: the ``topk`` experts of highest key among the kept groups, in descending key order.
-    5. ``weights = s[ids]`` (the unbiased scores), divided by their sum if ``renormalize``, then
+    5. ``weights = s[ids]`` (the unbiased scores), divided by their sum if ``renormalize`` (a sum
+       of 0 leaves the zeros), then
        multiplied by ``routed_scaling_factor``. vLLM applies the factor inside ``grouped_topk``,
        after the renormalisation, and so does this op (older vLLM releases' ``grouped_topk`` had no
        factor and the model scaled the MoE output: pass 1.0 to get their weights).
 
-    Ties resolve to the lower index, for groups and for experts; a NaN key ranks as ``+inf``.
+    Ties resolve to the lower index, for groups and for experts; a NaN key (from a NaN bias) ranks
+    as ``+inf``. The weights are finite (for a finite factor) and the ids distinct whatever the logits
+    and bias hold: a row whose scores are all 0 selects by the bias alone (experts ``0 .. topk-1``
+    without one) with weights 0. vLLM's CUDA ``grouped_topk`` instead leaves an expert with a
+    non-finite logit out of its final choice, so such rows may route differently there.
     Unlike vLLM's native path (which rounds softmax scores to the logits' dtype), the scores stay fp32.
 
     Args:
@@ -221,12 +235,12 @@ def near_ties(op: str, args: tuple, rtol: float = 2e-6) -> Tensor:
     (DeepSeek-V3 sigmoid + bias, whose keys crowd near 1), which large-shape checks leave out."""
     x = args[0].double()
     if op == "topk_softmax":
-        key, topk = torch.softmax(x, -1), args[1]
+        key, topk = torch.softmax(x, -1).nan_to_num(0.0, 0.0, 0.0), args[1]
         group_key = None
     else:
         topk, _, groups, topk_group, scoring, bias, _ = args[1:8] + (None,) * (8 - len(args))
         scoring = scoring or "softmax"
-        scores = torch.softmax(x, -1) if scoring == "softmax" else torch.sigmoid(x)
+        scores = (torch.softmax(x, -1) if scoring == "softmax" else torch.sigmoid(x)).nan_to_num(0.0, 0.0, 0.0)
         key = scores if bias is None else scores + bias.double()
         grouped = key.view(x.shape[0], groups, -1)
         group_key = grouped.amax(-1) if bias is None else grouped.topk(2, -1).values.sum(-1)

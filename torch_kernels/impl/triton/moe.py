@@ -6,8 +6,11 @@ padded to a power of two), so that group scores are reductions over the last axi
 ``topk_softmax`` the row in chunks of one warp's load. Selection is ``topk`` rounds of argmax over
 an order-preserving int32 image of each candidate's fp32 key: the largest rank, then the lowest
 expert index holding it (ties to the lower index); the winner's rank drops to ``_NONE``, below
-every real key (``-inf`` included). Groups are chosen the same way. A NaN key ranks as ``+inf``,
-as in the reference, so every id written is a valid expert index.
+every real key (``-inf`` included). Groups are chosen the same way. As in the reference, a NaN or
+infinite score counts as 0 (vLLM's clamp: a compare and a select in registers, on the scores and
+on the recomputed weights, before the selection rounds: 40 SASS of 1408 and the same 68 registers
+for 256 fp32 experts, sm_90 ptxas), a renormalised row of zeros stays zero, and a NaN key (from a
+NaN bias) ranks as ``+inf``: weights are finite and the ids distinct, valid expert indices.
 
 Arguments arrive validated (``torch_kernels.ops.moe``): logits ``(T, E)`` with a contiguous last
 dimension, fp16/bf16/fp32; bias ``(E,)`` contiguous. Rows up to ``MAX_TILE`` padded experts: wider
@@ -43,6 +46,12 @@ def _ordered(key):
     bits = key.to(tl.int32, bitcast=True)
     # negative floats: flip the magnitude bits, so a larger magnitude is a smaller integer
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _finite_or_zero(v):
+    """NaN and +-inf as 0 (the reference's ``finite_scores``); |v| is a free operand modifier."""
+    return tl.where(tl.abs(v) < float("inf"), v, 0.0)
 
 
 @triton.jit
@@ -83,10 +92,11 @@ def _route_rows(
     if SOFTMAX:
         m = tl.max(tl.max(tl.where(valid, x, float("-inf")), 2), 0)  # (BLOCK_R,)
         e = tl.where(valid, tl.exp(x - m[None, :, None]), 0.0)
-        s = tl.sum(tl.sum(e, 2), 0)  # a NaN or +inf logit makes s NaN: every score of the row NaN
+        s = tl.sum(tl.sum(e, 2), 0)  # a NaN or +inf logit, or all -inf, makes s NaN: every score NaN
         key = e * (1.0 / s)[None, :, None]  # one division a token; the weights divide exactly
     else:
         key = tl.sigmoid(x)
+    key = _finite_or_zero(key)  # vLLM's clamp: an all-NaN row ties at 0, so its ids are 0..topk-1, distinct
     if HAS_BIAS:
         key += tl.load(bias_ptr + expert, mask=is_expert, other=0.0).to(tl.float32)[:, None, :]
     rank = tl.where(valid, _ordered(key), _NONE)  # (BLOCK_G, BLOCK_R, BLOCK_GS) int32
@@ -136,9 +146,10 @@ def _route_rows(
         w = tl.exp(xk - m[:, None]) / s[:, None]
     else:
         w = tl.sigmoid(xk)
-    w = tl.where(k_ok, w, 0.0)
+    w = tl.where(k_ok, _finite_or_zero(w), 0.0)
     if RENORMALIZE:
-        w = w / tl.sum(w, 1)[:, None]
+        total = tl.sum(w, 1)
+        w = w / tl.where(total > 0.0, total, 1.0)[:, None]  # weights >= 0: a zero sum is a row of zeros
     w = w * scale
     out = rows[:, None] * topk + k[None, :]
     tl.store(w_ptr + out, w, mask=out_ok)
