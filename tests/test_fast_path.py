@@ -6,6 +6,7 @@ the calls it serves match the reference (one-pass and streamed kernels, in place
 on another stream, in a CUDA graph), the calls it does not serve reach the Python kernels, bad input
 still raises naming the op and the argument, and a new selection is asked again."""
 
+import json
 import os
 import subprocess
 import sys
@@ -71,9 +72,105 @@ def test_processes_building_at_once_leave_one_sound_library(tmp_path):
               for _ in range(2)]
     paths = {b.communicate(timeout=300)[0].strip() for b in builds}
     assert all(b.returncode == 0 for b in builds) and len(paths) == 1
-    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == ["deepinfer_fast_path.so"]
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["deepinfer_fast_path.so",
+                                                                           "deepinfer_fast_path.so.sha256"]
     lines = _python(_REGISTRATIONS, DEEPINFER_OPS_CACHE_DIR=str(tmp_path)).splitlines()
     assert lines[0] == "loaded"
+    # a damaged library is built again, not taken as built
+    library = paths.pop()
+    os.truncate(library, 100 * 1024)
+    assert _python(code, DEEPINFER_OPS_CACHE_DIR=str(tmp_path)).strip() == library
+    assert _python(_REGISTRATIONS, DEEPINFER_OPS_CACHE_DIR=str(tmp_path)).splitlines()[0] == "loaded"
+
+
+def _run(code, **env):
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=120)
+    return out.returncode, out.stdout, out.stderr
+
+
+def _copy_build(tmp_path):
+    """The built library and its digest record, copied into a cache folder of their own."""
+    import shutil
+
+    built = fast_path.build()
+    folder = tmp_path / built.parent.name
+    folder.mkdir()
+    shutil.copy(built, folder)
+    shutil.copy(fast_path.digest_path(built), folder)
+    return folder / built.name
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _rerecord(path, **change):
+    record = json.loads(fast_path.digest_path(path).read_text())
+    fast_path.digest_path(path).write_text(json.dumps({**record, **change}))
+
+
+def _replace_with(path, make):
+    path.unlink()
+    make(path)
+
+
+_DAMAGE = {
+    "truncated to 100 KB": (lambda p: os.truncate(p, 100 * 1024), "102400 bytes where"),
+    "no digest record": (lambda p: fast_path.digest_path(p).unlink(), "no digest recorded beside it"),
+    "a byte changed": (_flip_a_byte, "SHA-256 differs"),
+    "a foreign library": (lambda p: p.write_bytes(open(_libm_path(), "rb").read()), "bytes where"),
+    "recorded for another build": (lambda p: _rerecord(p, build="fast_path-0000"), "not built by torch_kernels"),
+    "recorded by someone else": (lambda p: _rerecord(p, built_by="me"), "not built by torch_kernels"),
+    "a record that is not one": (lambda p: fast_path.digest_path(p).write_text("[" * 3000), "not a digest record"),
+    "a record that is a FIFO": (lambda p: _replace_with(fast_path.digest_path(p), os.mkfifo), "not a regular file"),
+    "a library that is a FIFO": (lambda p: _replace_with(p, os.mkfifo), "not a regular file"),
+    "a library linked to /dev/zero": (lambda p: _replace_with(p, lambda q: q.symlink_to("/dev/zero")), "not a regular file"),
+}
+
+
+def _libm_path():
+    """A shared library that is not ours (libm), found through the loader's own map of this process."""
+    with open("/proc/self/maps") as maps:
+        return next(line.split()[-1] for line in maps if "/libm." in line or "/libm-" in line)
+
+
+@pytest.mark.parametrize("damage", sorted(_DAMAGE))
+def test_a_damaged_or_foreign_library_is_refused_and_the_python_kernels_serve(tmp_path, damage):
+    """In a fresh process, so that a crash (a truncated library mapped: SIGBUS) fails the test alone."""
+    library = _copy_build(tmp_path)
+    make, why = _DAMAGE[damage]
+    make(library)
+    rc, out, err = _run(_REGISTRATIONS + _CALLS, DEEPINFER_OPS_CACHE_DIR=str(tmp_path))
+    assert rc == 0, f"exit {rc}: {err}"
+    lines = out.splitlines()
+    assert lines[0] == "refused" and lines[-1] == "served", out
+    for op in fast_path.OPS:
+        for key in ("CUDA", "Autograd[alias]"):
+            assert f"deepinfer {op} {key} library.py" in lines
+    notices = [line for line in err.splitlines() if line.startswith("[deepinfer] the C++ entry refused")]
+    assert len(notices) == 1 and why in notices[0] and str(library) in notices[0] and "not loaded" in notices[0], err
+
+
+_CALLS = """
+import torch_kernels
+from torch_kernels import registry
+from torch_kernels.spec import Backend
+x, w = torch.randn(3, 64), torch.randn(64)
+assert torch.equal(torch.ops.deepinfer.rmsnorm(x, w, 1e-6), registry.BY_OP["rmsnorm"][Backend.TORCH].load()(x, w, 1e-6))
+assert not any("deepinfer_fast_path" in p for p in torch.ops.loaded_libraries)
+assert not [l for l in open("/proc/self/maps") if "deepinfer_fast_path" in l]
+print("served")
+"""
+
+
+def test_a_sound_copy_with_its_record_is_loaded(tmp_path):
+    library = _copy_build(tmp_path)
+    rc, out, err = _run(_REGISTRATIONS, DEEPINFER_OPS_CACHE_DIR=str(tmp_path))
+    assert rc == 0 and out.splitlines()[0] == "loaded" and "[deepinfer]" not in err, err
+    assert "deepinfer rmsnorm CUDA fast_path.cpp" in out.splitlines()
 
 
 def test_switched_off_the_python_kernels_sit_on_the_ops():

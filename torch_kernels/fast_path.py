@@ -19,18 +19,26 @@ Why: host µs per eager ``rmsnorm`` 1x4096 bf16 on the H200, Python kernels over
 mode) and 20 (gradients enabled) against ``F.rms_norm``'s 9.2 and 10 (bench_overhead.py).
 
 Loaded at import when built for this torch, TVM-FFI and source (:func:`library_path`); not built, or
-``DEEPINFER_OPS_FAST_PATH=0``: the Python kernels sit on the public ops directly, as before.
+``DEEPINFER_OPS_FAST_PATH=0``: the Python kernels sit on the public ops directly, as before. The build
+records the library's size and SHA-256 beside it (``deepinfer_fast_path.so.sha256``, written after the
+library is complete); the library is loaded only when its bytes match that record, so a truncated or
+foreign file (a mismatch, or no record) is refused with one notice and never opened by the loader (a
+truncated library killed the import with SIGBUS), and the Python kernels serve.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import importlib.metadata
+import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 
@@ -47,6 +55,9 @@ _NAME = "deepinfer_fast_path"
 _TVM_FFI = "apache-tvm-ffi"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NEVER = 1 << 62  # an activation has one kernel: its "streamed" one is never taken
+_BUILT_BY = "torch_kernels"
+_MAX_LIBRARY_BYTES = 256 << 20  # ours is 164 KB; hashing it costs 0.1 ms at import (5 MB: 4 ms)
+_MAX_RECORD_BYTES = 4096
 
 _state = {"status": "not loaded"}
 _published: set = set()
@@ -71,22 +82,109 @@ def library_path() -> Optional[Path]:
     return root / f"fast_path-{tag}" / f"{_NAME}.so"
 
 
+def digest_path(path: Path) -> Path:
+    """The record of the library's size and SHA-256, beside it."""
+    return path.with_name(path.name + ".sha256")
+
+
+class Refused(Exception):
+    """Why a file at the library's place is not loaded."""
+
+
+def _open_regular(path: Path, limit: int) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file of at most ``limit`` bytes, opened
+    without blocking (a FIFO would) and checked after opening (the name may have been replaced)."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise Refused(f"{path.name} is not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise Refused(f"{path.name}: {e.strerror or e}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+        os.close(fd)
+        raise Refused(f"{path.name} is not a regular file" if not stat.S_ISREG(info.st_mode)
+                      else f"{path.name} is {info.st_size} bytes, more than {limit}")
+    return fd
+
+
+def _sha256(fd: int) -> str:
+    h = hashlib.sha256()
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return h.hexdigest()
+        h.update(chunk)
+
+
+def _record(path: Path) -> dict:
+    if not os.path.lexists(digest_path(path)):
+        raise Refused(f"no digest recorded beside it ({digest_path(path).name})")
+    fd = _open_regular(digest_path(path), _MAX_RECORD_BYTES)
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(_MAX_RECORD_BYTES + 1)
+    try:
+        record = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise Refused(f"{digest_path(path).name} is not a digest record") from None
+    if not (isinstance(record, dict) and isinstance(record.get("sha256"), str) and type(record.get("size")) is int):
+        raise Refused(f"{digest_path(path).name} is not a digest record")
+    if record.get("built_by") != _BUILT_BY or record.get("build") != path.parent.name:
+        raise Refused(f"not built by {_BUILT_BY} for this torch, TVM-FFI and source")
+    return record
+
+
+def _verified(path: Path) -> int:
+    """A descriptor of the library whose bytes match its digest record, read through that descriptor;
+    :class:`Refused` says why not. Nothing here maps or loads the file."""
+    record = _record(path)
+    fd = _open_regular(path, _MAX_LIBRARY_BYTES)
+    try:
+        size = os.fstat(fd).st_size
+        if size != record["size"]:
+            raise Refused(f"{size} bytes where {record['size']} were built: truncated or replaced")
+        if _sha256(fd) != record["sha256"]:
+            raise Refused("its SHA-256 differs from the one recorded at build: damaged or replaced")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _dlopen(fd: int, path: Path) -> None:
+    """Load the library through the descriptor that was verified (on Linux), so that a file renamed into
+    its place since is not the one loaded; as ``torch.ops.load_library`` does otherwise."""
+    here = f"/proc/self/fd/{fd}"
+    ctypes.CDLL(here if os.path.exists(here) else str(path))
+    torch.ops.loaded_libraries.add(str(path))
+
+
 def load() -> bool:
     """Load the built library (``library.py``, at import, before it registers the ops). False when it
-    is switched off, not built, or fails to load; :func:`status` says which."""
+    is switched off, not built, refused (its bytes do not match the digest recorded at build) or fails
+    to load; :func:`status` says which, and a refusal or failure prints one notice."""
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         _state["status"] = f"off ({ENV}=0)"
         return False
     path = library_path()
-    if path is None or not path.is_file():
+    if path is None or not os.path.lexists(path):
         _state["status"] = "not built (python -m torch_kernels build)" if path else f"unavailable: {_TVM_FFI} is not installed"
         return False
     try:
-        torch.ops.load_library(str(path))
+        fd = _verified(path)
+    except Refused as e:
+        _state["status"] = f"refused {path}: {e}"
+        print(f"[deepinfer] the C++ entry {_state['status']}; not loaded, the Python kernels serve "
+              "(python -m torch_kernels build builds it again)", file=sys.stderr, flush=True)
+        return False
+    try:
+        _dlopen(fd, path)
     except (OSError, RuntimeError) as e:
         _state["status"] = f"failed to load {path}: {e}"
         print(f"[deepinfer] the C++ entry {_state['status']}; the Python kernels serve", file=sys.stderr, flush=True)
         return False
+    finally:
+        os.close(fd)
     _state["status"] = f"loaded ({path})"
     return True
 
@@ -99,19 +197,59 @@ def status() -> str:
     return _state["status"]
 
 
+def _is_sound(path: Path) -> bool:
+    try:
+        os.close(_verified(path))
+        return True
+    except Refused:
+        return False
+
+
+@contextlib.contextmanager
+def _building(folder: Path) -> Iterator[None]:
+    """Hold the build folder's lock: one process builds, the others then find its library."""
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _replace(staging: Path, path: Path, data: Optional[bytes] = None) -> None:
+    """Write ``data`` to ``staging`` (if given), flush it to disk, and rename it to ``path``."""
+    if data is not None:
+        staging.write_bytes(data)
+    fd = os.open(staging, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(staging, path)
+
+
 def build(verbose: bool = False) -> Path:
     """Compile the library for this torch and TVM-FFI with the C++ compiler (``$CXX``, else ``c++``):
-    about 20 s on 2 cores; nothing to do when built. One compiler call, no ninja; written beside its
-    final name and renamed into place, so that processes building at once leave one sound file."""
+    about 20 s on 2 cores; nothing to do when built and its bytes match its digest record. One compiler
+    call, no ninja; written beside its final name and renamed into place, then its digest record beside
+    it the same way, under the folder's lock, so that processes building at once leave one sound pair
+    and a process loading meanwhile finds a complete library or refuses it."""
     path = library_path()
     if path is None:
         raise RuntimeError(f"the C++ entry calls TileLang's kernels through TVM-FFI: install {_TVM_FFI} (TileLang brings it)")
-    if path.is_file():
-        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _building(path.parent):
+        if not _is_sound(path):
+            _compile(path, verbose)
+    return path
+
+
+def _compile(path: Path, verbose: bool) -> None:
     import tvm_ffi.libinfo as ffi_info
     from torch.utils import cpp_extension
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.name}.{os.getpid()}")
     command = [os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-O2", "-std=c++20",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
@@ -125,8 +263,12 @@ def build(verbose: bool = False) -> Path:
     if done.returncode != 0:
         staging.unlink(missing_ok=True)
         raise RuntimeError(f"building the C++ entry failed ({command[0]} exit {done.returncode}):\n{done.stderr or ''}")
-    os.replace(staging, path)
-    return path
+    with open(staging, "rb") as f:
+        record = {"built_by": _BUILT_BY, "build": path.parent.name, "size": os.fstat(f.fileno()).st_size,
+                  "sha256": _sha256(f.fileno())}
+    _replace(staging, path)
+    record_staging = digest_path(path).with_name(f".{digest_path(path).name}.{os.getpid()}")
+    _replace(record_staging, digest_path(path), json.dumps(record).encode())
 
 
 def offer(op: str, spec: Any, args: tuple) -> None:
