@@ -299,7 +299,7 @@ def auto_call(table: Table, op: str, data_arg: int,
 
     The choice is remembered per (dtype, shape) of the data argument, as the backend function itself
     where it can be, so a shape seen before costs one dict lookup: it added 0.37 µs a call on the CPU
-    machine (``benchmarks/tune.py:lookup_cost_us``), where computing the bucket each call added 0.6
+    machine (``benchmarks/bench_tuning_lookup.py``), where computing the bucket each call added 0.6
     (``x.shape[-1]`` and ``x.numel()`` take 0.1-0.2 µs each there)."""
     if not table.ops.get(op):
         return None
