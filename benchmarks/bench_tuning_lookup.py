@@ -1,6 +1,6 @@
 """What ``DEEPINFER_OPS_BACKEND=auto`` adds to a call on a shape seen before: the bucket lookup of
 ``tuning.auto_call`` over a do-nothing kernel, beside the same wrapper without the lookup, in short
-interleaved rounds (``benchmarks/tune.py:lookup_cost_us``). Runs on any machine, GPU or not.
+interleaved rounds (``torch_kernels/bench/tune.py:lookup_cost_us``). Runs on any machine, GPU or not.
 
     python benchmarks/bench_tuning_lookup.py [--rounds 31]
 """
@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import tune  # noqa: E402
+from torch_kernels.bench import tune  # noqa: E402
 
 # 0.37 µs added on a 2-core CPU machine, 0.40 on the H200 host: above 0.5 is worth a look
 GOAL_ADDED_US = 0.5

@@ -1,5 +1,5 @@
 """``DEEPINFER_OPS_BACKEND=auto``: the tuned table (torch_kernels/tuning.py), its lookup per call, and
-``python -m torch_kernels tune``'s choice of winners (benchmarks/tune.py).
+``python -m torch_kernels tune``'s choice of winners (torch_kernels/bench/tune.py).
 
 The dispatch runs here as on an sm_90 machine (``cuda_platform``) on CPU tensors, in a world of the
 reference and Triton (interpreted), as tests/test_dispatch.py does.
@@ -20,7 +20,7 @@ from torch_kernels.dispatch import Selection
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from benchmarks import tune
+from torch_kernels.bench import tune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -230,7 +230,8 @@ def test_selection_auto_from_env_and_configure():
     assert dispatch.selection().auto and dispatch.selection().backend is None
     dispatch.configure(backend="triton")
     assert not dispatch.selection().auto and dispatch.selection().backend is Backend.TRITON
-    with pytest.raises(RuntimeError, match="auto chooses among the usable backends per call.*DEEPINFER_OPS_STRICT"):
+    with pytest.raises(ValueError, match=r"configure\(backend='auto'\) chooses among the usable backends per call.*"
+                                         r"configure\(strict=\.\.\.\)"):
         dispatch.configure(backend="auto", strict=True)
 
 
