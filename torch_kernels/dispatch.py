@@ -23,7 +23,8 @@ The semantics of the DeepInfer kernel dispatcher (``shared/seeds/000_*``), appli
   route under ``torch.compile`` (``registry.COMPILE_ROUTES``) for every op, or for the ops named,
   instead of each op's measured ``registry.COMPILE_ROUTE``; see :func:`compile_route`.
 
-:func:`configure` does all of it from Python. Resolution happens on the first CUDA call of an op,
+:func:`configure` does all of it from Python. A misconfiguration raises ``ValueError`` naming the
+variable, or the argument of :func:`configure` (``configure(backend=...)``) that set it. Resolution happens on the first CUDA call of an op,
 under a lock (the first calls from several threads select and load once), not at import: reading
 the compute capability initialises CUDA, and engines fork their workers after importing us.
 """
@@ -38,7 +39,7 @@ import threading
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from . import registry
-from .spec import Backend, KernelSpec, Platform
+from .spec import FRAMEWORK_PACKAGE, Backend, Capability, KernelSpec, Platform
 
 ENV_BACKEND = "DEEPINFER_OPS_BACKEND"
 ENV_FALLBACK = "DEEPINFER_OPS_FALLBACK"
@@ -60,6 +61,14 @@ class KernelUnavailableError(AttributeError):
     """
 
 
+#: the variable that sets each field of :class:`Selection`
+ENV_OF = {"backend": ENV_BACKEND, "auto": ENV_BACKEND, "fallback": ENV_FALLBACK, "strict": ENV_STRICT,
+          "verbose": ENV_VERBOSE, "trace_path": ENV_TRACE, "trace_args": ENV_TRACE_ARGS,
+          "compile_route": ENV_COMPILE_ROUTE}
+#: what ``pip install`` takes for each backend's framework, where it is not the import name
+_PIP_NAME = {"flashinfer": "flashinfer-python"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """The selection controls; :meth:`from_env` reads them from the ``DEEPINFER_*`` variables."""
@@ -73,13 +82,19 @@ class Selection:
     # forced compiled routes: sorted (op, route) pairs, op "*" for every op; () keeps COMPILE_ROUTE
     compile_route: Tuple[Tuple[str, str], ...] = ()
     auto: bool = False  # DEEPINFER_OPS_BACKEND=auto: per call, the measured winner (tuning.py)
+    # the fields read from the environment (errors name their variable), the others set by configure()
+    env_fields: FrozenSet[str] = dataclasses.field(default=frozenset(), compare=False, repr=False)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Selection":
         backend = environ.get(ENV_BACKEND, "").strip()
         auto = backend.lower() == AUTO
+        try:
+            parsed = Backend.parse(backend) if backend and not auto else None
+        except ValueError as e:
+            raise ValueError(f"{ENV_BACKEND}: {e}") from None
         return cls(
-            backend=Backend.parse(backend) if backend and not auto else None,
+            backend=parsed,
             auto=auto,
             fallback=frozenset(n.strip() for n in environ.get(ENV_FALLBACK, "").split(",") if n.strip()),
             strict=environ.get(ENV_STRICT, "").strip().lower() not in _FALSE,
@@ -87,30 +102,39 @@ class Selection:
             trace_path=environ.get(ENV_TRACE) or None,
             trace_args=environ.get(ENV_TRACE_ARGS, "").strip().lower() not in _FALSE,
             compile_route=parse_compile_route(environ.get(ENV_COMPILE_ROUTE, "")),
+            env_fields=frozenset(ENV_OF),
         )
 
+    def name_of(self, field: str) -> str:
+        """What set ``field``, as an error names it: its variable, or ``configure(field=...)``."""
+        return ENV_OF[field] if field in self.env_fields else f"configure({field}=...)"
+
     def validate(self) -> "Selection":
+        """This selection, or a ``ValueError`` naming the variable or argument that is wrong."""
+        name = self.name_of
         if self.auto and (self.backend is not None or self.strict):
-            raise RuntimeError(f"{ENV_BACKEND}={AUTO} chooses among the usable backends per call: it takes no "
-                               f"backend and no {ENV_STRICT}")
+            auto = f"{ENV_BACKEND}={AUTO}" if "auto" in self.env_fields else f"configure(backend={AUTO!r})"
+            other = name("strict") if self.strict else name("backend")
+            raise ValueError(f"{auto} chooses among the usable backends per call: it cannot be combined with {other}")
         if self.strict and self.fallback:
-            raise RuntimeError(f"{ENV_STRICT} forbids {ENV_FALLBACK}: strict means no fallback of any kind")
+            raise ValueError(f"{name('strict')} forbids {name('fallback')}: strict means no fallback of any kind")
         unknown = sorted(self.fallback - set(registry.OPS))
         if unknown:
-            raise RuntimeError(f"{ENV_FALLBACK} names unknown op(s) {unknown}; the ops are: {', '.join(registry.OPS)}")
+            raise ValueError(f"{name('fallback')} names unknown op(s) {unknown}; the ops are: {', '.join(registry.OPS)}")
         for op, route in self.compile_route:
             if route not in registry.COMPILE_ROUTES:
-                raise RuntimeError(f"{ENV_COMPILE_ROUTE} names unknown route {route!r}; the routes are: "
-                                   f"{', '.join(registry.COMPILE_ROUTES)}")
+                raise ValueError(f"{name('compile_route')} names unknown route {route!r}; the routes are: "
+                                 f"{', '.join(registry.COMPILE_ROUTES)}")
             if op != "*" and op not in registry.COMPILE_ROUTE:
-                raise RuntimeError(f"{ENV_COMPILE_ROUTE} names unknown op {op!r}; the ops are: {', '.join(registry.OPS)}")
+                raise ValueError(f"{name('compile_route')} names unknown op {op!r}; the ops are: {', '.join(registry.OPS)}")
             if (op, route) in registry.NO_COMPILE_ROUTE:
-                raise RuntimeError(f"{ENV_COMPILE_ROUTE}: op {op!r} cannot take route {route!r}: "
-                                   f"{registry.NO_COMPILE_ROUTE[op, route]}")
+                raise ValueError(f"{name('compile_route')}: op {op!r} cannot take route {route!r}: "
+                                 f"{registry.NO_COMPILE_ROUTE[op, route]}")
         if self.backend is not None:
             unimplemented = sorted(n for n in self.fallback if self.backend not in registry.BY_OP[n])
             if unimplemented:
-                raise RuntimeError(f"{ENV_FALLBACK} names op(s) backend {self.backend.value!r} does not implement: {unimplemented}")
+                raise ValueError(f"{name('fallback')} names op(s) backend {self.backend.value!r} does not implement: "
+                                 f"{unimplemented}")
         return self
 
     def forced_route(self, op: str) -> Optional[str]:
@@ -129,6 +153,15 @@ class Selection:
             if op not in self.fallback and (spec is None or spec.capability.missing_package()):
                 out.append(op)
         return out
+
+    def not_installed(self) -> Optional[str]:
+        """``pip install <package>`` when the selected backend's framework is not installed, else ``None``."""
+        if self.backend is None or self.backend is Backend.TORCH:
+            return None
+        package = FRAMEWORK_PACKAGE[self.backend]
+        if Capability(package=package).missing_package() is None:
+            return None
+        return f"pip install {_PIP_NAME.get(package, package)}"
 
 
 _lock = threading.RLock()
@@ -183,26 +216,20 @@ def configure(selection: Optional[Selection] = None, **changes: Any) -> Selectio
     """Set the selection from Python, as the environment variables do; returns the previous one.
 
     ``configure(backend="triton", strict=True)``, ``configure(Selection.from_env())``. Backend
-    names are parsed, fallback may be any iterable of op names, compile_route a string as
-    ``DEEPINFER_OPS_COMPILE_ROUTE`` takes or a mapping ``{op: route}`` (``None``: the measured
-    routes). Every op resolves again on its next call, and the summary line is printed as at import.
-    A changed compile route applies to graphs compiled afterwards (``torch.compiler.reset()``
-    drops the ones compiled before).
+    names are parsed, fallback may be any iterable of op names (or one string, comma-separated),
+    compile_route a string as ``DEEPINFER_OPS_COMPILE_ROUTE`` takes or a mapping ``{op: route}``
+    (``None``: the measured routes). A bad argument raises ``ValueError`` naming it
+    (``configure(backend=...)``), and nothing changes. Every op resolves again on its next call, and
+    the summary line is printed as at import. A changed compile route applies to graphs compiled
+    afterwards (``torch.compiler.reset()`` drops the ones compiled before).
     """
     global _selection
-    new = selection if selection is not None else _selection
-    if "backend" in changes:
-        auto = isinstance(changes["backend"], str) and changes["backend"].strip().lower() == AUTO
-        changes["auto"] = auto
-        if auto:
-            changes["backend"] = None
-        elif isinstance(changes["backend"], str):
-            changes["backend"] = Backend.parse(changes["backend"])
-    if "fallback" in changes:
-        changes["fallback"] = frozenset(changes["fallback"])
-    if "compile_route" in changes:
-        changes["compile_route"] = parse_compile_route(changes["compile_route"])
-    new = dataclasses.replace(new, **changes).validate()
+    if selection is not None and not isinstance(selection, Selection):
+        raise ValueError(f"configure(selection=...) must be a Selection, got {selection!r}; to pick a backend "
+                         f"by name: configure(backend={selection!r})")
+    base = selection if selection is not None else _selection
+    changes = _parsed_changes(changes)
+    new = dataclasses.replace(base, **changes, env_fields=base.env_fields - set(changes)).validate()
     with _lock:
         previous, _selection = _selection, new
         _reset()
@@ -210,16 +237,80 @@ def configure(selection: Optional[Selection] = None, **changes: Any) -> Selectio
         _route_notices.clear()
         if new.compile_route != previous.compile_route:
             _tag_compile_caches(new.compile_route)
-    lacking = new.lacking()
-    if lacking:
-        names = lacking if new.verbose else f"first: {lacking[0]}"
-        if new.strict:
-            _notice(f"backend {new.backend.value!r} lacks {len(lacking)} op(s); {ENV_STRICT} is set, "
-                    f"so calling them raises KernelUnavailableError ({names})")
-        else:
-            _notice(f"backend {new.backend.value!r} lacks {len(lacking)} op(s), falling back to the "
-                    f"platform default ({names})")
+    _summarise(new)
     return previous
+
+
+_BOOLS = ("strict", "verbose", "trace_args", "auto")
+
+
+def _parsed_changes(changes: Dict[str, Any]) -> Dict[str, Any]:
+    """``configure``'s keyword arguments as :class:`Selection` fields; ``ValueError`` naming a bad one."""
+    fields = [f.name for f in dataclasses.fields(Selection) if f.name != "env_fields"]
+    unknown = sorted(set(changes) - set(fields))
+    if unknown:
+        raise ValueError(f"configure() takes no argument {unknown[0]!r}; it takes: {', '.join(fields)}")
+    out = dict(changes)
+    if "backend" in out:
+        value = out["backend"]
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"configure(backend=...) must be a backend name, {AUTO!r} or None, got {value!r}")
+        named_auto = isinstance(value, str) and value.strip().lower() == AUTO
+        out["auto"] = named_auto or bool(changes.get("auto", False))  # auto=True with a backend: refused below
+        try:
+            out["backend"] = Backend.parse(value) if isinstance(value, str) and not named_auto else None
+        except ValueError as e:
+            raise ValueError(f"configure(backend=...): {e}") from None
+    if "fallback" in out:
+        value = out["fallback"] or ()
+        names = value.split(",") if isinstance(value, str) else value
+        try:
+            names = [n.strip() for n in names if not isinstance(n, str) or n.strip()]
+        except (TypeError, AttributeError):
+            raise ValueError(f"configure(fallback=...) must be op names (an iterable, or one string "
+                             f"'op,op'), got {value!r}") from None
+        out["fallback"] = frozenset(names)
+    for name in _BOOLS:
+        if name in out and out[name] not in (True, False):
+            raise ValueError(f"configure({name}=...) must be True or False, got {out[name]!r}")
+        if name in out:
+            out[name] = bool(out[name])
+    if "trace_path" in out:
+        value = out["trace_path"]
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise ValueError(f"configure(trace_path=...) must be a path or None, got {value!r}")
+        out["trace_path"] = os.fspath(value) if value else None
+        if isinstance(out["trace_path"], bytes):
+            out["trace_path"] = os.fsdecode(out["trace_path"])
+    if "compile_route" in out:
+        try:
+            out["compile_route"] = parse_compile_route(out["compile_route"])
+        except (TypeError, ValueError, AttributeError):
+            raise ValueError(f"configure(compile_route=...) must be a string ('route' or 'op=route,...'), a "
+                             f"mapping {{op: route}} or None, got {out['compile_route']!r}") from None
+    return out
+
+
+def _summarise(sel: Selection) -> None:
+    """The one line at import (or configure) on the ops the selected backend lacks."""
+    lacking = sel.lacking()
+    if not lacking:
+        return
+    backend, install = sel.backend.value, sel.not_installed()
+    if install and sel.strict:
+        _notice(f"backend {backend!r} is not installed ({install}); {ENV_STRICT} is set, so calling any op "
+                "raises KernelUnavailableError")
+    elif install:
+        _notice(f"backend {backend!r} is not installed ({install}): all {len(registry.OPS)} ops from the "
+                "platform default")
+    elif sel.strict:
+        names = lacking if sel.verbose else f"first: {lacking[0]}"
+        _notice(f"backend {backend!r} lacks {len(lacking)} op(s); {ENV_STRICT} is set, "
+                f"so calling them raises KernelUnavailableError ({names})")
+    else:
+        names = lacking if sel.verbose else f"first: {lacking[0]}"
+        _notice(f"backend {backend!r} lacks {len(lacking)} op(s), falling back to the "
+                f"platform default ({names})")
 
 
 def plan(op: str, on: Optional[Platform] = None) -> Tuple[List[KernelSpec], Optional[str]]:
@@ -316,7 +407,7 @@ def note_compile_route(notice: Optional[str]) -> None:
 class _Impl:
     """One backend's implementation of one op, loaded on first use."""
 
-    __slots__ = ("op", "spec", "fn", "check", "dtypes", "data_arg", "notice", "run")
+    __slots__ = ("op", "spec", "fn", "check", "dtypes", "data_arg", "notice", "run", "started")
 
     def __init__(self, spec: KernelSpec, data_arg: int, notice: Optional[str]) -> None:
         self.op, self.spec, self.data_arg, self.notice = spec.op, spec, data_arg, notice
@@ -324,6 +415,7 @@ class _Impl:
         self.check: Optional[Callable[..., Optional[str]]] = None
         self.dtypes: Optional[frozenset] = None
         self.run = self._first_run
+        self.started = False  # set once, under the lock, by the first use
 
     def load(self) -> None:
         with _lock:
@@ -346,15 +438,18 @@ class _Impl:
         self._started(args)
         return self.fn(*args)
 
-    def _started(self, args: tuple) -> None:
-        """The first use: load, say the notice, trace; then ``run`` is the backend function itself."""
+    def _started(self, args: tuple, notice: Optional[str] = None) -> None:
+        """The first use: load, say the notices, trace; then ``run`` is the backend function itself.
+        Under the lock, so that threads making the first call together print each notice once."""
         with _lock:
-            if self.run == self._first_run:
+            if not self.started:
                 self.load()
-                if self.notice:
-                    _notice(self.notice)
+                for line in (self.notice, notice):
+                    if line:
+                        _notice(line)
                 _trace(self.op, self.spec.backend, args)
                 self.run = self.fn
+                self.started = True
 
     def direct(self, args: tuple) -> Optional[Callable[..., Any]]:
         """The backend function itself when it takes every call of this dtype (no check beyond the
@@ -399,7 +494,7 @@ class OpSlot:
         shown (no per-call check beyond the dtype, not ``auto``), or ``None``: what ``fast_path.offer``
         may publish."""
         first = self.impls[0] if self.impls and not _selection.auto else None
-        if first is None or first.fn is None or first.run != first.fn or first.check is not None:
+        if first is None or not first.started or first.check is not None:
             return None
         return first.spec if first.dtypes is None or args[self.data_arg].dtype in first.dtypes else None
 
@@ -446,8 +541,8 @@ def _chain_call(op: str, impls: List[_Impl]) -> Callable[..., Any]:
         for impl in impls:
             why = impl.refuses(args)
             if why is None:
-                if refused and impl.run == impl._first_run:  # a fallback's first call: say so, once
-                    _notice(f"op {op!r} served by {impl.spec.backend.value!r}: {'; '.join(refused)}")
+                if not impl.started:  # a fallback's first call says so, once (under the lock)
+                    impl._started(args, f"op {op!r} served by {impl.spec.backend.value!r}: {'; '.join(refused)}" if refused else None)
                 return impl.run(*args)
             refused.append(f"{impl.spec.backend.value!r} refuses the call ({why})")
         reasons = "; ".join(f"{i.spec.backend.value}: {i.refuses(args)}" for i in impls)
