@@ -1,8 +1,8 @@
-"""The gated activations on the GPU host: correctness at the benchmark shapes, then GB/s by CUDA-graph
+"""The gated activations on a CUDA GPU: correctness at the benchmark shapes, then GB/s by CUDA-graph
 replay against the copy ceiling and the peers (torch.compile of the reference, FlashInfer), then host
 µs per eager call at one token. ``--sweep`` also times the Triton kernel's tile/warp alternatives.
 
-    . .gpu-pkgs/setup.sh && python benchmarks/bench_activation.py --out docs/benchmarks/activation.json
+    python benchmarks/bench_activation.py --out docs/benchmarks/activation.json
 """
 
 import argparse

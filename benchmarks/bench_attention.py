@@ -1,4 +1,4 @@
-"""``merge_attn_states`` on the GPU host: correctness at the benchmark shapes, then GB/s by CUDA-graph
+"""``merge_attn_states`` on a CUDA GPU: correctness at the benchmark shapes, then GB/s by CUDA-graph
 replay against the copy ceiling and the peers (torch.compile of the reference, FlashInfer's
 ``cascade.merge_state``), then host µs per eager call at one token. ``--sweep`` also times the Triton
 kernel's tile/warp alternatives.
@@ -7,7 +7,7 @@ FlashInfer's LSE is base 2: its inputs are our LSEs times log2(e), converted onc
 region (an engine built on FlashInfer keeps base-2 LSEs throughout), and its output LSE is divided
 back for the correctness check.
 
-    . .gpu-pkgs/setup.sh && python benchmarks/bench_attention.py --out docs/benchmarks/attention.json
+    python benchmarks/bench_attention.py --out docs/benchmarks/attention.json
 """
 
 import argparse

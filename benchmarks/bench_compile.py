@@ -1,8 +1,8 @@
-"""torch.compile on the GPU host: each op's compiled routes against the same block in plain torch
+"""torch.compile on a CUDA GPU: each op's compiled routes against the same block in plain torch
 compiled, and the decoder layer (examples/decoder_layer.py) eager, compiled and reduce-overhead,
 ours against plain torch. What registry.COMPILE_ROUTE is set from.
 
-    . .gpu-pkgs/setup.sh && python benchmarks/bench_compile.py --out docs/benchmarks/compile.json
+    python benchmarks/bench_compile.py --out docs/benchmarks/compile.json
 
 Op blocks (bf16, Llama-8B-like shapes, ``--tokens`` tokens): ``x*2 -> op -> +1`` ("block": the
 neighbours Inductor may fuse) and the op alone ("alone": what it costs between two GEMMs), compiled

@@ -1,22 +1,22 @@
-"""The MoE routers on the GPU host: correctness at the benchmark shapes, then µs by CUDA-graph replay
+"""The MoE routers on a CUDA GPU: correctness at the benchmark shapes, then µs by CUDA-graph replay
 (and GB/s against the copy ceiling) beside the peers in the same run: torch.compile of the reference
 and the eager reference. ``--sweep`` also times the Triton kernel's tokens-per-program x warps
 alternatives against the launcher's heuristic.
 
 Shapes: ``topk_softmax`` 8192 tokens x 256 experts, top 8, renormalised, fp32 and bf16 logits
-(target: under 15 µs; torch.compile of the reference measured 124 µs in shared/gpu/README.md);
+(target: under 15 µs; torch.compile of the reference measured 124 µs on an H200);
 ``grouped_topk`` DeepSeek-V3: 8192 x 256, 8 groups, keep 4, top 8, sigmoid + fp32 bias, scaling 2.5.
 
 No FlashInfer peer: its DeepSeek-V3 router (``fused_moe.fused_topk_deepseek``) builds a JIT module
-(``dsv3_fused_routing``, several minutes) that is not in the GPU host's FlashInfer cache, which timed
-the benchmark out. Without ``--sweep`` the run takes
+(``dsv3_fused_routing``, several minutes to build on first use), which timed the benchmark out.
+Without ``--sweep`` the run takes
 well under 90 s (one torch.compile per op and dtype, 4 cases x 4 timed implementations).
 
 Random logits put some rows on near ties (two keys within fp32 rounding), which two correct
 implementations may order differently: the checks compare ids exactly on the other rows
 (``near_ties``) and report how many there were.
 
-    . .gpu-pkgs/setup.sh && python benchmarks/bench_moe.py --out docs/benchmarks/moe.json [--sweep]
+    python benchmarks/bench_moe.py --out docs/benchmarks/moe.json [--sweep]
 """
 
 import argparse

@@ -1,7 +1,7 @@
-"""The norm family on the GPU host: correctness at the benchmark shapes, then GB/s by CUDA-graph
+"""The norm family on a CUDA GPU: correctness at the benchmark shapes, then GB/s by CUDA-graph
 replay against the copy ceiling and the peers, then host µs per eager call at 1x4096.
 
-    . .gpu-pkgs/setup.sh && python benchmarks/bench_norm.py --out docs/benchmarks/norm.json
+    python benchmarks/bench_norm.py --out docs/benchmarks/norm.json
 """
 
 import argparse

@@ -4,7 +4,7 @@ FlashInfer's): allocation, the launchers, the op through the C++ entry (``torch_
 and through the Python kernels (its twin ``deepinfer_py::rmsnorm``), with gradients enabled, under
 ``no_grad`` and in inference mode.
 
-    . .gpu-pkgs/setup.sh && python -m torch_kernels build && python benchmarks/bench_overhead.py
+    python -m torch_kernels build && python benchmarks/bench_overhead.py
 """
 
 import contextlib

@@ -1,12 +1,12 @@
-"""``per_token_group_quant_fp8`` on the GPU host: correctness at the benchmark shapes (the op's
+"""``per_token_group_quant_fp8`` on a CUDA GPU: correctness at the benchmark shapes (the op's
 ``compare``), then GB/s by CUDA-graph replay against the copy ceiling and the peers, then host µs per
 eager call at 1x7168. ``--sweep`` also times the Triton kernel's tile / warps / division variants.
 
-    . .gpu-pkgs/setup.sh && python benchmarks/bench_quant.py --sweep --out docs/benchmarks/quant.json
+    python benchmarks/bench_quant.py --sweep --out docs/benchmarks/quant.json
 
 Bytes per call: read 2 B per bf16 element, write 1 B per fp8 element and 4 B per group scale.
-Peers: torch.compile of the reference (shared/gpu/README.md: 3383 GB/s at 8192x7168 g128). FlashInfer
-0.7.4 has no per-token-group FP8 quantisation, and vLLM / sglang are not installed on the GPU host.
+Peers: torch.compile of the reference (3383 GB/s at 8192x7168 g128 on an H200). FlashInfer
+0.7.4 has no per-token-group FP8 quantisation; vLLM and sglang are not peers here.
 """
 
 import argparse

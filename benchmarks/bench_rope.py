@@ -1,10 +1,10 @@
-"""The rotary embedding on the GPU host: correctness at the benchmark shapes, then GB/s by CUDA-graph
+"""The rotary embedding on a CUDA GPU: correctness at the benchmark shapes, then GB/s by CUDA-graph
 replay against the copy ceiling and the peers (torch.compile of the reference, FlashInfer's
 ``apply_rope_with_cos_sin_cache_inplace``), then host µs per eager call at one token, with and
 without the op's check of the positions (a device sync), and optionally a sweep of the Triton
 launch parameters.
 
-    . .gpu-pkgs/setup.sh && python benchmarks/bench_rope.py --out docs/benchmarks/rope.json [--sweep]
+    python benchmarks/bench_rope.py --out docs/benchmarks/rope.json [--sweep]
 
 Bytes per call: query and key read and written (the rotated dims only; all of them here), the
 positions read, and one cache row (``rot_dim`` values) read per token.

@@ -1,6 +1,6 @@
-"""The sampling family on the GPU host: exactness at the benchmark shapes, then µs by CUDA-graph
+"""The sampling family on a CUDA GPU: exactness at the benchmark shapes, then µs by CUDA-graph
 replay beside the peers in the same run: FlashInfer's ``top_k_top_p_sampling_from_probs`` (115 µs for the
-sampling case in shared/gpu/README.md) and torch sort + multinomial (1172 µs there) for the sampling
+sampling case on an H200) and torch sort + multinomial (1172 µs there) for the sampling
 cases; torch.compile of the reference for the main case only (each compile costs tens of seconds: the
 whole run must stay within two minutes); the eager reference. ``--sweep`` also times the Triton
 kernel's launch alternatives (buffer and warps; the renormalised row's write; the split prepass's group
@@ -18,8 +18,8 @@ FlashInfer) and with top-k off (top_p 0.9 alone: the full-pass route), ``top_k_r
 Checks: the Triton kernel's ids equal the reference's exactly; FlashInfer's ids (another random
 stream) lie in the reference's kept set; renormalised rows match within fp32 tolerance.
 
-    . .gpu-pkgs/setup.sh && python benchmarks/bench_sampling.py --out docs/benchmarks/sampling.json [--sweep]
-    . .gpu-pkgs/setup.sh && python benchmarks/bench_sampling.py --prepass-sweep --out docs/benchmarks/sampling_prepass_sweep.json
+    python benchmarks/bench_sampling.py --out docs/benchmarks/sampling.json [--sweep]
+    python benchmarks/bench_sampling.py --prepass-sweep --out docs/benchmarks/sampling_prepass_sweep.json
 
 ``--prepass-sweep`` times only ``top_k_renorm_probs`` at 1, 32 and 64 rows under the split prepass's
 launch alternatives (``PREPASS_VARIANTS``), FlashInfer's in the same interleaved rounds.

@@ -1,6 +1,6 @@
-"""Where the sampling family's device time goes, kernel by kernel, on the GPU host:
+"""Where the sampling family's device time goes, kernel by kernel, on a CUDA GPU:
 
-    . .gpu-pkgs/setup.sh && python benchmarks/profile_sampling.py
+    python benchmarks/profile_sampling.py
 
 For each op at 1, 32 and 64 rows of 128256 (fp32 softmax of randn * 3, top_k = 50, top_p = 0.9, as
 bench_sampling.py) the Triton backend runs 20 times under ``torch.profiler`` and every kernel's mean

@@ -1,11 +1,11 @@
-"""Launch-parameter sweeps of TileLang kernels on the GPU host, beside the Triton backend and
+"""Launch-parameter sweeps of TileLang kernels on a CUDA GPU, beside the Triton backend and
 FlashInfer's API in the same run: where the constants of ``impl/tilelang/norm.py``
 (``_ELEMENTS_PER_THREAD``, ``_THIRTY_TWO_A_THREAD``, ``_PREFETCH_WEIGHT``, ``_TILE_EXACTLY``),
 ``impl/tilelang/attention.py`` (``_PER_THREAD``, ``_THREADS``), ``impl/tilelang/rope.py``
 (``_BLOCK_THREADS``), ``impl/tilelang/activation.py`` (``_FAST_MATH``, ``_WIDE_PER_THREAD``, ``_TANH_APPROX``)
 and ``_jit.dependent_launch`` come from; ``--only tanh`` measures the error of the activations' tanh.approx form.
 
-    . .gpu-pkgs/setup.sh && python benchmarks/sweep_tilelang.py --out sweep.json
+    python benchmarks/sweep_tilelang.py --out sweep.json
 
 Each variant is built with the module's constants patched, compiled (nvcc in parallel threads), checked
 against the reference on random bf16 inputs, then timed by CUDA-graph replay, every implementation of a

@@ -1,7 +1,7 @@
 """The Triton RMSNorm kernel against the structure Inductor generates for the reference, on the GPU
 host, all in one run: where ``impl/triton/norm.py``'s pass structure and cache hints come from.
 
-    . .gpu-pkgs/setup.sh && python benchmarks/sweep_triton_norm.py --out sweep_triton_norm.json
+    python benchmarks/sweep_triton_norm.py --out sweep_triton_norm.json
 
 ``probe_inductor.py`` (2026-11-29, H200, bf16) had ``torch.compile`` of the reference at 4219 GB/s for
 rmsnorm 16384x8192 against 4059 for the Triton backend (one pass, the row in registers, 16 warps).
