@@ -83,6 +83,7 @@ def test_self_check_says_what_each_row_compares(capsys, monkeypatch):
     assert "served by the reference itself: its rows check the registration" in " ".join(out.split())
     lines = [line.split() for line in out.splitlines() if line.startswith("  rmsnorm")]
     assert ["rmsnorm", "registered", "op", "(serves", "torch)", "vs", "reference", "ok"] in lines
+    assert out.splitlines()[-1] == f"all backends match the reference ({len(lines)} rows)"
     assert _widest(out) <= cli.WIDTH
 
 

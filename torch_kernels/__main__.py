@@ -210,7 +210,9 @@ def _self_check(platform: Platform) -> int:
     if not platform.is_cuda:
         print(_wrap(f"on {device} the registered op (torch.ops.deepinfer.*) is served by the reference itself: its "
                     "rows check the registration (schema, wrapper, dispatch), not a kernel"
-                    + ("; Triton's kernels run in its interpreter" if interpret_triton else "")))
+                    + ("; Triton's kernels run in its interpreter" if interpret_triton else
+                       "; with triton installed (the triton extra) its kernels would run in its interpreter"
+                       if "triton" not in sys.modules else "")))
     checks = []
     for op in ops.ALL:
         overload = getattr(torch.ops.deepinfer, op.name).default
@@ -245,6 +247,7 @@ def _self_check(platform: Platform) -> int:
             failures += bool(bad)
             status = "ok" if not bad else "MISMATCH " + ", ".join(bad)
             print(f"  {op.name:31s}  {label:{width}s}  {status}")
+    print(f"\n{f'FAILED: {failures} of {len(checks)} rows mismatch' if failures else f'all backends match the reference ({len(checks)} rows)'}")
     return failures
 
 
@@ -252,9 +255,7 @@ def check() -> int:
     platform = Platform.detect()
     dispatch.set_platform(platform)
     inventory(platform)
-    failures = _self_check(platform)
-    print(f"\n{'FAILED: ' + str(failures) + ' mismatch(es)' if failures else 'all backends match the reference'}")
-    return 1 if failures else 0
+    return 1 if _self_check(platform) else 0
 
 
 def render_ops_doc() -> str:
