@@ -331,6 +331,117 @@ def test_trace_kernel_args_gives_the_signature_never_data(cuda_platform, tmp_pat
     assert "123.25" not in trace.read_text()
 
 
+def test_trace_the_reference_on_cpu(tmp_path):
+    trace = tmp_path / "trace.txt"
+    dispatch.configure(trace_path=str(trace))
+    x, w = torch.randn(3, 96), torch.randn(96)
+    for _ in range(3):
+        torch.ops.deepinfer.rmsnorm(x, w, 1e-6)
+    torch.ops.deepinfer.gemma_rmsnorm(x, w, 1e-6)
+    assert trace.read_text().splitlines() == ["rmsnorm|torch", "gemma_rmsnorm|torch"]
+    dispatch.configure(trace_path=str(trace), trace_args=True)  # a new selection traces anew
+    trace.unlink()
+    torch.ops.deepinfer.rmsnorm(x[:, :64], w[:64], 1e-5)
+    assert trace.read_text().splitlines() == ["rmsnorm|torch|args=(float32[3, 64]@cpustride=[96, 1], float32[64]@cpu, 1e-05)"]
+
+
+def test_trace_the_reference_on_cpu_from_the_environment(tmp_path):
+    trace = tmp_path / "trace.txt"
+    r = _run("""
+        import torch, torch_kernels
+        x, w = torch.randn(2, 8), torch.randn(8)
+        for _ in range(3):
+            torch_kernels.rmsnorm(x, w, 1e-5)
+        torch_kernels.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
+    """, {"DEEPINFER_TRACE_KERNELS": str(trace), "DEEPINFER_TRACE_KERNEL_ARGS": "1"})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert trace.read_text().splitlines() == ["rmsnorm|torch|args=(float32[2, 8]@cpu, float32[8]@cpu, 1e-05)",
+                                              "silu_and_mul|torch|args=(float64[2, 8]@cpu)"]
+
+
+def test_trace_off_leaves_the_reference_itself_on_the_hot_path(tmp_path):
+    ref = dispatch.reference_slot("rmsnorm", None)  # the registered slot (created at import)
+    assert ref.call is ref.fn is registry.BY_OP["rmsnorm"][Backend.TORCH].load()
+    dispatch.configure(trace_path=str(tmp_path / "trace.txt"))
+    assert ref.call is not ref.fn
+    dispatch.configure(trace_path=None)
+    assert ref.call is ref.fn
+
+
+def test_trace_the_first_use_on_each_device_type(cuda_platform, tmp_path):
+    """The CUDA key's backends and the reference on other devices trace apart; 8 threads, one line each."""
+    trace = tmp_path / "trace.txt"
+    dispatch.configure(trace_path=str(trace))
+    x, w = torch.randn(3, 96), torch.randn(96)
+    _together(8, lambda i: torch.ops.deepinfer.rmsnorm(x, w, 1e-6))
+    assert trace.read_text().splitlines() == ["rmsnorm|torch"]
+    dispatch.slot("rmsnorm").call(x.double(), w.double(), 1e-6)  # the CUDA key's fallback: traced apart
+    assert trace.read_text().splitlines() == ["rmsnorm|torch", "rmsnorm|torch"]
+
+
+@pytest.mark.gpu
+def test_trace_cuda_and_cpu_first_uses_on_the_gpu_host(tmp_path):
+    trace = tmp_path / "trace.txt"
+    dispatch.configure(trace_path=str(trace))
+    backend = dispatch.plan("rmsnorm")[0][0].backend.value
+    for device in ("cuda", "cpu", "cuda", "cpu"):
+        x, w = torch.randn(3, 96, device=device), torch.randn(96, device=device)
+        assert_close(torch.ops.deepinfer.rmsnorm(x, w, 1e-6), _expected(x, w, 1e-6))
+    assert trace.read_text().splitlines() == [f"rmsnorm|{backend}", "rmsnorm|torch"]
+
+
+def _fifo(tmp_path):
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("path, why", [
+    (lambda t: t / "missing" / "trace.txt", "No such file or directory"),
+    (lambda t: t, "Is a directory"),
+    (lambda t: "/dev/full", "No space left on device"),  # unwritable for root too
+    (_fifo, "No such device or address (a FIFO with no reader)"),  # no hang either
+], ids=["missing-directory", "directory", "unwritable", "fifo"])
+def test_unusable_trace_path_gives_one_notice_never_an_exception(path, why, cuda_platform, tmp_path, capfd):
+    path = str(path(tmp_path))
+    dispatch.configure(trace_path=path)
+    capfd.readouterr()
+    x, w = torch.randn(3, 96), torch.randn(96)
+    for _ in range(3):
+        assert_close(torch.ops.deepinfer.rmsnorm(x, w, 1e-6), _expected(x, w, 1e-6))
+        assert_close(torch.ops.deepinfer.gemma_rmsnorm(x, w, 1e-6), torch.ops.deepinfer.gemma_rmsnorm(x, w, 1e-6))
+        dispatch.slot("rmsnorm").call(x, w, 1e-6)  # the CUDA key's backend, too
+    assert dispatch.append_line(path, "more") is False  # not tried again
+    assert capfd.readouterr().err.splitlines() == [
+        f"[deepinfer] configure(trace_path=...): cannot append to {path!r} ({why}); nothing more is traced there"]
+
+
+def test_unusable_trace_path_from_the_environment(tmp_path):
+    path = str(tmp_path / "missing" / "trace.txt")
+    r = _run("""
+        import torch, torch_kernels
+        x, w = torch.randn(2, 8), torch.randn(8)
+        for op in (torch_kernels.rmsnorm, torch_kernels.gemma_rmsnorm, torch_kernels.rmsnorm):
+            op(x, w, 1e-6)
+        print("ok")
+    """, {"DEEPINFER_TRACE_KERNELS": path})
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr
+    assert r.stderr.splitlines() == [
+        f"[deepinfer] DEEPINFER_TRACE_KERNELS: cannot append to {path!r} (No such file or directory); nothing more is "
+        "traced there"]
+
+
+def test_trace_path_fixed_is_used_after_configure(tmp_path, capfd):
+    path = tmp_path / "later" / "trace.txt"
+    dispatch.configure(trace_path=str(path))
+    torch.ops.deepinfer.rmsnorm(torch.randn(2, 8), torch.randn(8), 1e-6)
+    assert "cannot append" in capfd.readouterr().err
+    path.parent.mkdir()
+    dispatch.configure(trace_path=str(path))
+    torch.ops.deepinfer.rmsnorm(torch.randn(2, 8), torch.randn(8), 1e-6)
+    assert path.read_text().splitlines() == ["rmsnorm|torch"] and capfd.readouterr().err == ""
+
+
 def _append_many(path, rank, n, width):
     for i in range(n):
         dispatch.append_line(path, f"rank{rank}:{i}:" + chr(ord("a") + rank) * width)

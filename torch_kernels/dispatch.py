@@ -17,8 +17,10 @@ The semantics of the DeepInfer kernel dispatcher (``shared/seeds/000_*``), appli
 * ``DEEPINFER_OPS_STRICT=1``: no fallback of any kind. The default backend is never imported; an op
   the selected backend lacks, or a call it refuses, raises :class:`KernelUnavailableError`. STRICT
   with FALLBACK raises.
-* ``DEEPINFER_TRACE_KERNELS=path``: the first use of each (op, backend) appends a line ``op|backend``
-  to ``path``; ``DEEPINFER_TRACE_KERNEL_ARGS=1`` adds the argument signature (never tensor data).
+* ``DEEPINFER_TRACE_KERNELS=path``: the first use of each (op, backend) on each device type appends a
+  line ``op|backend`` to ``path`` (the reference serving CPU included: :class:`ReferenceSlot`);
+  ``DEEPINFER_TRACE_KERNEL_ARGS=1`` adds the argument signature (never tensor data). A path that
+  cannot be written gives one notice and traces nothing more; an op call never raises for it.
 * ``DEEPINFER_OPS_COMPILE_ROUTE=route`` or ``op=route,...`` (both: ``opaque,rmsnorm=decompose``): the
   route under ``torch.compile`` (``registry.COMPILE_ROUTES``) for every op, or for the ops named,
   instead of each op's measured ``registry.COMPILE_ROUTE``; see :func:`compile_route`.
@@ -32,6 +34,7 @@ the compute capability initialises CUDA, and engines fork their workers after im
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import os
 import sys
@@ -167,7 +170,8 @@ class Selection:
 _lock = threading.RLock()
 _selection = Selection()
 _platform: Optional[Platform] = None
-_traced: set = set()
+_traced: set = set()  # (op, backend, device type) traced since the last configure()
+_unwritable: set = set()  # trace paths that failed once: never tried again until configure()
 _route_notices: set = set()
 _tuned: Optional[list] = None  # [table or None] once looked up (auto only)
 
@@ -235,6 +239,7 @@ def configure(selection: Optional[Selection] = None, **changes: Any) -> Selectio
         _reset()
         _traced.clear()
         _route_notices.clear()
+        _unwritable.clear()
         if new.compile_route != previous.compile_route:
             _tag_compile_caches(new.compile_route)
     _summarise(new)
@@ -447,7 +452,7 @@ class _Impl:
                 for line in (self.notice, notice):
                     if line:
                         _notice(line)
-                _trace(self.op, self.spec.backend, args)
+                _trace(self.op, self.spec.backend, args, "cuda")  # the CUDA key's implementations
                 self.run = self.fn
                 self.started = True
 
@@ -565,6 +570,41 @@ def _chain_call(op: str, impls: List[_Impl]) -> Callable[..., Any]:
 
 
 _slots: Dict[str, OpSlot] = {}
+_references: Dict[str, "ReferenceSlot"] = {}
+
+
+class ReferenceSlot:
+    """What the entry of every device but CUDA calls: ``slot.call(*args)``, the torch reference
+    itself; while a trace path is set, the reference behind a hook that traces the first use on each
+    device type (``op|torch``), as :class:`OpSlot` traces the CUDA key's backends."""
+
+    def __init__(self, op: str, fn: Callable[..., Any], data_arg: int = 0) -> None:
+        self.op, self.fn, self.data_arg = op, fn, data_arg
+        self.seen: set = set()
+        self.call: Callable[..., Any] = fn
+
+    def reset(self) -> None:
+        self.seen = set()
+        self.call = self._tracing if _selection.trace_path else self.fn
+
+    def _tracing(self, *args: Any) -> Any:
+        device = _device_type(args[self.data_arg])
+        if device not in self.seen:
+            with _lock:
+                if device not in self.seen:
+                    _trace(self.op, Backend.TORCH, args, device)
+                    self.seen.add(device)
+        return self.fn(*args)
+
+
+def reference_slot(op: str, fn: Callable[..., Any], data_arg: int = 0) -> ReferenceSlot:
+    """The slot through which every device but CUDA calls the reference ``fn`` of ``op``
+    (``library.py`` asks for every op)."""
+    with _lock:
+        if op not in _references:
+            _references[op] = ReferenceSlot(op, fn, data_arg)
+            _references[op].reset()
+        return _references[op]
 
 
 def slot(op: str, data_arg: int = 0) -> OpSlot:
@@ -582,6 +622,8 @@ def _reset() -> None:
     _tuned = None
     for s in _slots.values():
         s.reset()
+    for r in _references.values():
+        r.reset()
     fast_path.clear()  # what the C++ entry serves was published under the previous selection
 
 
@@ -595,29 +637,52 @@ def _describe(a: Any) -> str:
     return repr(a)
 
 
-def _trace(op: str, backend: Backend, args: tuple) -> None:
+def _device_type(a: Any) -> str:
+    device = getattr(a, "device", None)
+    return getattr(device, "type", "cpu")
+
+
+def _trace(op: str, backend: Backend, args: tuple, device: str) -> None:
+    """The trace line of the first use of (op, backend) on ``device`` (a device type)."""
     path = _selection.trace_path
-    if not path or (op, backend) in _traced:
+    if not path or (op, backend, device) in _traced:
         return
-    _traced.add((op, backend))
+    _traced.add((op, backend, device))
     line = f"{op}|{backend.value}"
     if _selection.trace_args:
         line += "|args=(" + ", ".join(_describe(a) for a in args) + ")"
     append_line(path, line)
 
 
-def append_line(path: str, line: str) -> None:
+def append_line(path: str, line: str) -> bool:
     """Append one line with one ``write`` on an ``O_APPEND`` descriptor under an exclusive lock, so
-    that the ranks of a data-parallel job sharing one trace file never interleave a line."""
+    that the ranks of a data-parallel job sharing one trace file never interleave a line.
+
+    Never raises: a path that cannot be written (missing directory, a directory, no permission, a
+    FIFO nobody reads) gives one notice and is not tried again until :func:`configure`; False then."""
+    if path in _unwritable:
+        return False
     data = (line.rstrip("\n") + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)  # closing releases the lock
+        # O_NONBLOCK: a FIFO with no reader fails at once (ENXIO) instead of hanging the op call
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)  # closing releases the lock
+    except (OSError, ValueError) as e:
+        with _lock:
+            if path not in _unwritable:
+                _unwritable.add(path)
+                name = _selection.name_of("trace_path") if path == _selection.trace_path else "the trace"
+                why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+                why += " (a FIFO with no reader)" if getattr(e, "errno", None) == errno.ENXIO else ""
+                _notice(f"{name}: cannot append to {path!r} ({why}); nothing more is traced there")
+        return False
+    return True
 
 
 configure(Selection.from_env())

@@ -2,7 +2,8 @@
 
 Per op:
 * ``CompositeExplicitAutograd``: the torch reference, so every device (CPU, MPS, XPU, ...) has an
-  implementation; the CUDA kernel below overrides it on CUDA only.
+  implementation, through its ``dispatch.ReferenceSlot`` (which traces it); the CUDA kernel below
+  overrides it on CUDA only.
 * ``CUDA``: the backend ``dispatch.py`` selects, through the op's slot.
 * fake (``Meta`` and fake tensors): the op definition's fake function, so ``torch.compile`` traces
   the op as one node with dynamic shapes.
@@ -40,11 +41,11 @@ LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 TWINS = torch.library.Library(fast_path.TWIN_NAMESPACE, "DEF") if fast_path.load() else None
 
 
-def _checked(validate, fn):
-    def entry(*args):
+def _reference_entry(validate, slot: dispatch.ReferenceSlot):
+    def reference_entry(*args):
         validate(*args)
-        return fn(*args)
-    return entry
+        return slot.call(*args)  # looked up per call: the reference, or it behind the trace hook
+    return reference_entry
 
 
 def _cuda_entry(validate, slot: dispatch.OpSlot):
@@ -169,7 +170,8 @@ def _compile_rule(op: OpDef, reference):
 def _register(op: OpDef) -> None:
     LIBRARY.define(op.schema)
     reference = registry.BY_OP[op.name][Backend.TORCH].load()
-    LIBRARY.impl(op.name, _checked(op.validate, reference), "CompositeExplicitAutograd")
+    LIBRARY.impl(op.name, _reference_entry(op.validate, dispatch.reference_slot(op.name, reference, op.data_arg)),
+                 "CompositeExplicitAutograd")
     slot = dispatch.slot(op.name, op.data_arg)
     if TWINS is not None and op.name in fast_path.OPS:  # the C++ kernels sit on the op, these on its twin
         TWINS.define(op.schema)
