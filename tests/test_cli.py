@@ -3,8 +3,6 @@ once what the platform can run; the self-check says what each row compares; ``do
 say what they did or what is missing, in a checkout or not; and a wheel built from the sources carries
 what every command needs, which an install of it then runs (docs, docs --check, inventory, bench, tune)."""
 
-import contextlib
-import io
 import json
 import os
 import shutil

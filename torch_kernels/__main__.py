@@ -247,7 +247,8 @@ def _self_check(platform: Platform) -> int:
             failures += bool(bad)
             status = "ok" if not bad else "MISMATCH " + ", ".join(bad)
             print(f"  {op.name:31s}  {label:{width}s}  {status}")
-    print(f"\n{f'FAILED: {failures} of {len(checks)} rows mismatch' if failures else f'all backends match the reference ({len(checks)} rows)'}")
+    print(f"\nFAILED: {failures} of {len(checks)} rows mismatch" if failures else
+          f"\nall backends match the reference ({len(checks)} rows)")
     return failures
 
 
