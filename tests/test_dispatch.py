@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 
 import pytest
 import torch
@@ -377,6 +378,18 @@ def test_trace_the_first_use_on_each_device_type(cuda_platform, tmp_path):
     assert trace.read_text().splitlines() == ["rmsnorm|torch"]
     dispatch.slot("rmsnorm").call(x.double(), w.double(), 1e-6)  # the CUDA key's fallback: traced apart
     assert trace.read_text().splitlines() == ["rmsnorm|torch", "rmsnorm|torch"]
+
+
+def test_trace_the_reference_on_any_other_device(tmp_path):
+    """A device CI has not (an ``mps`` tensor stand-in): its first use is traced as CPU's is."""
+    trace = tmp_path / "trace.txt"
+    dispatch.configure(trace_path=str(trace))
+    ref = dispatch.ReferenceSlot("rmsnorm", lambda *args: "served")
+    ref.reset()
+    mps = types.SimpleNamespace(is_cpu=False, device=torch.device("mps"))
+    for a in (mps, torch.randn(2), mps, torch.randn(2)):
+        assert ref.call(a) == "served"
+    assert trace.read_text().splitlines() == ["rmsnorm|torch", "rmsnorm|torch"] and ref.seen == {"mps", "cpu"}
 
 
 @pytest.mark.gpu
