@@ -3,7 +3,7 @@
 * Without a GPU, Triton kernels run on CPU tensors in Triton's interpreter: ``TRITON_INTERPRET``
   must be set before Triton is first imported, so it is set here.
 * ``@pytest.mark.gpu`` tests need CUDA; they are skipped (reported as skipped) on machines
-  without it and run on the GPU host (``python -m pytest -m gpu``).
+  without it; ``python -m pytest -m gpu`` runs them on a machine with one.
 * A :class:`~torch_kernels.KernelUnavailableError` raised by a test (the selected backend lacks an
   op under ``DEEPINFER_OPS_STRICT``) turns into a skip that names the op, as in the DeepInfer
   dispatcher: a partial port reports what it lacks instead of failing.
@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
     _keep_shard(config, items)
     if HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs on the GPU host)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (python -m pytest -m gpu on a machine with one)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
 def _keep_shard(config, items):
     """``DEEPINFER_TEST_SHARD=i/n`` keeps one n-th of the tests, whole test functions at a time (the
     parametrisations of one function share TileLang specialisations, which cost ~3 s of nvcc each
-    on the GPU host); ``i/n/item`` shares out single tests, for a few heavy functions.
+    on an H200's host); ``i/n/item`` shares out single tests, for a few heavy functions.
     ``benchmarks/gpu_parallel_tests.sh`` runs the shards side by side."""
     shard = os.environ.get("DEEPINFER_TEST_SHARD")
     if not shard:
@@ -59,7 +59,7 @@ def pytest_runtest_call(item):
     try:
         return (yield)
     except torch_kernels.KernelUnavailableError as e:
-        if torch.cuda.is_available():  # on the GPU host every kernel is expected: a failure, not a skip
+        if torch.cuda.is_available():  # with a GPU every kernel is expected: a failure, not a skip
             raise
         pytest.skip(f"kernel unavailable: {e}")
 

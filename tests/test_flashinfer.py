@@ -366,7 +366,7 @@ def test_jit_build_announced_once_with_its_duration(fake, capfd, tmp_path):
     assert len(err) == 1, err
     assert err[0].startswith("[deepinfer] flashinfer 0.7.4: JIT module 'norm' built on first use in ")
     seconds = float(err[0].split(" in ")[1].split(" s ")[0])
-    assert 0.0 <= seconds < 5.0 and "/cache/flashinfer/norm/norm.so" in err[0]
+    assert seconds >= 0.0 and "/cache/flashinfer/norm/norm.so" in err[0]
     assert fake.names().count("norm.get_norm_module") == 1  # one load per process
     trace = (tmp_path / "trace").read_text().splitlines()
     assert len(trace) == 1 and trace[0].startswith("flashinfer-jit|norm|built|") and trace[0].endswith("s")

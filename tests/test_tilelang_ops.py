@@ -12,7 +12,7 @@ Without a GPU:
   size fails the test. Misaligned views, lone rows with odd strides, non-finite values, empty partials
   and launches split at the 32-bit limits are covered there.
 
-On the GPU host (``@pytest.mark.gpu``): the registered ops reach TileLang when it is selected; one compiled
+With a GPU (``@pytest.mark.gpu``): the registered ops reach TileLang when it is selected; one compiled
 kernel serves every batch size; misaligned views and lone rows; positions outside the cache; the
 quantiser bit-equal to the Triton kernel; CUDA-graph capture; offsets past 2^31 elements. The numerics
 over dtypes and awkward shapes are also covered by ``test_rope.py``, ``test_quant.py`` and
@@ -544,7 +544,7 @@ def test_merge_generated_code_on_cpu(monkeypatch, emulated):
     assert keys == [(4, 64, "bfloat16", False)]
 
 
-# --- on the GPU host -----------------------------------------------------------------------------------
+# --- with a GPU ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
