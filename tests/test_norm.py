@@ -219,3 +219,17 @@ def test_tensors_on_cuda_and_cpu_raise_before_any_kernel(op):
     with pytest.raises(ValueError, match=rf"deepinfer::{op}: argument 'weight' is on cpu but 'input' is on cuda"):
         getattr(torch.ops.deepinfer, op).default(*args)
     torch.cuda.synchronize()  # the CUDA context is intact
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", NORM + FUSED)
+def test_none_for_a_tensor_names_the_op_and_the_argument(op, device):
+    """Through the registered op and the typed wrapper (on CUDA also through the C++ entry)."""
+    names = ("input", "residual", "weight") if op in FUSED else ("input", "weight")
+    for i, name in enumerate(names):
+        args = [torch.randn(4, 64, device=device) for _ in names[:-1]] + [torch.randn(64, device=device), 1e-6]
+        args[i] = None
+        for call in (getattr(torch.ops.deepinfer, op).default, getattr(torch_kernels, op)):
+            with pytest.raises(TypeError, match=rf"^deepinfer::{op}: argument '{name}' must be a Tensor, got NoneType"):
+                call(*args)
+

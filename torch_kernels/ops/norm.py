@@ -53,7 +53,7 @@ def _validator_norm(op: str):
                     and 0 != input.shape[-1] == weight.shape[0] and input.stride(-1) == 1 and weight.is_contiguous()
                     and input.device == weight.device and eps >= 0.0):
                 return
-        except (IndexError, RuntimeError):  # 0-d tensors: the full checks say what is wrong
+        except (AttributeError, IndexError, RuntimeError, TypeError):  # None, 0-d: the full checks say what
             pass
         _validate_norm(op, input, weight, eps)
     return validate
@@ -67,7 +67,7 @@ def _validator_fused(op: str):
                     and residual is not input and input.stride(-1) == 1 and residual.stride(-1) == 1
                     and weight.is_contiguous() and input.device == residual.device == weight.device and eps >= 0.0):
                 return
-        except (IndexError, RuntimeError):
+        except (AttributeError, IndexError, RuntimeError, TypeError):
             pass
         _validate_fused(op, input, residual, weight, eps)
     return validate
