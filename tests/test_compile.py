@@ -547,7 +547,7 @@ def test_decoder_layer_matches_plain_torch_on_cpu():
         assert torch.equal(hidden, before), f"{name} wrote its input"
 
 
-# --- CUDA (the GPU host) ------------------------------------------------------------------------------------
+# --- CUDA --------------------------------------------------------------------------------------------------
 
 def _select(op, route):
     """Force ``route`` for ``op``; ``inductor_triton`` launches the Triton kernel, so Triton serves."""

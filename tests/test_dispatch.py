@@ -26,7 +26,7 @@ from conftest import DEVICES, HAS_CUDA
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# Slots run their backend for real: on CUDA tensors on the GPU host, on CPU tensors (Triton
+# Slots run their backend for real: on CUDA tensors on a GPU, on CPU tensors (Triton
 # interpreted) elsewhere.
 DEV = "cuda" if HAS_CUDA else "cpu"
 
@@ -483,7 +483,7 @@ def test_trace_lines_from_many_processes_never_interleave(tmp_path):
 @pytest.mark.parametrize("device", DEVICES)
 def test_first_calls_from_many_threads_select_and_load_once(device, monkeypatch):
     # Triton's interpreter is not thread-safe (it patches triton.language while it runs), so on CPU
-    # the threads race through the reference backend; on the GPU host through the Triton kernel.
+    # the threads race through the reference backend; on a GPU through the Triton kernel.
     backend = "triton" if device == "cuda" else "torch"
     dispatch.set_platform(None if device == "cuda" else Platform("cuda", (9, 0), "pretend H200"))
     loads = []

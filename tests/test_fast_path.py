@@ -249,7 +249,7 @@ assert torch.ops.deepinfer_fast_path.counters() == [0, 0, 0]
 
 
 # ----------------------------------------------------------------------------------------------
-# On the GPU: this process must have loaded the library (the README's and the GPU host's test
+# On the GPU: this process must have loaded the library (the README's and the GPU test
 # commands build it before pytest starts).
 
 def _reference(op):
@@ -455,7 +455,7 @@ class _HostFunction:
 
 def test_offer_reads_the_signature_with_trailing_defaults_left_out(monkeypatch):
     """The twin's Python kernel gets the call's arguments without the trailing ones left at their
-    defaults (eps): the weight is read by position, never from the end (GPU host, 2026-11-30: reading
+    defaults (eps): the weight is read by position, never from the end (H200: reading
     gelu_and_mul's approximate from args[1] raised IndexError on every default call)."""
     from torch_kernels.impl.tilelang import activation, norm
 

@@ -7,7 +7,7 @@ readings). It checks the argument mapping (names, dtypes, views written in place
 ways, int32 ids), the eligibility rules, the JIT-build announcement, and, where a real FlashInfer is
 importable, that the recorded signatures are its own.
 
-On the GPU host (``@pytest.mark.gpu``, the real FlashInfer): every FlashInfer-backed op against the
+On a GPU (``@pytest.mark.gpu``, the real FlashInfer): every FlashInfer-backed op against the
 reference over the shared dtypes and shapes, the dispatcher serving it, and the sampler's kept set,
 distribution, determinism and CUDA-graph replay.
 """
@@ -317,7 +317,7 @@ def test_recorded_signatures_parse_and_differ_only_where_read(version):
 
 def test_recorded_signatures_are_the_installed_flashinfers():
     """Where a real FlashInfer imports (the README's test command installs it without its CUDA
-    dependencies; the GPU host has its bundle), its signatures are the recorded ones for its release:
+    dependencies; a GPU machine has it installed), its signatures are the recorded ones for its release:
     names, kinds, defaults, and whether ``seed`` takes a tensor."""
     fi = pytest.importorskip("flashinfer")
     for module in ("norm", "utils", "activation", "rope", "cascade", "sampling"):
@@ -675,7 +675,7 @@ def test_sampling_zero_rows_and_one_time_notice(fake, capfd):
 
 
 # ------------------------------------------------------------------------------------------------
-# On the GPU host, the real FlashInfer: every FlashInfer-backed op against the reference.
+# On a GPU, the real FlashInfer: every FlashInfer-backed op against the reference.
 
 
 def _flashinfer_spec(op):

@@ -169,7 +169,7 @@ def test_inplace_ops_refuse_autograd(op):
 
 @pytest.mark.gpu
 def test_cuda_default_selection_is_a_kernel():
-    """On the GPU host the CUDA key is served by a compiled backend, not the reference."""
+    """On a GPU the CUDA key is served by a compiled backend, not the reference."""
     from torch_kernels import dispatch
     chain, notice = dispatch.plan("rmsnorm")
     assert chain[0].backend is not Backend.TORCH and notice is None

@@ -1,6 +1,6 @@
 """Selection: which backend serves each op on the CUDA dispatch key.
 
-The semantics of the DeepInfer kernel dispatcher (``shared/seeds/000_*``), applied to ops:
+The semantics of the DeepInfer kernel dispatcher, applied to ops:
 
 * Platform default: per op, the backends of ``registry.cuda_priority(op)`` whose capability is met
   here; the first serves the op, the later ones take the calls it refuses (dtype, size). On every

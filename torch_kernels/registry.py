@@ -107,7 +107,7 @@ KERNELS: Tuple[KernelSpec, ...] = (
 #: The order in which the CUDA platform default tries backends, per op; the first one whose
 #: capability is met serves the op, the later ones take calls it cannot (dtype, size).
 #: TileLang first as in the DeepInfer dispatcher; Triton before FlashInfer because the one-row Triton
-#: rmsnorm measured 4092 GB/s against FlashInfer's 2762 at 16384x8192 bf16 (shared/gpu/README.md).
+#: rmsnorm measured 4092 GB/s against FlashInfer's 2762 at 16384x8192 bf16.
 DEFAULT_CUDA_PRIORITY: Tuple[Backend, ...] = (Backend.TILELANG, Backend.TRITON, Backend.FLASHINFER, Backend.TORCH)
 #: Per-op exceptions, from the H200 (docs/benchmarks/suite/, tune/winners.md; bf16). TileLang's
 #: activations serve first: since they compute the Triton backend's formulas with its fast exp and
@@ -139,7 +139,7 @@ COMPILE_ROUTES: Tuple[str, ...] = (DECOMPOSE, INDUCTOR_TRITON, OPAQUE)
 #: The route of each op where no pointwise op computes its data input (alone, after a matmul, on the
 #: graph's inputs; DECOMPOSE_AFTER_POINTWISE covers the other case). A compiled ``x*2 -> rmsnorm -> +1``
 #: block (4096x4096): decompose 23.6 µs, equal to the block in plain torch compiled (one fused kernel);
-#: inductor_triton 62 µs (three kernels); opaque 219 µs (shared/gpu/README.md): the neighbours decide.
+#: inductor_triton 62 µs (three kernels); opaque 219 µs: the neighbours decide.
 COMPILE_ROUTE: Dict[str, str] = {
     # Alone (or after a matmul, as in a model) our kernel beats Inductor's for the reference; after a
     # pointwise op they decompose (DECOMPOSE_AFTER_POINTWISE), so that Inductor fuses the neighbours.

@@ -5,7 +5,7 @@ FlashInfer compiles each kernel module with nvcc the first time a process uses i
 describes the module (``flashinfer.jit.JitSpec``), ``get_<x>_module()`` (``functools.cache``) builds it
 unless its library is already in FlashInfer's cache (``~/.cache/flashinfer/<version>/<arch>/cached_ops``,
 or an AOT package) and loads it. A build takes 5-95 s a module on the H200 host, loading a cached one
-under 0.1 s (``shared/gpu/README.md``). :func:`jit_module` runs that getter once per process itself,
+under 0.1 s. :func:`jit_module` runs that getter once per process itself,
 timed, so the FlashInfer functions called afterwards find the module loaded:
 
 * the module was not compiled before the call (``JitSpec.is_compiled``, in 0.6.x and 0.7.x), or loading

@@ -9,7 +9,7 @@ fp32 shared memory), as the reference does. Everything is computed in fp32 and r
 Why the module and not ``flashinfer.norm.rmsnorm``: in 0.6.18 and 0.7.4 the public functions run CuTe-DSL
 kernels instead whenever ``nvidia-cutlass-dsl`` is installed (compiled per hidden size at first use,
 with other layout assumptions); the module holds the CUDA kernels that every 0.6.x and 0.7.x runs
-otherwise, the ones whose limits are refused below and that the GPU host's saved JIT cache holds.
+otherwise, the ones whose limits are refused below and that a saved FlashInfer JIT cache holds.
 Its functions take the same arguments in 0.6.0-0.7.4: ``rmsnorm(out, input, weight, eps, enable_pdl)``
 and ``fused_add_rmsnorm(input, residual, weight, eps, enable_pdl)``.
 

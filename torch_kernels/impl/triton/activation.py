@@ -24,9 +24,9 @@ from .._rows import rows
 # Output elements per program. 1024 over 4 warps is 8 elements a thread: one 16-byte load of the gate
 # and one of the up half in bf16/fp16 (two in fp32). Not measured yet: modelled on Inductor's usual
 # large-pointwise configuration (1024 elements, 4 warps), and torch.compile of the reference ran this
-# op at 4348 GB/s on the H200 (shared/gpu/README.md). Compiled offline for sm_90 (Triton 3.9): 16-byte
+# op at 4348 GB/s on the H200. Compiled offline for sm_90 (Triton 3.9): 16-byte
 # loads and stores, 32 registers, no spills. `benchmarks/bench_activation.py --sweep` times the
-# alternatives on the GPU host.
+# alternatives on the H200.
 _TILE = 1024
 _ELEMENTS_PER_THREAD = 8
 # CUDA grid limits: axis 0 takes 2^31 - 1 programs, axis 1 only 65535; larger launches are split.
