@@ -99,9 +99,9 @@ def test_compile_route_from_env_and_configure():
     ("top_k_top_p_sampling_from_probs=decompose", "cannot take route 'decompose': the reference sorts"),
 ])
 def test_bad_compile_route_raises(spec, match):
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises(ValueError, match=match):
         torch_kernels.configure(compile_route=spec)
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises(ValueError, match=match):
         Selection.from_env({"DEEPINFER_OPS_COMPILE_ROUTE": spec}).validate()
 
 
@@ -154,22 +154,22 @@ def test_forced_routes_are_part_of_the_compile_cache_key():
 
 
 def test_inventory_shows_each_compiled_route(cuda_platform):
-    from torch_kernels.__main__ import _inventory
+    from torch_kernels.__main__ import _inventory, _inventory_notes
 
     torch_kernels.configure(compile_route="rmsnorm=opaque,topk_softmax=inductor_triton")
     header, *rows = _inventory(cuda_platform)
     routes = {r[0]: r[-1] for r in rows}
     assert header[-1] == "compiled route" and set(routes) == set(registry.OPS)
     assert routes["rmsnorm"] == "opaque (forced)"
-    assert routes["silu_and_mul"] == "opaque, decompose after pointwise"
+    assert routes["silu_and_mul"] == "opaque*"  # decomposes after a pointwise op
     assert routes["grouped_topk"] == registry.COMPILE_ROUTE["grouped_topk"]
-    assert routes["rotary_embedding"] == "opaque, decompose after pointwise"
+    assert routes["rotary_embedding"] == "opaque*"
     assert routes["topk_softmax"] == "inductor_triton (forced)"
     torch_kernels.configure(backend="torch")
     routes = {r[0]: r[-1] for r in _inventory(cuda_platform)[1:]}
-    assert routes["topk_softmax"].startswith(
-        "inductor_triton (forced) -> opaque  [op 'topk_softmax' compiled as 'opaque', not 'inductor_triton': "
-        "the CUDA key selects 'torch'")
+    assert routes["topk_softmax"] == "opaque (not inductor_triton)"
+    assert _inventory_notes(cuda_platform) == [
+        "op 'topk_softmax' compiled as 'opaque', not 'inductor_triton': the CUDA key selects 'torch', not 'triton'"]
 
 
 # --- Dynamo: one node per op ------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Measured backend choice: the table behind ``DEEPINFER_OPS_BACKEND=auto``.
 
-``python -m torch_kernels tune`` (``benchmarks/tune.py``) times every usable backend of every op over
+``python -m torch_kernels tune`` (``torch_kernels/bench/tune.py``) times every usable backend of every op over
 shape buckets on this GPU and stores the winners here; with ``DEEPINFER_OPS_BACKEND=auto`` each op's
 CUDA entry dispatches every call to the winner of its bucket (``dispatch.OpSlot``).
 
