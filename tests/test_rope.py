@@ -247,16 +247,53 @@ def test_rotary_embedding_bad_input_raises_at_trace_time():
 
 
 def test_rotary_embedding_check_positions_can_be_switched_off(monkeypatch):
-    """With CHECK_POSITIONS off, the eager entry does not read positions (the torch reference then
-    raises its own IndexError on CPU: the switch is for engines that trust their positions)."""
-    args = _args(CASES[1], "cpu", torch.float32)
-    bad = (torch.full_like(args[0], 37),) + args[1:]
+    """With CHECK_POSITIONS off, the eager entry does not read positions: the token outside the cache
+    gets NaN in its rotated dims (the reference reads no row outside it), the others are exact."""
+    args = _args((3, 4, 2, 128, 64, False, "2d"), "cpu", torch.float32)
+    bad = (args[0].clone(),) + args[1:]
+    bad[0][1] = 37
     with pytest.raises(ValueError, match=rf"^deepinfer::{OP}: argument 'positions' must lie in \[0, 37\)"):
-        torch.ops.deepinfer.rotary_embedding.default(*bad)
+        torch.ops.deepinfer.rotary_embedding.default(*_copy(bad)[0])
     monkeypatch.setattr(rope, "CHECK_POSITIONS", False)
-    with pytest.raises(IndexError):
-        torch.ops.deepinfer.rotary_embedding.default(*bad)
-    torch.ops.deepinfer.rotary_embedding.default(*args)  # valid input still runs
+    got, _ = _copy(bad)
+    torch.ops.deepinfer.rotary_embedding.default(*got)
+    _assert_nan_at_bad_tokens(got, bad, [1])
+
+
+def _assert_nan_at_bad_tokens(got, args, bad_tokens):
+    """NaN in every rotated dim of the bad tokens (pass-through dims kept), the reference elsewhere."""
+    positions, hs, rot_dim = args[0], args[3], args[4].shape[1]
+    good = [t for t in range(positions.shape[0]) if t not in bad_tokens]
+    for g, x in zip(got[1:3], args[1:3]):
+        heads, before = g.unflatten(-1, (-1, hs)), x.unflatten(-1, (-1, hs))
+        assert heads[bad_tokens, :, :rot_dim].isnan().all()
+        assert torch.equal(heads[bad_tokens, :, rot_dim:], before[bad_tokens, :, rot_dim:])
+        want = x[good].clone()
+        REFERENCE(positions[good], want, None, *args[3:])
+        assert_close(g[good], want)
+
+
+@pytest.mark.parametrize("route", ["decompose", "opaque"])
+def test_rotary_embedding_out_of_cache_positions_under_compile(route):
+    """Compiled, no position is checked on the data at trace time. Decomposed, the reference reads no
+    row outside the cache (-1 is not the last row, max_position no index error): NaN for those
+    tokens, as the kernels give. Opaque, the op's eager check runs: the eager error."""
+    torch_kernels.configure(compile_route={OP: route})
+    torch._dynamo.reset()
+    fn = lambda p, q, k, c: torch.ops.deepinfer.rotary_embedding(p, q, k, 16, c, True)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True)
+    args = _args((6, 3, 1, 16, 16, True, "2d"), "cpu", torch.float32, max_position=23)
+    positions = args[0].clone()
+    positions[1], positions[3], positions[4] = -1, 23, 1 << 40
+    bad = (positions,) + args[1:]
+    got, _ = _copy(bad)
+    if route == "opaque":
+        with pytest.raises(ValueError, match=rf"^deepinfer::{OP}: argument 'positions' must lie in \[0, 23\)"):
+            compiled(got[0], got[1], got[2], got[4])
+        assert torch.equal(got[1], args[1]) and torch.equal(got[2], args[2])
+    else:
+        compiled(got[0], got[1], got[2], got[4])
+        _assert_nan_at_bad_tokens(got, bad, [1, 3, 4])
 
 
 def test_rotary_embedding_without_key_compiles_fullgraph():

@@ -6,8 +6,10 @@ the reference is ``torch_kernels/impl/torch/rope.py``.
 Positions outside the cache: vLLM does not check them (its CUDA kernel reads out of bounds). Here
 the eager entry checks ``0 <= positions < max_position`` on the data, one ``aminmax`` and a read of
 two numbers back. On CUDA that read is a device sync, so it is skipped while a CUDA graph is being
-captured (it would break the capture) and can be switched off with :data:`CHECK_POSITIONS`; the
-Triton kernel then still reads nothing outside the cache, and writes NaN for such a token.
+captured (it would break the capture) and can be switched off with :data:`CHECK_POSITIONS`. Where
+no check runs (switched off, in a capture, under ``torch.compile``, which traces without data), no
+backend reads outside the cache: a token at such a position gets NaN in the rotated dims of each of
+its heads (the other tokens are exact).
 """
 
 from typing import Iterator, Optional
@@ -22,8 +24,7 @@ _POSITION_DTYPES = (torch.int32, torch.int64)
 
 #: Check ``0 <= positions < max_position`` on the data in eager calls (see the module docstring).
 #: On CUDA each call then waits for the GPU once; an engine that trusts its positions may set this
-#: to ``False`` (out-of-range positions then give NaN from the Triton kernel, an error or garbage
-#: from the torch reference).
+#: to ``False`` (an out-of-range position then gives NaN for its token, see the module docstring).
 CHECK_POSITIONS = True
 
 
@@ -143,8 +144,10 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], he
     (fp64 for fp64 input) and rounded once.
 
     Args:
-        positions: ``(T,)`` int32 or int64, each in ``[0, max_position)`` (checked in eager calls; see
-            ``torch_kernels.ops.rope.CHECK_POSITIONS`` for the cost on CUDA).
+        positions: ``(T,)`` int32 or int64, each in ``[0, max_position)``: checked in eager calls (see
+            ``torch_kernels.ops.rope.CHECK_POSITIONS`` for the cost on CUDA); where unchecked (under
+            ``torch.compile``, in a CUDA graph capture), a token outside the cache gets NaN in its
+            rotated dims, on every backend and route.
         query: ``(T, Hq * head_size)`` or ``(T, Hq, head_size)``, fp16/bf16/fp32/fp64, last dimension
             contiguous (rows and heads may be strided, e.g. slices of a fused qkv tensor). Rotated in place.
         key: ``(T, Hk * head_size)`` or ``(T, Hk, head_size)`` with the dtype of ``query``, or ``None``.

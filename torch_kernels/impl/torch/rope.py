@@ -2,9 +2,10 @@
 the input's dtype where wider) and rounded once into ``query`` and ``key``.
 
 Takes already-validated arguments (``torch_kernels.ops.rope`` validates): ``positions`` ``(T,)``
-int32/int64 within the cache, ``query`` ``(T, Hq*head_size)`` or ``(T, Hq, head_size)`` and the same
-for ``key`` (or ``None``), last dimension contiguous; ``cos_sin_cache`` ``(max_position, rot_dim)``
-holding ``rot_dim/2`` cosines then ``rot_dim/2`` sines per position.
+int32/int64, ``query`` ``(T, Hq*head_size)`` or ``(T, Hq, head_size)`` and the same for ``key`` (or
+``None``), last dimension contiguous; ``cos_sin_cache`` ``(max_position, rot_dim)`` holding
+``rot_dim/2`` cosines then ``rot_dim/2`` sines per position. A position outside the cache (unchecked
+under ``torch.compile``) reads no row and gives NaN in the rotated dims of its token.
 """
 
 from typing import Optional
@@ -34,10 +35,22 @@ def _rotate(x: Tensor, head_size: int, cos: Tensor, sin: Tensor, is_neox: bool) 
     rot.copy_(out)  # dims rot_dim..head_size are left as they are
 
 
+def _cos_sin_rows(positions: Tensor, cos_sin_cache: Tensor, dtype: torch.dtype) -> Tensor:
+    """``cos_sin_cache[positions]`` in ``dtype``, NaN for a position outside the cache: the index is
+    clamped into it, so no row outside is read (under ``torch.compile`` -1 would read the last row and
+    ``max_position`` fail Inductor's bounds check; eager calls have checked the positions)."""
+    p = positions.reshape(-1)
+    rows = cos_sin_cache.shape[0]
+    if rows == 0:
+        return cos_sin_cache.new_full((p.shape[0], cos_sin_cache.shape[1]), float("nan"), dtype=dtype)
+    index = p.clamp(0, rows - 1)
+    return torch.where((index == p)[:, None], cos_sin_cache.index_select(0, index).to(dtype), float("nan"))
+
+
 def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
                      cos_sin_cache: Tensor, is_neox: bool) -> None:
     cd = torch.promote_types(query.dtype, torch.float32)
-    cos, sin = cos_sin_cache.index_select(0, positions.reshape(-1)).to(cd).unsqueeze(-2).chunk(2, dim=-1)
+    cos, sin = _cos_sin_rows(positions, cos_sin_cache, cd).unsqueeze(-2).chunk(2, dim=-1)
     _rotate(query, head_size, cos, sin, is_neox)
     if key is not None:
         _rotate(key, head_size, cos, sin, is_neox)
