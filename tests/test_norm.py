@@ -169,7 +169,7 @@ def test_inplace_ops_refuse_autograd(op):
 
 @pytest.mark.gpu
 def test_cuda_default_selection_is_a_kernel():
-    """On a GPU the CUDA key is served by a compiled backend, not the reference."""
+    """On the GPU host the CUDA key is served by a compiled backend, not the reference."""
     from torch_kernels import dispatch
     chain, notice = dispatch.plan("rmsnorm")
     assert chain[0].backend is not Backend.TORCH and notice is None
@@ -233,3 +233,98 @@ def test_none_for_a_tensor_names_the_op_and_the_argument(op, device):
             with pytest.raises(TypeError, match=rf"^deepinfer::{op}: argument '{name}' must be a Tensor, got NoneType"):
                 call(*args)
 
+
+# --- memory overlap of the in-place ops ------------------------------------------------------------
+
+N = 64
+
+
+def _overlapping(device):
+    """(what, input, residual, weight, the argument named, the other or None for an internal overlap)."""
+    fresh = lambda *shape: torch.randn(*shape, device=device)  # noqa: E731
+    x, r, w, rows, cols = fresh(4, N), fresh(4, N), fresh(N), fresh(6, N), fresh(4, 2 * N)
+    x3 = fresh(2, 2, N)
+    return [
+        ("residual a view of input", x, x.view(4, N), w, "residual", "input"),
+        ("residual a view of a 3-D input", x3, x3.view(4, N).view(2, 2, N), w, "residual", "input"),
+        ("overlapping row slices", rows[:4], rows[2:], w, "residual", "input"),
+        ("overlapping column slices", cols[:, :N], cols[:, N // 2:N // 2 + N], w, "residual", "input"),
+        ("expanded input", fresh(1, N).expand(4, N), r, w, "input", None),
+        ("expanded residual", x, fresh(N).expand(4, N), w, "residual", None),
+        ("input rows overlapping each other", rows.view(-1).as_strided((4, N), (N // 2, 1)), r, w, "input", None),
+        ("weight a row of input", x, r, x[2], "weight", "input"),
+        ("weight a row of residual", x, r, r[0], "weight", "residual"),
+        ("weight across two rows of input", x, r, x.view(-1)[N // 2:N // 2 + N], "weight", "input"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", FUSED)
+def test_inplace_ops_refuse_overlapping_memory_before_writing(op, device):
+    """Every written argument apart from the others and from itself, or a ValueError naming both
+    arguments with nothing written; on CUDA with each backend selected in turn, after a valid call of
+    the same signature, so that the C++ entry has published it (TileLang) and would serve these calls
+    if it did not check them."""
+    call = getattr(torch.ops.deepinfer, op).default
+    backends = [None]
+    if device == "cuda":
+        here = torch_kernels.Platform.detect()
+        backends = [s.backend.value for s in registry.implementations(op) if s.is_available(here)]
+    for backend in backends:
+        if backend is not None:
+            torch_kernels.configure(backend=backend)
+        for _ in range(2):
+            call(torch.randn(4, N, device=device), torch.randn(4, N, device=device), torch.randn(N, device=device), 1e-6)
+        for what, x, r, w, arg, other in _overlapping(device):
+            bases = {id(t._base if t._base is not None else t): t._base if t._base is not None else t for t in (x, r, w)}
+            before = [b.clone() for b in bases.values()]
+            said = f"overlaps argument '{other}' in memory$" if other else "has elements that share memory"
+            with pytest.raises(ValueError, match=rf"^deepinfer::{op}: argument '{arg}' {said}"):
+                call(x, r, w, 1e-6)
+            assert all(torch.equal(b, a) for b, a in zip(before, bases.values())), f"{backend}, {what}: written"
+
+
+# each builds (input, residual, weight) from one (8, 3N) buffer: arguments apart, within one storage
+_APART = {
+    "row slices of one buffer": lambda b: (b[:4, :N], b[4:, :N], b[0, 2 * N:]),
+    "column slices of one buffer": lambda b: (b[:, :N], b[:, N:2 * N], b[3, 2 * N:]),
+    "3-D column slices": lambda b: (b[:, :N].unflatten(0, (2, 4)), b[:, 2 * N:].unflatten(0, (2, 4)), b[0, N:2 * N]),
+    "weight in the same buffer": lambda b: (b[:3, :N], b[3:6, :N], b[7, :N]),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", FUSED)
+@pytest.mark.parametrize("layout", list(_APART))
+def test_inplace_ops_take_disjoint_views_of_one_buffer(op, device, layout):
+    """Views of one buffer that share no element (rows, or interleaved columns as a fused tensor's
+    slices) are accepted, and every backend writes exactly the reference's values into them."""
+    make, base = _APART[layout], torch.randn(8, 3 * N, device=device)
+    want = base.clone()
+    registry.BY_OP[op][Backend.TORCH].load()(*make(want), 1e-6)
+    for name, fn in _backends(op, device):
+        got = base.clone()
+        fn(*make(got), 1e-6)
+        assert_close(got, want, msg=f"{name}: {layout}")
+
+
+def test_inplace_overlap_raises_at_trace_time():
+    """The fake function refuses views of one input that overlap while compiling (Dynamo keeps the
+    aliasing of its inputs), and column halves of one buffer compile with dynamic token counts."""
+    compiled = torch.compile(lambda x, w: torch.ops.deepinfer.fused_add_rmsnorm(x, x.view(x.shape), w),
+                             backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"deepinfer::fused_add_rmsnorm: argument 'residual' overlaps argument 'input'"):
+        compiled(torch.randn(4, N), torch.randn(N))
+
+    def halves(buf, w):
+        x, r = buf.chunk(2, dim=-1)
+        torch.ops.deepinfer.fused_add_rmsnorm(x, r, w)
+        return buf
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    halves_compiled = torch.compile(halves, backend=counter, fullgraph=True, dynamic=True)
+    for tokens in (2, 3, 7):
+        buf, w = torch.randn(tokens, 2 * N), torch.randn(N)
+        assert_close(halves_compiled(buf.clone(), w), halves(buf.clone(), w))
+    assert counter.frame_count == 1  # the check reads size hints, so it guards on no token count

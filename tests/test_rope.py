@@ -307,6 +307,75 @@ def test_rotary_embedding_without_key_compiles_fullgraph():
     assert_close(torch.compile(block, fullgraph=True)(p, q, c), block(p, q, c))
 
 
+# --- memory overlap ------------------------------------------------------------------------------
+
+def _overlapping(device):
+    """(what, positions, query, key, cache, the argument named, the other or None for an internal overlap)."""
+    positions, q, k, hs, cache, _ = _args((4, 2, 1, 32, 32, True, "2d"), device, torch.float32, max_position=16)
+    qkv, flat = torch.randn(4, 4 * 32, device=device), torch.zeros(4, 2 * 32, device=device)
+    return [
+        ("key a view of query", positions, q, q[:, :32], cache, "key", "query"),
+        ("key a 3-D view of query", positions, q, q.view(4, 2, 32)[:, 1:], cache, "key", "query"),
+        ("overlapping columns of one qkv", positions, qkv[:, :64], qkv[:, 32:64], cache, "key", "query"),
+        ("overlapping rows of one buffer", positions, qkv.view(-1)[:256].view(4, 64), qkv.view(-1)[128:256].view(4, 32),
+         cache, "key", "query"),
+        ("stride-0 query", positions, torch.randn(1, 64, device=device).expand(4, 64), k, cache, "query", None),
+        ("stride-0 key", positions, q, torch.randn(32, device=device).expand(4, 32), cache, "key", None),
+        ("query rows overlapping each other", positions, qkv.view(-1).as_strided((4, 64), (32, 1)), k, cache, "query", None),
+        ("cache a view of query", positions, q, k, q.view(8, 32)[:5], "cos_sin_cache", "query"),
+        ("cache a view of key", positions, q, k, k, "cos_sin_cache", "key"),
+        ("positions a view of query", flat.view(torch.int32)[0, :4], flat, k, cache, "query", "positions"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary_embedding_refuses_overlapping_memory_before_writing(device):
+    call = torch.ops.deepinfer.rotary_embedding.default
+    for what, positions, q, k, cache, arg, other in _overlapping(device):
+        bases = {}
+        for t in (positions, q, k, cache):
+            base = t._base if t._base is not None else t
+            bases[id(base)] = base
+        before = [b.clone() for b in bases.values()]
+        said = f"overlaps argument '{other}' in memory$" if other else "has elements that share memory"
+        with pytest.raises(ValueError, match=rf"^deepinfer::{OP}: argument '{arg}' {said}"):
+            call(positions, q, k, 32, cache, True)
+        assert all(torch.equal(b, a) for b, a in zip(before, bases.values())), f"{what}: written"
+
+
+# each builds (query, key) from one (5, 8*16) buffer: query and key share no element
+_APART = {
+    "qkv slices": lambda b: (b[:, :64], b[:, 64:96]),
+    "key before query in each row": lambda b: (b[:, 32:96], b[:, :32]),
+    "3-D head views of qkv slices": lambda b: (b[:, :64].unflatten(1, (4, 16)), b[:, 96:128].unflatten(1, (2, 16))),
+    "every other head": lambda b: (b.unflatten(1, (8, 16))[:, 0::2], b.unflatten(1, (8, 16))[:, 1::2]),
+    "consecutive in one buffer": lambda b: (b.view(-1)[:5 * 64].view(5, 64), b.view(-1)[5 * 64:5 * 96].view(5, 32)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", list(_APART))
+def test_rotary_embedding_takes_disjoint_views_of_one_buffer(device, layout):
+    """Query and key sharing a buffer but no element (vLLM's fused qkv slices, interleaved heads)
+    are accepted, with an expanded positions tensor, and every backend writes the reference's values."""
+    make, base = _APART[layout], torch.randn(5, 8 * 16, device=device)
+    positions = torch.randint(0, 37, (1,), device=device).expand(5)
+    cache = rope.make_cos_sin_cache(37, 16, device=device)
+    want = base.clone()
+    REFERENCE(positions, *make(want), 16, cache, True)
+    for name, fn in _backends(device):
+        got = base.clone()
+        fn(positions, *make(got), 16, cache, True)
+        assert_close(got, want, msg=f"{name}: {layout}")
+
+
+def test_rotary_embedding_overlap_raises_at_trace_time():
+    compiled = torch.compile(lambda p, q, c: torch.ops.deepinfer.rotary_embedding(p, q, q[:, 16:32], 16, c, True),
+                             backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=rf"deepinfer::{OP}: argument 'key' overlaps argument 'query' in memory"):
+        compiled(torch.zeros(4, dtype=torch.int64), torch.randn(4, 64), rope.make_cos_sin_cache(8, 16))
+
+
 @pytest.mark.gpu
 def test_rotary_embedding_tensors_on_cuda_and_cpu_raise_before_any_kernel():
     args = _args(CASES[1], "cuda", torch.float32)

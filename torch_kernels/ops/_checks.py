@@ -5,6 +5,8 @@ Checks on sizes go through :func:`require`, which is a plain ``if`` in eager mod
 (``torch._dynamo.mark_unbacked``) as well as backed ones, without specialising on them.
 """
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -56,3 +58,124 @@ def same_shape(op: str, arg: str, t: Tensor, ref_arg: str, ref: Tensor) -> None:
 def same_device(op: str, arg: str, t: Tensor, ref_arg: str, ref: Tensor) -> None:
     if t.device != ref.device:
         fail(op, arg, f"is on {t.device} but '{ref_arg}' is on {ref.device}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory overlap of the arguments an op writes. Exact for every strided layout: a tensor is read as
+# runs of contiguous bytes (its last dimensions merged) repeated along its other dimensions, so two
+# column slices of one fused qkv buffer, which interleave without sharing an element, pass.
+
+
+def _is_symbolic(t: Tensor) -> bool:
+    """A fake or meta tensor, or any without a data pointer: overlap is read from its storage and offsets."""
+    if t.is_meta or isinstance(t, torch._subclasses.FakeTensor):
+        return True
+    try:
+        t.data_ptr()
+    except RuntimeError:
+        return True
+    return False
+
+
+def _concrete(values) -> Optional[list]:
+    """Ints for sizes and strides, symbolic ones by their hint (no guard); ``None`` when one has none."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.SymInt):
+            from torch.fx.experimental.symbolic_shapes import has_guarding_hint, optimization_hint
+            if not has_guarding_hint(v):
+                return None
+            v = optimization_hint(v)
+        out.append(int(v))
+    return out
+
+
+def _runs(t: Tensor, symbolic: bool):
+    """``(start, run, dims)`` in bytes: ``t`` covers ``[start + o, start + o + run)`` for every offset
+    ``o = sum(i_k * stride_k)`` over ``dims = [(size_k, stride_k)]`` (sizes above 1, innermost first).
+    ``None`` for an empty tensor, or a symbolic one whose sizes have no hint."""
+    meta = _concrete((*t.shape, *t.stride(), t.storage_offset()) if symbolic else (*t.shape, *t.stride()))
+    if meta is None:
+        return None
+    n, isz = t.dim(), t.element_size()
+    sizes, strides = meta[:n], meta[n:2 * n]
+    if 0 in sizes:
+        return None
+    start = meta[-1] * isz if symbolic else t.data_ptr()
+    run, dims = isz, []
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        stride *= isz
+        if size == 1:
+            continue
+        if not dims and stride == run:
+            run *= size
+        elif dims and stride == dims[-1][0] * dims[-1][1]:
+            dims[-1] = (dims[-1][0] * size, dims[-1][1])
+        else:
+            dims.append((size, stride))
+    return start, run, dims
+
+
+def _offsets(dims) -> Tensor:
+    """Every run's offset from the start, sorted (int64, on the CPU; called outside any tracing mode)."""
+    off = torch.zeros(1, dtype=torch.int64)
+    for size, stride in dims:
+        off = (off[:, None] + torch.arange(size, dtype=torch.int64) * stride).reshape(-1)
+    return off.sort().values
+
+
+def _overlaps_itself(runs) -> bool:
+    _, run, dims = runs
+    if any(stride == 0 for _, stride in dims):
+        return True
+    extent = run
+    for size, stride in sorted(dims, key=lambda d: d[1]):
+        if stride < extent:  # not provably apart: look at every run
+            from torch.utils._python_dispatch import _disable_current_modes
+            with _disable_current_modes():
+                off = _offsets(dims)
+                return bool((off[1:] - off[:-1] < run).any())
+        extent += (size - 1) * stride
+    return False
+
+
+def _overlap(a, b) -> bool:
+    """Whether two runs layouts share a byte; ``a``'s runs are apart from each other (it is written)."""
+    (sa, la, da), (sb, lb, db) = a, b
+    da, db = [d for d in da if d[1]], [d for d in db if d[1]]  # a stride-0 dimension covers no new byte
+    if sa + la + sum((n - 1) * s for n, s in da) <= sb or sb + lb + sum((n - 1) * s for n, s in db) <= sa:
+        return False
+    if len(da) <= 1 and len(db) <= 1 and len({s for _, s in da + db}) <= 1:
+        # rows of one stride (column slices of one buffer): row i of a meets row j of b iff m = i - j has
+        # d - la < m * stride < d + lb
+        stride = (da or db or [(1, 1)])[0][1]
+        d, ta, tb = sb - sa, da[0][0] if da else 1, db[0][0] if db else 1
+        lo, hi = max((d - la) // stride + 1, 1 - tb), min(-((-(d + lb)) // stride) - 1, ta - 1)
+        return lo <= hi
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():
+        oa, ob = _offsets(da) + sa, _offsets(db) + sb
+        # the last run of a starting before each run of b ends is the only one that can reach into it
+        i = torch.searchsorted(oa, ob + lb) - 1
+        return bool(((i >= 0) & (oa[i.clamp(min=0)] + la > ob)).any())
+
+
+def no_overlap(op: str, args) -> None:
+    """Raise ``ValueError`` unless every written argument of ``args`` (``(name, tensor or None,
+    written)`` in schema order) has no two elements at one address and shares no byte with another
+    argument. Fake and meta tensors are compared by storage; sizes without a hint are not checked."""
+    tensors = [(name, t, written) for name, t, written in args if isinstance(t, Tensor)]
+    symbolic = any(_is_symbolic(t) for _, t, _ in tensors)
+    runs = [_runs(t, symbolic) for _, t, _ in tensors]
+    for (name, t, written), r in zip(tensors, runs):
+        if written and r is not None and _overlaps_itself(r):
+            fail(op, name, "has elements that share memory (an expanded or self-overlapping view) and is written in place")
+    for j in range(len(tensors)):
+        for i in range(j):
+            (a, ta, wa), (b, tb, wb) = tensors[i], tensors[j]
+            if not (wa or wb) or runs[i] is None or runs[j] is None:
+                continue
+            if symbolic and not torch._C._is_alias_of(ta, tb):
+                continue
+            if _overlap(*((runs[i], runs[j]) if wa else (runs[j], runs[i]))):
+                fail(op, b, f"overlaps argument '{a}' in memory")

@@ -81,11 +81,13 @@ def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head
                   lambda: f"must have a rot_dim (second dimension) of at most head_size={head_size}, got {rot_dim}")
     check.last_dim_contiguous(OP, "cos_sin_cache", cos_sin_cache)
     check.same_device(OP, "cos_sin_cache", cos_sin_cache, "query", query)
+    check.no_overlap(OP, (("positions", positions, False), ("query", query, True), ("key", key, True),
+                          ("cos_sin_cache", cos_sin_cache, False)))
 
 
-def _check_positions_in_cache(positions: Tensor, max_position: int) -> None:
+def _check_positions_in_cache(positions: Tensor, max_position: int, num_tokens: int) -> None:
     """``0 <= positions < max_position`` on the data: one reduction and one read back (a sync on CUDA)."""
-    if not CHECK_POSITIONS or positions.numel() == 0:
+    if not CHECK_POSITIONS or num_tokens == 0:
         return
     if positions.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # a read back would break the capture; the kernel reads nothing outside the cache
@@ -96,30 +98,51 @@ def _check_positions_in_cache(positions: Tensor, max_position: int) -> None:
 
 # The eager validator first tests the common valid call in as few tensor attribute reads as it can;
 # anything else goes through the full checks, which name the argument at fault. The positions are
-# checked on the data in eager calls only (the fake function sees no data).
+# checked on the data in eager calls only (the fake function sees no data). Memory, proven from the
+# data pointers for the common layouts: rows at least as far apart as they are wide; key's bytes
+# apart from query's, or, with one row stride, its columns between query's (modulo that stride: the
+# slices of a fused qkv tensor); positions and cache apart from both.
 
 
 def validate(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int, cos_sin_cache: Tensor,
              is_neox: bool) -> None:
     try:
         qd, qs, ps, cs, dev = query.dtype, query.shape, positions.shape, cos_sin_cache.shape, query.device
-        if (positions.dtype in _POSITION_DTYPES and qd in check.FLOATING and cos_sin_cache.dtype in (torch.float32, qd)
+        pd, cd, qst, cst = positions.dtype, cos_sin_cache.dtype, query.stride(), cos_sin_cache.stride()
+        if (pd in _POSITION_DTYPES and qd in check.FLOATING and cd in (torch.float32, qd)
                 and len(qs) == 2 and len(ps) == 1 and len(cs) == 2 and type(head_size) is int and head_size > 0
                 and qs[1] and qs[1] % head_size == 0 and ps[0] == qs[0] and 0 < cs[1] <= head_size and not cs[1] & 1
-                and query.stride()[1] == 1 and cos_sin_cache.stride()[1] == 1
-                and positions.device == dev and cos_sin_cache.device == dev):
+                and qst[1] == 1 and cst[1] == 1 and positions.device == dev and cos_sin_cache.device == dev):
+            t, r, isz = qs[0] - 1, qst[0], qd.itemsize
             if key is None:
-                _check_positions_in_cache(positions, cs[0])
-                return
-            ks = key.shape
-            if (key.dtype == qd and len(ks) == 2 and ks[0] == qs[0] and ks[1] and ks[1] % head_size == 0
-                    and key.stride()[1] == 1 and key.device == dev and key is not query):
-                _check_positions_in_cache(positions, cs[0])
+                ok = t < 1 or r >= qs[1]
+                if ok and t >= 0:
+                    q, p, c = query.data_ptr(), positions.data_ptr(), cos_sin_cache.data_ptr()
+                    qe = q + t * r * isz + qs[1] * isz
+                    pe = p + (t * positions.stride()[0] + 1) * pd.itemsize
+                    ce = c + ((cs[0] - 1) * cst[0] + cs[1]) * cd.itemsize
+                    ok = not (p < qe and q < pe or c < qe and q < ce)
+            else:
+                ks, kst = key.shape, key.stride()
+                ok = (key.dtype == qd and len(ks) == 2 and ks[0] == qs[0] and ks[1] and ks[1] % head_size == 0
+                      and kst[1] == 1 and key.device == dev and key is not query
+                      and (t < 1 or r >= qs[1] and kst[0] >= ks[1]))
+                if ok and t >= 0:
+                    q, k, qw, kw = query.data_ptr(), key.data_ptr(), qs[1] * isz, ks[1] * isz
+                    qe, ke = q + t * r * isz + qw, k + t * kst[0] * isz + kw
+                    p, c = positions.data_ptr(), cos_sin_cache.data_ptr()
+                    pe = p + (t * positions.stride()[0] + 1) * pd.itemsize
+                    ce = c + ((cs[0] - 1) * cst[0] + cs[1]) * cd.itemsize
+                    # spans apart, or one row stride with key's columns between query's modulo it
+                    ok = ((not (q < ke and k < qe) or kst[0] == r and t > 0 and qw <= (k - q) % (r * isz) <= r * isz - kw)
+                          and not (p < qe and q < pe or p < ke and k < pe or c < qe and q < ce or c < ke and k < ce))
+            if ok:
+                _check_positions_in_cache(positions, cs[0], ps[0])
                 return
     except (AttributeError, IndexError, RuntimeError, TypeError):  # not tensors, 0-d: the full checks say what
         pass
     _validate_full(positions, query, key, head_size, cos_sin_cache, is_neox)
-    _check_positions_in_cache(positions, cos_sin_cache.shape[0])
+    _check_positions_in_cache(positions, cos_sin_cache.shape[0], positions.numel())
 
 
 def _fake(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int, cos_sin_cache: Tensor,
@@ -151,7 +174,8 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], he
         query: ``(T, Hq * head_size)`` or ``(T, Hq, head_size)``, fp16/bf16/fp32/fp64, last dimension
             contiguous (rows and heads may be strided, e.g. slices of a fused qkv tensor). Rotated in place.
         key: ``(T, Hk * head_size)`` or ``(T, Hk, head_size)`` with the dtype of ``query``, or ``None``.
-            Rotated in place.
+            Rotated in place. ``query`` and ``key`` may be disjoint column slices of one tensor, but
+            no element of either may share memory with another element or argument (``ValueError``).
         head_size: dims per head.
         cos_sin_cache: ``(max_position, r)``, float32 or the dtype of ``query``, ``r`` even and at most
             ``head_size``; each row holds ``r/2`` cosines then ``r/2`` sines.
