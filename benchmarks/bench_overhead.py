@@ -2,7 +2,8 @@
 TileLang selected), beside ``F.rms_norm`` in the same interleaved rounds (and silu_and_mul beside
 FlashInfer's): allocation, the launchers, the op through the C++ entry (``torch_kernels/fast_path.py``)
 and through the Python kernels (its twin ``deepinfer_py::rmsnorm``), with gradients enabled, under
-``no_grad`` and in inference mode.
+``no_grad`` and in inference mode; the in-place fused_add_rmsnorm and a decode step's rotary_embedding
+(their validation proves the written arguments apart in memory on every call).
 
     python -m torch_kernels build && python benchmarks/bench_overhead.py
 """
@@ -21,6 +22,7 @@ from benchmarks import harness  # noqa: E402
 from torch_kernels import dispatch, fast_path  # noqa: E402
 from torch_kernels.impl.tilelang import norm as tilelang_norm  # noqa: E402
 from torch_kernels.impl.triton import norm as triton_norm  # noqa: E402
+from torch_kernels.ops import rope  # noqa: E402
 
 EPS = 1e-6
 HIDDEN = 4096
@@ -51,6 +53,15 @@ def cases(x, w) -> dict:
         "torch.ops.deepinfer.rmsnorm": lambda: op(x, w, EPS),
         "torch_kernels.rmsnorm (wrapper)": lambda: torch_kernels.rmsnorm(x, w, EPS),
     }
+    hidden, residual = torch.randn_like(x), torch.randn_like(x)
+    out["torch.ops.deepinfer.fused_add_rmsnorm (1x4096)"] = (
+        lambda: torch.ops.deepinfer.fused_add_rmsnorm.default(hidden, residual, w, EPS))
+    # a decode step's rope: 32 tokens, 32 query and 8 key heads of 128 as slices of one qkv tensor
+    qkv = torch.randn(32, 48 * 128, device="cuda", dtype=torch.bfloat16)
+    q, k = qkv[:, :4096], qkv[:, 4096:5120]
+    positions, cache = torch.randint(0, 4096, (32,), device="cuda"), rope.make_cos_sin_cache(4096, 128, device="cuda")
+    out["torch.ops.deepinfer.rotary_embedding (32 tokens, qkv slices)"] = (
+        lambda: torch.ops.deepinfer.rotary_embedding.default(positions, q, k, 128, cache, True))
     gate_up = torch.randn(1, 2 * HIDDEN, device="cuda", dtype=torch.bfloat16)
     out["torch.ops.deepinfer.silu_and_mul (1x2*4096)"] = lambda: torch.ops.deepinfer.silu_and_mul.default(gate_up)
     try:
