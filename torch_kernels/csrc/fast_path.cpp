@@ -185,6 +185,16 @@ void call(int op, void* function, TVMFFIAny* args, int32_t num_args, c10::Device
 
 bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0; }
 
+// None for a Tensor argument (it arrives undefined): Python's validation names the argument.
+bool given(const c10::IValue& v) { return v.isTensor() && v.toTensor().defined(); }
+
+// Two contiguous tensors share no byte. An in-place op's written arguments must be apart from each other
+// and from the weight; a call that is not goes on to Python, whose validation names the arguments.
+bool apart(const at::Tensor& a, const at::Tensor& b) {
+  const auto pa = reinterpret_cast<uintptr_t>(a.data_ptr()), pb = reinterpret_cast<uintptr_t>(b.data_ptr());
+  return pa + a.nbytes() <= pb || pb + b.nbytes() <= pa;
+}
+
 // The tests every call makes on top of the signature: what validation checks beyond it, and what the
 // launchers' plain case needs (contiguous rows, 16-byte aligned starts, at least one token).
 bool plain(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -209,6 +219,7 @@ void launch(int op, const Entry& e, int64_t tokens, Rows& a, Rows& b, Rows& c, d
 
 bool serve_norm(int op, torch::jit::Stack* stack) {
   auto args = torch::jit::last(*stack, 3);
+  if (!given(args[0]) || !given(args[1])) return false;
   const at::Tensor& x = args[0].toTensor();
   const at::Tensor& w = args[1].toTensor();
   const double eps = args[2].toDouble();
@@ -225,13 +236,16 @@ bool serve_norm(int op, torch::jit::Stack* stack) {
 
 bool serve_fused(int op, torch::jit::Stack* stack) {
   auto args = torch::jit::last(*stack, 4);
+  if (!given(args[0]) || !given(args[1]) || !given(args[2])) return false;
   const at::Tensor& x = args[0].toTensor();
   const at::Tensor& r = args[1].toTensor();
   const at::Tensor& w = args[2].toTensor();
   const double eps = args[3].toDouble();
   const bool residual_plain = r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() && r.is_contiguous() &&
-                              r.device() == x.device() && aligned(r) && !r.is_same(x);
-  const Entry* e = plain(x, w, eps) && residual_plain ? served_by(op, x, w.scalar_type()) : nullptr;
+                              r.device() == x.device() && aligned(r);
+  // after plain(): x and w contiguous, so byte ranges decide overlap exactly
+  const bool apart_all = plain(x, w, eps) && residual_plain && apart(x, r) && apart(x, w) && apart(r, w);
+  const Entry* e = apart_all ? served_by(op, x, w.scalar_type()) : nullptr;
   if (e == nullptr) return false;
   const int64_t tokens = x.numel() / e->hidden;
   Rows rx(x, tokens, e->hidden), rr(r, tokens, e->hidden), rw(w, -1, e->hidden);
@@ -241,6 +255,7 @@ bool serve_fused(int op, torch::jit::Stack* stack) {
 }
 
 bool serve_activation(int op, torch::jit::Stack* stack) {
+  if (!given(torch::jit::peek(*stack, 0, 1))) return false;
   const at::Tensor& x = torch::jit::peek(*stack, 0, 1).toTensor();
   const bool rows_plain = x.dim() >= 1 && x.is_contiguous() && x.numel() > 0 && aligned(x);
   const Entry* e = rows_plain ? served_by(op, x, x.scalar_type()) : nullptr;
