@@ -82,10 +82,10 @@ def _concrete(values) -> Optional[list]:
     out = []
     for v in values:
         if isinstance(v, torch.SymInt):
-            from torch.fx.experimental.symbolic_shapes import has_guarding_hint, optimization_hint
-            if not has_guarding_hint(v):
+            # the node's own hint (torch 2.11 lacks symbolic_shapes.has_guarding_hint); reading it adds no guard
+            if not v.node.has_hint():
                 return None
-            v = optimization_hint(v)
+            v = v.node.hint
         out.append(int(v))
     return out
 
