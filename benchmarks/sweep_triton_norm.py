@@ -1,14 +1,13 @@
 """The Triton RMSNorm kernel against the structure Inductor generates for the reference, on the GPU
 host, all in one run: where ``impl/triton/norm.py``'s pass structure and cache hints come from.
 
-    python benchmarks/sweep_triton_norm.py --out sweep_triton_norm.json
+    python benchmarks/sweep_triton_norm.py --out results/sweep_triton_norm.json
 
-``probe_inductor.py`` (2026-11-29, H200, bf16) had ``torch.compile`` of the reference at 4219 GB/s for
-rmsnorm 16384x8192 against 4059 for the Triton backend (one pass, the row in registers, 16 warps).
-Inductor's kernel reads the row twice (chunks of 2048 or the whole row, 16 warps): first with
-``evict_last``, so the second read (``evict_first``) comes from L2, and the weight with ``evict_last``.
-Each variant below is that kernel with one choice changed, checked against the reference, then timed by
-CUDA-graph replay against a copy measured in the same run.
+Inductor's kernel for the reference reads the row twice (chunks of 2048 or the whole row, 16 warps):
+first with ``evict_last``, so the second read (``evict_first``) comes from L2, and the weight with
+``evict_last`` (``probe_inductor.py`` shows it). Each variant below is that kernel with one choice
+changed, checked against the reference, then timed by CUDA-graph replay against a copy measured in the
+same run. The results and what they decided: ``docs/design/norm.md``.
 """
 
 import argparse
@@ -74,13 +73,10 @@ def _variant(x_ptr, res_ptr, out_ptr, w_ptr, N, eps,
 
 
 def _variants(n: int, fused: bool) -> dict:
-    """label -> (BLOCK, TWO_PASS, X1, X2, W, num_warps, PDL, num_stages, RELOAD). The first run
-    (2026-11-29, sweep_triton_norm.json) timed one pass with and without hints and PDL, and two passes
-    over chunks of 2048 / 4096 / the whole row with Inductor's hints: chunks of 4096 won for the fused
-    ops; the second (sweep_triton_norm_2.json) found the L2 hints, not the pipelining, to be why (4177
-    against 4028 GB/s without them at 16384x8192, 4181 with one stage). This one times rmsnorm read
-    twice, as Inductor's kernel for the reference (one block of the row, 16 warps, one stage), against
-    the row held in registers."""
+    """label -> (BLOCK, TWO_PASS, X1, X2, W, num_warps, PDL, num_stages, RELOAD): the backend's one
+    pass and its many-token structure (the fused ops in 4096-value chunks; rmsnorm read twice, as
+    Inductor's kernel for the reference). The variants timed before (hints, PDL, chunk sizes, stages)
+    are in this file's git history."""
     row = triton.next_power_of_2(n)
     warps = tr_norm._num_warps(row)
     if fused:

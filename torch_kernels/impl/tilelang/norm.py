@@ -13,6 +13,7 @@ block of :data:`_BLOCK_THREADS` threads. The row is padded to ``TR * VEC * k`` c
 masked, so odd hidden sizes take the same path with narrower vectors. Rows of up to
 :data:`_ONE_PASS_MAX` elements are read once and kept in registers; wider ones are summed in a first
 pass and re-read (from L2) in a second, in chunks of ``_CHUNK_THREADS * _ELEMENTS_PER_THREAD``.
+Many-token calls take a second, streamed kernel (:func:`_build_streamed`) whose loads carry L2 hints.
 
 Data pointers not 16-byte aligned (a view at an odd offset), or row strides that are not a multiple of
 the vector, are rare: the launcher then runs the kernel on aligned copies, with the same result.
@@ -30,85 +31,32 @@ from . import _jit
 
 _NAME = "rmsnorm"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
-# Elements a thread holds. The Triton sweep on the H200 (triton/norm.py `_num_warps`, bf16) peaked
-# at 16 a thread: 8192 over 16 warps .974 of the copy ceiling, 4096 over 8 warps .874, 5120 over 8
-# warps .899 (20 a thread).
+# Design notes and the measurements behind each constant: docs/design/norm.md (H200, bf16).
+# 16 values a thread: the Triton warp sweep peaked there (8192 over 16 warps 0.974 of copy).
 _ELEMENTS_PER_THREAD = 16
-# Rows that measured faster at 32 a thread (half the threads, four vectors in flight each):
-# benchmarks/sweep_tilelang.py on the H200 (2026-11-29, bf16, GB/s against 16 a thread): rmsnorm
-# 16384x8192 4058 vs 3958 (Triton 4058); fused_add_rmsnorm 4096x4096 3798 vs 3672, 8192x4096 3916 vs
-# 3845 (Triton 3730, 3893). Not elsewhere: rmsnorm 8192x4096 3776 vs 3858, fused 16384x8192 3983 vs
-# 4021, and 7168 (not a power of two) pads its row to 8192 at 256 threads (fused 3855 vs 4045).
+# 32 a thread where it measured faster: rmsnorm 16384x8192 4058 against 3958 GB/s.
 _THIRTY_TWO_A_THREAD = {(8192, False), (4096, True)}  # (hidden size, fused)
 _MAX_THREADS = 1024
 # Short rows (TR < 128 threads) share a block of 128 threads, several rows to it.
 _BLOCK_THREADS = 128
-# One pass keeps the row in registers: up to 16 values a thread at 1024 threads, where a block may use
-# 64 registers a thread (sm_90, bf16 fused: 48 used, no spills). 32768 took all 64 and a two-pass
-# 131072 at 1024 threads spilled 4 bytes, so wider rows (up to the 131072+ the op allows) take two
-# passes over 8192-element chunks with 512 threads, 16 values each (no spills).
+# One pass keeps the row in registers: 16 values at 1024 threads use 48 of 64 registers, no spills.
 _ONE_PASS_MAX = 16384
+# Wider rows: two passes over 8192-value chunks; 512 threads do not spill where 1024 did (131072).
 _CHUNK_THREADS = 512
-# One-pass rows that tile their block exactly load their weight slice into registers before the row's
-# sum is reduced, so that its loads overlap those of x instead of following the block's barrier.
-# sweep_tilelang.py on the H200 (2026-11-29, bf16, with against without): rmsnorm 16384x8192 4035
-# against 4005 GB/s, fused 4005 against 3940, 32x8192 2.07 against 2.12 µs; 1-token calls equal
-# (1.59 / 1.56 µs at 4096, within the spread). A padded row (7168 in 8192 columns) lost 6.6% with it
-# (3799 against 4069): its masked loads are left as they were.
+# Load the weight before the row's barrier: 4035 against 4005 GB/s at 16384x8192 (padded rows lose).
 _PREFETCH_WEIGHT = True
-# Rows that a smaller power of two of threads tiles exactly take it, up to _EXACT_MAX_PER_THREAD values
-# a thread, instead of padding the row to the next power of two (7168 bf16: 128 threads of 56 values,
-# not 512 of 16 over 8192 columns). sweep_tilelang.py on the H200 (2026-11-29, bf16, exact against
-# padded): fused_add_rmsnorm 16384x7168 4048 against 4002 GB/s, 4096x7168 3898 against 3782, Gemma's
-# 4069 against 4022; one token of 7168 1.92 against 2.38 µs (rmsnorm), 2.25 against 2.81 (fused);
-# rmsnorm 16384x7168 4116 against 4158 (Triton 4145 in that run).
+# Fewer threads that tile the row exactly instead of padding: 1.92 against 2.38 µs at one token of 7168.
 _TILE_EXACTLY = True
 _EXACT_MAX_PER_THREAD = 64
-# Not taken, from sweep_tilelang.py on the H200 (2026-11-29, bf16): the fused ops in chunks of one
-# vector a thread, storing each chunk's residual at once and normalising it re-read, as the Triton
-# kernel does from 4096 tokens (its L2 hints make it 4189 GB/s at 16384x8192): 4013-4073 against 4067
-# one-pass here, 4092-4097 against 4060 at 16384x7168, and 2.5-3.1 against 1.9 µs at one token of 7168;
-# with the pass loops unrolled as well (sweep_tilelang_6.json) 4057 against 4072 and 4104 against 4073.
-# sweep_triton_norm_2.json has Triton's chunks at 4028 GB/s without its L2 hints, 4177 with them: the
-# hints, which TileLang's loads do not take, are the difference. Nor the residual stored before the
-# row's sum (3986 against 4034 at 16384x7168).
-# Many-token calls (from _STREAMED_MIN_BYTES a tensor, rmsnorm's rows of _STREAMED_WIDE_ROW_BYTES from
-# _STREAMED_MIN_TOKENS tokens) take :func:`_build_streamed`: the fused ops' rows of 16-byte vectors are
-# read twice with L2 eviction hints, as the Triton backend does from 4096 tokens: each chunk's residual is
-# stored as soon as it is summed, asked to stay in L2 (evict_last), and re-read to be normalised
-# (evict_first). sweep_tilelang_7.json (H200, bf16, streamed against one pass, Triton in the same run):
-# fused_add_rmsnorm 16384x8192 4183 against 4009 GB/s (Triton 4156), 16384x7168 4191 against 4071
-# (4161), 16384x4096 4162 against 3967 (4053), 4096x4096 3898 against 3687 (3813: timed one after the
-# other; in interleaved rounds the one-pass kernel won there, _STREAMED_MIN_BYTES); 32x8192 2.44 against
-# 2.40 µs, so few tokens keep the one-pass kernel. rmsnorm read twice at 512 threads lost there (3934
-# against 4062 at 16384x8192, 3387 against 3994 at 16384x4096); it takes the streamed kernel in blocks
-# of 256 threads with its row kept in registers (_STREAMED_RMSNORM_THREADS).
+# The streamed kernel from 4096 tokens and 128 MB a tensor, rmsnorm's 16 KB rows from 4096 tokens:
+# fused 16384x8192 4198 against 4052 GB/s one-pass, rmsnorm 4254 against 4150; below, one pass wins.
 _STREAMED_MIN_TOKENS = 4096
-# The streamed kernel only from tensors of 128 MB (16384 tokens of 4096 bf16, 8192 of 8192), and for
-# rmsnorm from 4096 tokens where a row has 16 KB (8192 bf16): elsewhere the one-pass kernel is faster.
-# rmsnorm, sweep_tilelang_13.json (H200, bf16, 5 interleaved rounds), one pass / streamed, GB/s:
-# 4096x4096 4145 / 3965, 4096x7168 4107 / 3988, 4096x8192 4012 / 4054, 8192x4096 4164 / 4096, 8192x7168
-# 4151 / 4141, 16384x4096 4172 / 4174; 16384x8192 4150 / 4254 (sweep_tilelang_12.json). The fused ops,
-# sweep_tilelang_11.json (H200, bf16, every variant timed in 5 interleaved rounds, FlashInfer's API in
-# the same rounds; sequential timing had put a row's place in the run above these gaps), one pass /
-# streamed / FlashInfer, GB/s: fused_add_rmsnorm
-# 4096x4096 4168 / 3938 / 4090, 4096x7168 4120 / 3940 / 3970, 4096x8192 4085 / 3988 / 4011, 8192x4096
-# 4141 / 4090 / 4115, 8192x8192 4121 / 4132 / 4043, 16384x4096 4118 / 4172 / 4122; 16384x8192 4052 /
-# 4198 / 4012 (sweep_tilelang_10.json). The same for Gemma's.
 _STREAMED_MIN_BYTES = 128 << 20
 _STREAMED_WIDE_ROW_BYTES = 16 << 10
 _STREAMED_THREADS = 512
-# The L2 hint of the first pass's loads (the input, and the fused ops' residual). evict_first, as the
-# values are dead once loaded, lost from 8192 tokens (sweep_tilelang_10/11.json, fused_add_rmsnorm
-# 16384x8192 3961 against 4198 GB/s, 16384x4096 4023 against 4172; evict_normal 4038 and 3927).
+# First-pass loads evict_last: evict_first lost from 8192 tokens (3961 against 4198 GB/s, fused 16384x8192).
 _FIRST_PASS_HINT = "evict_last"
-# rmsnorm's rows in one chunk (NV vectors a thread, kept in registers from the first pass) in blocks of
-# fewer threads. sweep_tilelang_8.json (H200, bf16, re-read, against 512 threads): 16384x8192 4143
-# against 3890 GB/s (Triton 4159), 16384x4096 4105 against 3400; 1024 threads 2752 at 8192.
-# sweep_tilelang_9.json (kept in registers against re-read, 256 threads; Triton; one-pass kernel):
-# 16384x8192 4190 / 4181 (4196; 4065), 16384x7168 4182 / 4159 (4164; 4094), 16384x4096 4132 / 4096
-# (4077; 3978), 4096x7168 3855 / 3802 (3819; 3836), 4096x4096 3757 / 3847 (3723; 3729); 128 threads
-# 4183 and 64 threads 4116 at 16384x8192.
+# rmsnorm streamed at 256 threads, row kept in registers: 4190 GB/s at 16384x8192 (re-read at 512: 3890).
 _STREAMED_RMSNORM_THREADS = 256
 
 
@@ -155,10 +103,8 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, stre
         ok = live(row, col)
         return x if ok is True else T.if_then_else(ok, x, T.float32(0))
 
-    # Element (i, j) of a pass lives in thread i * TR + (j // VEC) % TR, at register
-    # (j // (TR * VEC)) * VEC + j % VEC: each thread holds VEC consecutive columns of its row in each
-    # TR * VEC-wide stripe. Stated rather than inferred, since for VEC = 1 TileLang's own inference
-    # gave each thread a whole row.
+    # Element (i, j) in thread i * TR + (j // VEC) % TR, register (j // (TR * VEC)) * VEC + j % VEC;
+    # stated, not inferred: for VEC = 1 TileLang's own inference gave each thread a whole row.
     rows_layout = T.Fragment((BM, WIDTH), forward_fn=lambda i, j: (
         i * TR + j // VEC % TR, j // (TR * VEC) * VEC + j % VEC))
 
@@ -172,8 +118,7 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, stre
 
     @T.macro
     def normalize(X, R, Wt, O, eps):
-        # One statement per parallel loop: TileLang then widens each to 16-byte global accesses (a
-        # loop storing two buffers was split into 8-byte ones).
+        # One statement per parallel loop: a loop storing two buffers was split into 8-byte accesses.
         with T.Kernel(T.ceildiv(num_tokens, BM), threads=TR * BM) as block:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
@@ -269,7 +214,7 @@ def _streams(n: int, dtype: str, weight_dtype: str, fused: bool) -> bool:
 
 def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
     """One row a block of :func:`_streamed_threads` threads: the fused ops in chunks of one 16-byte
-    vector a thread (4096 bf16 at 512 threads), as the Triton kernel (``sweep_triton_norm.py``);
+    vector a thread (4096 bf16 at 512 threads), as the Triton kernel does from 4096 tokens;
     rmsnorm in one chunk of the row, ``NV`` vectors a thread (4 at 8192 bf16 and 256 threads). The
     first pass sums the squares (and stores the fused ops' rounded residual), the block reduces them
     (warp shuffles, then one value a warp through shared memory), the second pass re-reads the fused

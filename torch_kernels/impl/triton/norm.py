@@ -20,26 +20,14 @@ from torch import Tensor
 
 from .._rows import rows, rows_view
 
-# 16384 fp32 values per row over 8 warps is 64 registers a thread: no spills. Wider rows (up to the
-# 65536+ the op allows) loop over 4096-element chunks and re-read the row, which then comes from L2
-# (the first read asks L2 to keep it, the second to drop it, as Inductor's reductions do).
+# Design notes and the measurements behind each constant: docs/design/norm.md (H200, bf16).
+# 16384 fp32 values over 8 warps is 64 registers a thread, no spills; wider rows loop over chunks.
 _ONE_PASS_MAX = 16384
 _CHUNK = 4096
-# The fused ops from this many tokens take the chunked route at any width, 16 warps, storing each
-# chunk's residual as soon as it is summed and normalising it re-read: sweep_triton_norm.py on the
-# H200 (2026-11-29, bf16, chunked against one pass): 16384x7168 4163 against 4054 GB/s, 16384x8192
-# 4130 against 3992, 16384x4096 4126 against 3980, 4096x4096 3879 against 3780; but 2.03 against
-# 1.75 µs at one token of 4096 and 2.83 against 2.71 at 32x8192, where the row in registers wins.
-# Traced for torch.compile the token count is symbolic: those calls keep the one-pass route.
+# The fused ops from 4096 tokens in chunks, 16 warps: 4130 against 3992 GB/s at 16384x8192 (traced: one pass).
 _FUSED_CHUNKED_MIN_TOKENS = 4096
 _FUSED_CHUNK_WARPS = 16
-# rmsnorm rows from this many tokens are read twice, as Inductor's kernel for the reference does
-# (probe_inductor.py on the H200, 2026-11-29: XBLOCK 1, R0_BLOCK 8192, 16 warps, one stage; the first
-# read kept in L2 with evict_last, the second evict_first): torch.compile of the reference ran
-# 16384x8192 bf16 at 4210 GB/s against this kernel's 4042 with the row held in registers. Read twice
-# (sweep_triton_norm_3.json): 4195 against 4091, 16384x7168 4172 against 4095, 16384x4096 4085 against
-# 3977; 4096x4096 3717 against 3736 and 32x8192 2.35 against 2.37 µs, even, so from 4096 tokens as the
-# fused ops' chunks.
+# rmsnorm from 4096 tokens reads its row twice, as Inductor does: 4195 against 4091 GB/s at 16384x8192.
 _RELOAD_MIN_TOKENS = 4096
 
 
@@ -69,8 +57,7 @@ def _rmsnorm_rows(
             x += tl.load(res_row + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(res_row + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-        # evict_last: the weight is read by every row (sweep_triton_norm.py: 4064 against 4035 GB/s at
-        # 16384x8192, 4092 against 4054 at 16384x7168)
+        # evict_last: every row reads the weight (4064 against 4035 GB/s at 16384x8192)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         if GEMMA:
             w += 1.0
@@ -122,10 +109,8 @@ def _launch(x: Tensor, res, out: Tensor, weight: Tensor, eps: float, gemma: bool
 
 
 def _num_warps(n: int) -> int:
-    """About one warp per 512 elements of the row, a power of two in [1, 16]. Swept on the H200,
-    bf16, fraction of the copy ceiling (rmsnorm / fused_add_rmsnorm) for 4, 8, 16, 32 warps:
-    16384x8192 .966/.968 .966/.939 .974/.958 .756/.971; 8192x7168 .908/.947 .946/.950 .951/.964
-    .671/.957; 16384x5120 .834/.960 .899/.964 .884/.968 .548/.902; 4096x4096 .855 .874 .781 .481."""
+    """About one warp per 512 elements of the row, a power of two in [1, 16] (the warp sweep:
+    docs/design/norm.md)."""
     return 1 << min(max(round(math.log2(max(n, 1) / 512)), 0), 4)
 
 
