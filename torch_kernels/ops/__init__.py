@@ -3,41 +3,10 @@ wrapper. ``library.py`` registers every :class:`OpDef` in :data:`ALL`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Tuple
 
-NAMESPACE = "deepinfer"
-
-
-@dataclass(frozen=True)
-class OpDef:
-    schema: str  # "name(args) -> returns", as torch.library.Library.define takes it
-    validate: Callable[..., None]  # raises ValueError/TypeError naming the op and the argument
-    fake: Callable[..., Any]  # output metadata from input metadata (meta and fake tensors)
-    wrapper: Callable[..., Any]  # the typed public function; its docstring is the op's reference
-    samples: Callable[..., Iterator[tuple]]  # samples(device, dtype): fresh random arguments, awkward shapes
-    # tokens(n, device) -> (args, token_args): arguments for a batch of n tokens (n may be 0 or 1),
-    # and the indices of the arguments whose first dimension is that token count (for recompile tests)
-    tokens: Callable[..., Tuple[tuple, Tuple[int, ...]]]
-    data_arg: int = 0  # the argument whose dtype a kernel's KernelSpec.dtypes refers to
-    backward: Optional[Callable[..., Any]] = None  # torch.library.register_autograd formula
-    setup_context: Optional[Callable[..., Any]] = None
-    no_grad_reason: Optional[str] = "it has no backward formula"  # ops without `backward` refuse autograd, saying why
-    # compare(got, want, dtype): a backend's outputs against the reference's (as
-    # testing.outputs_of returns them); raises AssertionError. None: testing.assert_close per output.
-    compare: Optional[Callable[..., None]] = None
-
-    @property
-    def name(self) -> str:
-        return self.schema.split("(", 1)[0]
-
-    @property
-    def qualname(self) -> str:
-        return f"{NAMESPACE}::{self.name}"
-
-
-# Families import OpDef from here, hence the late import.
-from . import activation, attention, moe, norm, quant, rope, sampling  # noqa: E402
+from . import activation, attention, moe, norm, quant, rope, sampling
+from ._opdef import NAMESPACE, OpDef  # noqa: F401  (what library.py and the families use)
 
 ALL: Tuple[OpDef, ...] = (*norm.OPS, *activation.OPS, *rope.OPS, *quant.OPS, *moe.OPS, *attention.OPS, *sampling.OPS)
 BY_NAME = {d.name: d for d in ALL}

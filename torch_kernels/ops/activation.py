@@ -10,7 +10,8 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from . import OpDef, _checks as check
+from . import _checks as check
+from ._opdef import OpDef
 
 _APPROXIMATE = ("none", "tanh")
 

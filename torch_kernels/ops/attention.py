@@ -17,7 +17,8 @@ from typing import Iterator, Tuple
 import torch
 from torch import Tensor
 
-from . import OpDef, _checks as check
+from . import _checks as check
+from ._opdef import OpDef
 
 _OP = "merge_attn_states"
 V_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

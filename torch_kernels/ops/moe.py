@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from ..testing import assert_close
-from . import OpDef, _checks as check
+from . import _checks as check
+from ._opdef import OpDef
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 

@@ -10,7 +10,8 @@ from typing import Iterator, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import OpDef, _checks as check
+from . import _checks as check
+from ._opdef import OpDef
 
 OP = "per_token_group_quant_fp8"
 _DEFAULT_EPS = 1e-10

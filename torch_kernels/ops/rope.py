@@ -17,7 +17,8 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from . import OpDef, _checks as check
+from . import _checks as check
+from ._opdef import OpDef
 
 OP = "rotary_embedding"
 _POSITION_DTYPES = (torch.int32, torch.int64)

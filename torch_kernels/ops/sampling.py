@@ -14,7 +14,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from . import OpDef, _checks as check
+from . import _checks as check
+from ._opdef import OpDef
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_VOCAB = 2**31 - 1  # token ids are int32
