@@ -34,11 +34,15 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from . import dispatch, fast_path, registry
 from .ops import ALL, NAMESPACE, OpDef
 from .spec import Backend
-from .testing import mutated_args
 
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 #: the twins of the ops whose CUDA and Autograd kernels the C++ entry registers, when it is loaded
 TWINS = torch.library.Library(fast_path.TWIN_NAMESPACE, "DEF") if fast_path.load() else None
+
+
+def mutated_args(overload) -> tuple:
+    """Indices of the arguments ``overload``'s schema marks as written (``Tensor(a!)``)."""
+    return tuple(i for i, a in enumerate(overload._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _reference_entry(validate, slot: dispatch.ReferenceSlot):

@@ -1,23 +1,12 @@
-"""What the tests and the self-check share: the tolerance table and the comparison."""
+"""What the tests and the self-check share: the comparison against the reference. The tolerance table
+and ``assert_close`` live with the op definitions (``ops/_opdef.py``), which compare with them too."""
 
 import torch
 
-#: (atol, rtol) per dtype for a backend against the reference. Kernels and the reference both
-#: compute in fp32 and round once, so they differ by summation order and by the final rounding:
-#: up to 2 ulp of the output dtype (fp16 2^-10, bf16 2^-7 at magnitude 1).
-TOLERANCES = {
-    torch.float64: (1e-12, 1e-12),
-    torch.float32: (2e-5, 2e-5),
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (1.6e-2, 1.6e-2),
-}
-
-
-def assert_close(actual, expected, dtype=None, msg: str = "") -> None:
-    """``torch.testing.assert_close`` with the tolerance of ``dtype`` (default: ``expected``'s)."""
-    atol, rtol = TOLERANCES.get(dtype or expected.dtype, (0, 0))  # integer/bool outputs: exact
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, equal_nan=True,
-                               msg=(lambda m: f"{msg}\n{m}") if msg else None)
+from . import ops, registry
+from .library import mutated_args  # noqa: F401  (the tests and the self-check use it from here)
+from .ops._opdef import TOLERANCES, assert_close  # noqa: F401  (likewise)
+from .spec import Backend
 
 
 def compare_outputs(opdef, got: list, want: list, dtype) -> None:
@@ -29,11 +18,6 @@ def compare_outputs(opdef, got: list, want: list, dtype) -> None:
     assert len(got) == len(want), f"{len(got)} outputs, expected {len(want)}"
     for g, w in zip(got, want):
         assert_close(g, w, dtype if g.is_floating_point() else None)
-
-
-def mutated_args(overload) -> tuple:
-    """Indices of the arguments ``overload``'s schema marks as written (``Tensor(a!)``)."""
-    return tuple(i for i, a in enumerate(overload._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
 def outputs_of(fn, args: tuple, mutated: tuple) -> list:
@@ -58,9 +42,6 @@ def as_dispatched(spec):
     fn = spec.load()
     if not spec.restricted:
         return fn
-    from . import ops, registry
-    from .spec import Backend
-
     check = spec.load_check()
     dtypes = {getattr(torch, d) for d in spec.dtypes}
     data_arg = ops.BY_NAME[spec.op].data_arg

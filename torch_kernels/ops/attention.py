@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import _checks as check
-from ._opdef import OpDef
+from ._opdef import OpDef, assert_close
 
 _OP = "merge_attn_states"
 V_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -133,7 +133,6 @@ def _tokens(n: int, device) -> tuple:
 
 def _compare(got: list, want: list, dtype) -> None:
     """``v`` at the tolerance of its dtype; the LSE at fp32's (it is fp32 whatever ``v`` is)."""
-    from ..testing import assert_close  # the test helpers, only when comparing
     assert len(got) == len(want) == 2, f"{len(got)} outputs, expected 2"
     assert_close(got[0], want[0], dtype, msg="v")
     assert_close(got[1], want[1], torch.float32, msg="lse")

@@ -14,9 +14,8 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from ..testing import assert_close
 from . import _checks as check
-from ._opdef import OpDef
+from ._opdef import OpDef, assert_close
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 
