@@ -29,34 +29,16 @@ from . import _jit
 
 _NAME = "act_and_mul"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# A block of 4 warps writes 1024 outputs, 8 a thread: one 16-byte vector of the gate, the up half and
-# the output in bf16/fp16. The Triton kernel's tile (triton/activation.py), which ran 8192 x 2*14336
-# bf16 at 4363 GB/s on the H200.
+# Design notes and the measurements behind each constant: docs/design/activation.md (H200, bf16).
+# 1024 outputs a block of 4 warps, 8 a thread in 16-byte vectors: the Triton tile, 4363 GB/s at 8192x2*14336.
 _THREADS = 128
 _PER_THREAD = 8
-# The erf GELU from _WIDE_MIN_TOKENS tokens: 16 outputs a thread, so each thread has two vectors of
-# each half in flight before its longer arithmetic (a reciprocal, an exp and a polynomial an element).
-# sweep_tilelang_13.json (H200, bf16, 5 interleaved rounds, 8 against 16 a thread): 16384x2*7168 3839
-# against 4058 GB/s (Triton 3640, FlashInfer 3459), 16384x2*8192 3956 against 4049, 4096x2*4096 3811
-# against 3992; 32x2*8192 1.48 against 1.48 µs, one token 0.90 against 1.05 µs (hence the threshold).
-# silu and the tanh GELU gained nothing (within 0.4% at 16384 tokens) and lost at 1 and 32 tokens;
-# 256 threads a block lost for the erf GELU (3578 GB/s at 16384x2*7168).
+# The erf GELU from 32 tokens at 16 a thread: 4058 against 3839 GB/s at 16384x2*7168 (one token loses).
 _WIDE_PER_THREAD = 16
 _WIDE_MIN_TOKENS = 32
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-# Activation -> the dtypes whose kernel takes tanh from the hardware's approximation (``tanh.approx.f32``,
-# FlashInfer's gelu_tanh_and_mul's instruction): one special-function instruction an output where the
-# sigmoid form issues two (ex2, rcp), and those instructions (16 a clock an SM) bound the calls that sit
-# in L2. sweep_tilelang_18.json (H200, bf16, 5 interleaved rounds, tanh.approx / sigmoid form /
-# FlashInfer's API, µs): gelu_tanh 512x2*4096 2.54 / 2.83 / 2.52, 512x2*7168 3.83 / 4.50 / 3.69,
-# 32x2*8192 0.97 / 1.24 / 1.31, 1x2*8192 0.78 / 0.85 / 1.11; level from 2048 tokens (HBM-bound).
-# Its error: 1 + tanh(u) cancels where act(g) is small against g, as it does in the reference's own fp32
-# formula. sweep_tilelang_19.json (every bf16 gate of size 2^-8 to 16, against fp64): the reference 238
-# outputs over an ulp off (all at g <= -4.3, where |act(g)| < 4e-6 |g|; 221 of them flushed to 0),
-# tanh.approx 257, the sigmoid form 94; the largest error as a fraction of the bf16 tolerance 0.159 for
-# all three. So bf16 only: fp16's and fp32's tolerances are tighter. silu keeps the sigmoid form:
-# tanh.approx would gain as much (512x2*7168 3.52 against 4.01 µs) but put 61 outputs over an ulp (up
-# to 36, at g = -15) where the reference, FlashInfer's and vLLM's silu are exact to the rounding.
+# Activation -> dtypes taking tanh by tanh.approx.f32 (one SFU op, not two): 3.83 against 4.50 µs at
+# 512x2*7168; bf16 only: its error is 0.159 of bf16's tolerance, and fp16's and fp32's are tighter.
 _TANH_APPROX = {"gelu_tanh": ("bfloat16",)}
 _TANH_APPROX_SOURCE = """
 __device__ __forceinline__ float tk_tanh_approx(float x) {
@@ -65,15 +47,9 @@ __device__ __forceinline__ float tk_tanh_approx(float x) {
   return y;
 }
 """
-# silu and the tanh GELU by __expf and an approximate reciprocal (as Triton's tl.exp and 1.0 / x lower),
-# not expf and an IEEE division. sweep_tilelang.py on the H200 (2026-11-29, bf16, 2*8192, fast against
-# IEEE): silu 1.33 against 1.68 µs at one token, 1.53 against 1.89 at 32, 4292 against 4319 GB/s at
-# 16384 tokens (within the spread); gelu_tanh 1.32 / 1.53 µs against 1.72 / 1.86, 4331 against 4342.
+# __expf and an approximate reciprocal, as Triton lowers them: silu 1.33 against 1.68 µs at one token.
 _FAST_MATH = True
-# The input's loads take no L2 hint: with evict_first (read once) through _jit.load16 silu_and_mul lost
-# at every shape, evict_last too (sweep_tilelang_11.json, H200, bf16, GB/s, plain / evict_first /
-# evict_last: 4096x2*4096 4244 / 4128 / 4170, 4096x2*7168 4293 / 4114 / 4173, 16384x2*7168 4315 / 4123
-# / 4336).
+# The input's loads take no L2 hint: evict_first lost at every shape (4123 against 4315 GB/s, 16384x2*7168).
 
 
 _vec = _jit.vector_width  # over d: the up half starts d elements after the gate
@@ -109,10 +85,8 @@ def _activate(g, act: str, t=None, tanh_approx: bool = False):
     :data:`_FAST_MATH`, by ``__expf`` and ``fast_rcp`` as Triton's ``tl.exp`` and division), the GELUs in the
     Triton backend's forms (``triton/activation.py``: ``_activate``, which says why each is exact
     enough); ``t``: :func:`_erfc_t` of ``g`` (erf GELU); ``tanh_approx``: silu or the tanh GELU as
-    ``h + h * tanh(u)`` with one ``tanh.approx.f32`` (:data:`_TANH_APPROX`). With CUDA's
-    ``erff``/``tanhf`` this kernel ran the GELUs at 3686 and 3949 GB/s against silu's 4345 (16384x2*8192
-    bf16, H200 suite of 2026-11-29): both branch on the argument. With IEEE divisions and an if/else
-    the erf form still ran at 3759 against Triton's 3945 (same shape, sweep_tilelang.py)."""
+    ``h + h * tanh(u)`` with one ``tanh.approx.f32`` (:data:`_TANH_APPROX`). Not CUDA's ``erff``/``tanhf``,
+    which branch on the argument: 3686 and 3949 against silu's 4345 GB/s at 16384x2*8192."""
     f = T.float32
     if tanh_approx:  # h = g / 2; silu's u = h, the tanh GELU's sqrt(2/pi) (g + 0.044715 g^3)
         h = f(0.5) * g
@@ -158,10 +132,8 @@ def _build(d: int, dtype: str, act: str, per_thread: int = _PER_THREAD):
         X: T.StridedTensor((num_tokens, 2 * d), (x_stride, 1), dtype),  # gate then up half per row, read
         O: T.Tensor((num_tokens, d), dtype),  # output rows, contiguous; written
     ):
-        # Row strides are multiples of VEC whenever there are two rows or more (the launcher makes sure;
-        # the compiled host code checks at every call). Rounding the stride down to a multiple of VEC
-        # keeps every address (a lone row's stride is never used, and DLPack may report it as 1) and
-        # lets TileLang prove that each row starts on a vector boundary: 16-byte accesses.
+        # Row strides are multiples of VEC from two rows on (the launcher ensures it, the host code checks);
+        # the view rounds the stride down to VEC, moving no address, so TileLang proves 16-byte row starts.
         T.assume(T.Or(num_tokens <= 1, x_stride % VEC == 0))
         Xa = T.view(X, strides=(x_stride // VEC * VEC, 1))
         with T.Kernel(T.ceildiv(num_tokens, BM) * COL_TILES, threads=_THREADS) as block:
@@ -172,9 +144,8 @@ def _build(d: int, dtype: str, act: str, per_thread: int = _PER_THREAD):
             # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
             if _jit.triggers_early(num_tokens, 3 * d * _jit.ELEMENT_BYTES[dtype]):
                 T.pdl_trigger()
-            # Thread t owns row t // TR of the tile and its vectors k = 0..NV-1 at columns
-            # (t % TR + k * TR) * VEC: a warp's lanes touch consecutive 16-byte vectors. The loops over
-            # registers are explicit because TileLang does not widen a loop that calls erf.
+            # Thread t: row t // TR, vectors at columns (t % TR + k * TR) * VEC, so a warp's lanes touch
+            # consecutive vectors; explicit register loops, as TileLang does not widen a loop calling erf.
             tid = T.get_thread_binding()
             row = block // COL_TILES * BM + tid // TR
             col = block % COL_TILES * BN + tid % TR * VEC

