@@ -28,10 +28,7 @@ from . import _jit
 _NAME = "rotary_embedding"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _POSITION_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
-# (thread, head) tasks a block aims at: 256 threads. The benchmark shape (32+8 heads x 128 bf16
-# neox: 8 lanes a head) then runs 160-thread blocks of one token, each thread rotating 2 heads with
-# 64 bytes of q/k in flight. sweep_tilelang.py on the H200 (2026-11-29, GB/s at 16384 / 4096 tokens):
-# 64 threads 3935 / 4648, 128 3965 / 4433, 256 4008 / 4485, 512 3716 / 4087; Triton 3999 / 4454.
+# (thread, head) tasks a block aims at: 4008 GB/s at 16384x(32+8)x128, 512: 3716 (docs/design/rope.md).
 _BLOCK_THREADS = 256
 
 
@@ -94,11 +91,8 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
         cache: T.StridedTensor((P, ROT), (c_s, 1), cache_dtype),  # read; cos then sin per row
     ):
         if aligned:
-            # Strides are multiples of the vector wherever they are used: the launcher checks
-            # (with the data pointers) before it picks this kernel, and the host code at every call.
-            # A dimension of size 1 may report any stride (DLPack exports of torch before 2.10 say
-            # 1); it is never used, so it is exempt, and the views round every stride down to the
-            # vector, which changes no used address and lets TileLang prove each access one vector.
+            # Used strides are vector multiples (launcher and host code check); a size-1 dim's stride is
+            # unused (DLPack may say 1), so the views round strides down: no used address moves.
             T.assume(T.Or(Tn <= 1, q_st % SEG == 0))
             T.assume(T.Or(P <= 1, c_s % VEC == 0))
             if HK > 0:  # no key: a null tensor, no strides

@@ -20,9 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# Pairs (rotations) per BLOCK_H x BLOCK_D tile: 1024 pairs over 4 warps is 8 pairs a thread, one
-# 16-byte vector of bf16 per half-row load (neox) or two per row load (GPT-J) for head_size 128. Untuned: the H200 sweep is to come
-# (benchmarks/bench_rope.py --sweep).
+# 1024 pairs a tile over 4 warps: a 16-byte vector of bf16 per half-row at head size 128 (untuned:
+# `bench_rope.py --sweep`; docs/design/rope.md).
 _TILE_PAIRS = 1024
 # Below this many (token, chunk) programs the heads of a token are split over several programs so
 # that a small batch still spreads over the GPU's SMs (132 on the H200: about 8 programs each).
@@ -54,13 +53,8 @@ def _rotate_heads(
             tl.store(p1, (x1 * cos - x2 * sin).to(row_ptr.dtype.element_ty), mask=mask)
             tl.store(p2, (x2 * cos + x1 * sin).to(row_ptr.dtype.element_ty), mask=mask)
         else:
-            # GPT-J pairs are interleaved, so load each head's whole contiguous row x[0:rot_dim]
-            # as one (BLOCK_H, 2 * BLOCK_D) tile (16-byte vectors, coalesced), then view it as
-            # (BLOCK_H, BLOCK_D, 2) and split off the pair members in registers. The reshape keeps
-            # each thread's elements (a pair is adjacent in one thread's vector), so the split and
-            # join are register renames: no shared memory, no layout conversion (checked in the
-            # sm_90 TTGIR/PTX, Triton 3.6). Loading the (BLOCK_H, BLOCK_D, 2) tile directly, as
-            # before, let Triton prove only 2 contiguous elements: 4-byte accesses, 2.6x slower.
+            # GPT-J: the contiguous row as a (BLOCK_H, 2 * BLOCK_D) tile of 16-byte vectors, split in
+            # registers (renames in the sm_90 PTX); a (BLOCK_H, BLOCK_D, 2) load was 4-byte, 2.6x slower.
             r = tl.arange(0, 2 * BLOCK_D)
             m = (heads < h_end)[:, None] & (r < 2 * rot_half)[None, :]
             p = head_ptr + r[None, :]
