@@ -1,0 +1,178 @@
+"""The filter kernel, one program per row: the row's route (the histogram route's bracket when those
+kernels ran and top-k keeps the row whole; the split prepass's candidates when it split the row; else
+the streaming pass, then the candidate or the full-pass route), then the sampled id, or the row's
+threshold and ``1/S`` from which ``_renorm_write_kernel`` (grid ``(B, cdiv(V, write_block))``) writes
+the renormalised row: one program walking a whole row was latency-bound."""
+
+import triton
+import triton.language as tl
+
+from ._common import _value_bits
+from .candidates import _candidate_route, _candidates_in_registers, _stream_candidates
+from .histogram import _hist_row
+from .pivots import _full_pass_route
+
+
+@triton.jit
+def _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots, seed_ptr, offset_ptr, row,
+                 HAS_P: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+                 K_SMALL: tl.constexpr, CHUNK_G: tl.constexpr, NP_COUNT: tl.constexpr, NP_MASS: tl.constexpr,
+                 NP_FLOAT: tl.constexpr, FITS: tl.constexpr):
+    """(threshold pattern, kept mass, sampled token, e_max) of a row without a split: pass 1, then the
+    candidate route or the full-pass route."""
+    tau, n, overflow, mx = _stream_candidates(row_ptr, V, k, buf_bits, buf_idx, offs, slots, CAP, CHUNK, K_SMALL, FITS)
+    e_max = tl.maximum(mx >> 23, 1)
+    if FITS:
+        # the whole row fits in the buffer: the candidate route always suffices. The full-pass route is
+        # not even compiled then: with V == 1 (Triton makes it a constant) its search loops are provably
+        # never entered, and Triton 3.6's coalescing pass asserts on memory ops in unreachable code.
+        thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, limit_scale,
+                                            seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+    else:
+        if overflow == 0:
+            thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, limit_scale,
+                                                seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+        else:
+            thr, mass, token = _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bits, slots,
+                                                seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK_G,
+                                                NP_COUNT, NP_MASS, NP_FLOAT)
+    return thr, mass, token, e_max
+
+
+@triton.jit
+def _top_k_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots, stats_ptr, seed_ptr, offset_ptr,
+               row, HAS_P: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+               K_SMALL: tl.constexpr, CHUNK_G: tl.constexpr, NP_COUNT: tl.constexpr, NP_MASS: tl.constexpr,
+               NP_FLOAT: tl.constexpr, FITS: tl.constexpr, SPLIT: tl.constexpr, SLICES: tl.constexpr):
+    """(threshold pattern, kept mass, sampled token, e_max) of a row off the histogram route: the split
+    candidates when the prepass split it, else pass 1 and the candidate or full-pass route."""
+    if SPLIT:
+        # Why the buffer then holds what the candidate route needs. Each tau_s is 0 or has k values of
+        # its slice >= it, so the row has k values >= tau = max_s tau_s: tau <= t_k (also when slices
+        # are shorter than k or empty: their tau_s is 0). Slice s wrote ALL its values >= cover_s; where
+        # cover_s <= tau for every s, that includes all its values >= tau, so the values >= tau of the
+        # row are all in the buffer, in index order (slices are contiguous and in order, and so are
+        # the slots); the other slots are below tau or -1. At most SLICES * SLICE_CAP <= CAP of them.
+        sl = tl.arange(0, SLICES)
+        stats = stats_ptr + row * (4 * SLICES)
+        tau = tl.max(tl.load(stats + sl), axis=0)
+        n_min = tl.min(tl.load(stats + 2 * SLICES + sl), axis=0)
+        cover_max = tl.max(tl.load(stats + 3 * SLICES + sl), axis=0)
+        if (n_min >= 0) & (cover_max <= tau) & (k <= K_SMALL):  # (the prepass flags k > K_SMALL already)
+            # ---- split row: the prepass wrote the candidates; no streaming pass ---------------------
+            mx = tl.max(tl.load(stats + SLICES + sl), axis=0)  # the row's largest bit pattern
+            e_max = tl.maximum(mx >> 23, 1)
+            vb = tl.load(buf_bits + slots)  # SLICES x SLICE_CAP = CAP slots (powers of two), all written
+            vb = tl.where(vb >= tau, vb, -1)  # below tau (a lower cover_s): harmless, but no candidate
+            vi = tl.load(buf_idx + slots, mask=vb >= 0, other=0)
+            thr, mass, token = _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_scale,
+                                                        seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+        else:
+            thr, mass, token, e_max = _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs,
+                                                   slots, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK,
+                                                   K_SMALL, CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT, FITS)
+    else:
+        thr, mass, token, e_max = _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots,
+                                               seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK, K_SMALL,
+                                               CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT, FITS)
+
+    return thr, mass, token, e_max
+
+
+@triton.jit
+def _filter_kernel(
+    probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
+    top_k_ptr, top_k_stride,  # (B,) int32/int64; <= 0 or >= V keeps all (read when HAS_K)
+    top_p_ptr, top_p_stride,  # (B,) fp32 (read when HAS_P)
+    seed_ptr, offset_ptr,  # one int64 each (read when SAMPLE)
+    out_ptr,  # SAMPLE: (B,) int32 ids; else (B, 2) int32: threshold pattern, bits of the fp32 1/S
+    buf_bits_ptr, buf_idx_ptr,  # (B, CAP) int32 scratch: candidate bit patterns and token ids
+    stats_ptr,  # SPLIT: (B, 4, SLICES) int32 from the prepass (tau_s, largest pattern, n_s, cover_s)
+    V,  # vocabulary size (elements per row)
+    q_bits,  # fixed-point bits Q of the row's largest value (fixed_point_bits(V))
+    HAS_K: tl.constexpr,  # apply top-k
+    HAS_P: tl.constexpr,  # apply top-p (to the top-k survivors)
+    SAMPLE: tl.constexpr,  # write one sampled id per row, else the renormalised row
+    CAP: tl.constexpr,  # candidate buffer slots per row
+    CHUNK: tl.constexpr,  # elements per step of the streaming pass
+    K_SMALL: tl.constexpr,  # the candidate route takes top_k <= K_SMALL
+    CHUNK_G: tl.constexpr,  # elements per step of a full pass
+    NP_COUNT: tl.constexpr,  # pivots per top-k search pass
+    NP_MASS: tl.constexpr,  # pivots per exact top-p search pass
+    NP_FLOAT: tl.constexpr,  # pivots per fp32 top-p search pass
+    FITS: tl.constexpr,  # V <= CAP: the buffer holds a whole row, the candidate route is the only one
+    SPLIT: tl.constexpr,  # the split prepass ran: its rows skip pass 1 (buffers in slice layout)
+    SLICES: tl.constexpr,  # slices a row of the prepass (SPLIT)
+    hist_max_ptr,  # HIST: (B, HIST_SLICES) int32 slice maxima (_hist_prepass_kernel)
+    bracket_ptr,  # HIST: (B, 8) int64 top-p brackets (_hist_bracket_kernel)
+    HIST: tl.constexpr,  # the histogram kernels ran: rows whose top-k keeps all take the histogram route
+    HIST_SLICES: tl.constexpr,  # slices a row of the histogram kernels (HIST)
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = probs_ptr + row * probs_row_stride
+    buf_bits = buf_bits_ptr + row * CAP
+    buf_idx = buf_idx_ptr + row * CAP
+    offs = tl.arange(0, CHUNK)
+    slots = tl.arange(0, CAP)
+
+    k = V
+    if HAS_K:
+        k64 = tl.load(top_k_ptr + row * top_k_stride).to(tl.int64)
+        k = tl.where((k64 > 0) & (k64 < V), k64, V).to(tl.int32)
+
+    limit_scale = 0.0
+    if HAS_P:
+        limit_scale = tl.load(top_p_ptr + row * top_p_stride).to(tl.float64)
+
+    if HIST:
+        if HAS_K:
+            if k == V:  # top-k keeps the whole row: the histogram route
+                thr, mass, token, e_max = _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr,
+                                                    bracket_ptr, seed_ptr, offset_ptr, row, SAMPLE, CAP, CHUNK_G,
+                                                    NP_MASS, HIST_SLICES)
+            else:
+                thr, mass, token, e_max = _top_k_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs,
+                                                     slots, stats_ptr, seed_ptr, offset_ptr, row, HAS_P, SAMPLE,
+                                                     CAP, CHUNK, K_SMALL, CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT,
+                                                     FITS, SPLIT, SLICES)
+        else:
+            thr, mass, token, e_max = _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr,
+                                                bracket_ptr, seed_ptr, offset_ptr, row, SAMPLE, CAP, CHUNK_G,
+                                                NP_MASS, HIST_SLICES)
+    else:
+        thr, mass, token, e_max = _top_k_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots,
+                                             stats_ptr, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK,
+                                             K_SMALL, CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT, FITS, SPLIT, SLICES)
+
+    if SAMPLE:
+        tl.store(out_ptr + row, token)
+    else:
+        # ---- renormalised row: p / S, S = sum of the kept values, from the fixed-point mass ---------
+        # (exact to 2^-26 relative: each q loses < 1 unit of 2^-(Q-1) of the largest value). The row
+        # itself is written by _renorm_write_kernel, many programs a row: here only (thr, 1/S).
+        scale = ((e_max - 126 - q_bits + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # 2^-s
+        total = mass.to(tl.float64) * scale
+        inv = tl.where(total > 0, 1.0 / tl.maximum(total, 1e-300), 0.0).to(tl.float32)
+        tl.store(out_ptr + row * 2, thr)
+        tl.store(out_ptr + row * 2 + 1, inv.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _renorm_write_kernel(
+    probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
+    thr_inv_ptr,  # (B, 2) int32 from _filter_kernel: threshold pattern, bits of the fp32 1/S
+    out_ptr, out_row_stride,  # (B, V) fp32 renormalised rows
+    V,  # vocabulary size
+    BLOCK: tl.constexpr,  # values a program
+):
+    """``where(bits(p) >= thr, p * inv, 0)`` for one block of one row (grid ``(B, cdiv(V, BLOCK))``).
+    Split from the filter kernel because one program walking a whole row (its old tail) is
+    latency-bound: at 32-64 rows it dominated top_k_renorm_probs. The same sanitised ``p`` and the
+    same fp32 product as before, so the values are those of the one-program write, bit for bit."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    thr = tl.load(thr_inv_ptr + row * 2)
+    inv = tl.load(thr_inv_ptr + row * 2 + 1).to(tl.float32, bitcast=True)
+    b = _value_bits(probs_ptr + row * probs_row_stride, cols, cols < V)
+    p = b.to(tl.float32, bitcast=True)
+    tl.store(out_ptr + row * out_row_stride + cols, tl.where(b >= thr, p * inv, 0.0), mask=cols < V)
