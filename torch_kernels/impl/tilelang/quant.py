@@ -38,9 +38,8 @@ from . import _jit
 
 _NAME = "per_token_group_quant_fp8"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# Values a thread quantises: 16 makes the fp8 store one 16-byte vector and puts 32 bytes of bf16 (64
-# of fp32) in flight per thread; group 128 then takes 8 lanes. Wider groups than 32 x 16 take
-# group_size / 32 a thread, so that a group's lanes stay in one warp (the shuffles).
+# 16 values a thread: one 16-byte fp8 store, 32 bytes of bf16 in flight; groups over 512 take
+# group_size / 32, so a group's lanes stay in one warp (docs/design/quant.md).
 _PER_THREAD = 16
 _THREADS = 256
 # Below this eps the reciprocal of the scale may overflow: divide every value instead.

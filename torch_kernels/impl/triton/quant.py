@@ -39,17 +39,14 @@ from torch_kernels.impl.torch.quant import FP8_MAX as _FP8_MAX_FLOAT, empty_outp
 
 FP8_MAX = tl.constexpr(_FP8_MAX_FLOAT)  # 448.0, the largest float8_e4m3fn
 
-# Elements per program (BLOCK_M * BLOCK_G * GROUP) and warps per 1024 of them: 4096 bf16 elements
-# over 4 warps is 32 per thread, four 16-byte loads in flight; not yet swept on the H200
-# (benchmarks/bench_quant.py --sweep times the alternatives).
+# 4096 values a program over 4 warps: four 16-byte loads in flight a thread (untuned: `bench_quant.py
+# --sweep`; docs/design/quant.md).
 _TILE = 4096
 _ELEMENTS_PER_WARP = 1024
 # Below this eps the reciprocal of the scale may overflow: divide every element instead.
 _EXACT_DIV_EPS = 2.0 ** -100
-# In Triton's interpreter a reduction with a custom combine function is a Python loop per element
-# (measured: 0.5 s for one 4096-element program), while tl.max and tl.sum are numpy's nanmax and sum;
-# so the interpreter takes tl.max and adds a sum that is NaN when the group holds a NaN (which the
-# GPU's max.NaN.f32 combine propagates by itself). The result is the same.
+# The interpreter takes tl.max plus a NaN-carrying sum: a custom combine there is a Python loop per
+# element (0.5 s for one 4096-value program); same result as the GPU's max.NaN.f32 combine.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
