@@ -7,10 +7,10 @@ padded to a power of two), so that group scores are reductions over the last axi
 an order-preserving int32 image of each candidate's fp32 key: the largest rank, then the lowest
 expert index holding it (ties to the lower index); the winner's rank drops to ``_NONE``, below
 every real key (``-inf`` included). Groups are chosen the same way. As in the reference, a NaN or
-infinite score counts as 0 (vLLM's clamp: a compare and a select in registers, on the scores and
-on the recomputed weights, before the selection rounds: 40 SASS of 1408 and the same 68 registers
-for 256 fp32 experts, sm_90 ptxas), a renormalised row of zeros stays zero, and a NaN key (from a
-NaN bias) ranks as ``+inf``: weights are finite and the ids distinct, valid expert indices.
+infinite score counts as 0 (vLLM's clamp, on the scores and on the recomputed weights), a
+renormalised row of zeros stays zero, and a NaN key (from a NaN bias) ranks as ``+inf``: weights are
+finite and the ids distinct, valid expert indices. Design notes and measurements:
+``docs/design/moe.md``.
 
 Arguments arrive validated (``torch_kernels.ops.moe``): logits ``(T, E)`` with a contiguous last
 dimension, fp16/bf16/fp32; bias ``(E,)`` contiguous. Rows up to ``MAX_TILE`` padded experts: wider
@@ -29,9 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-#: Padded experts per token held in registers (BLOCK_G * BLOCK_GS). Routers have 8-512 experts;
-#: 8192 (one token a program, 8 warps, 32 logits a thread) compiles to 115 registers and no
-#: spills on sm_90; wider rows go to the reference rather than risk spilling.
+#: Padded experts a token holds in registers: 8192 (8 warps, 32 a thread) is 115 registers, no spills.
 MAX_TILE = 8192
 
 _NONE = tl.constexpr(-(2 ** 31))  # the rank of a non-candidate: below every real key (-inf ranks -2139095041)
@@ -73,11 +71,8 @@ def _route_rows(
     GROUPED: tl.constexpr,  # keep the topk_group best groups before choosing experts
     RENORMALIZE: tl.constexpr,  # divide the topk weights by their sum
 ):
-    # The tile is (BLOCK_G, BLOCK_R, BLOCK_GS): Triton lays threads then warps out from the last
-    # axis, so with GS <= 32 x (16 bytes of logits) one token's experts stay within one warp and
-    # every reduction below is shuffles, with the tokens of the program across warps. Tokens in
-    # the middle axis instead of the first removed both cross-warp reductions (and their bar.sync)
-    # from each argmax round in the sm_90 PTX of 256 fp32 experts.
+    # Tiles (BLOCK_G, BLOCK_R, BLOCK_GS): a token's experts in one warp, so reductions are shuffles;
+    # tokens first instead cost two cross-warp reductions (bar.sync) an argmax round (sm_90 PTX).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # int64: T * stride may pass 2^31
     row_ok = rows < T
     g = tl.arange(0, BLOCK_G)
@@ -121,12 +116,8 @@ def _route_rows(
             grank = tl.where(hit, _NONE, grank)
         rank = tl.where(kept[:, :, None] != 0, rank, _NONE)
 
-    # topk rounds of argmax: the largest rank, then the lowest expert holding it; the winner drops
-    # to _NONE. Two int32 reductions (redux.sync on sm_80+) a round: 115 SASS a round for 2 tokens
-    # of 256 fp32 experts a warp and 56 registers (sm_90 ptxas), against 161 and 70 for a single
-    # max over packed int64 (rank << 32 | ~index) keys; DeepSeek-V3 fp32: 271 against 408.
-    # ids accumulate in a (1, BLOCK_R, BLOCK_K) tile, a layout the reductions' results expand into
-    # without a conversion (a (BLOCK_R, BLOCK_K) tile cost a shared-memory round trip a round).
+    # topk rounds of argmax, two int32 reductions each (the largest rank, then the lowest expert): 115
+    # SASS a round against 161 for one packed-int64 max; ids in (1, BLOCK_R, BLOCK_K): no layout change.
     k3 = tl.arange(0, BLOCK_K)[None, None, :]
     ids3 = tl.zeros([1, BLOCK_R, BLOCK_K], dtype=tl.int32)
     for i in range(topk):
@@ -160,14 +151,10 @@ def _config(block_g: int, block_gs: int, vec: int):
     """(tokens per program, warps) for a ``(block_g, block_gs)`` tile of a token's experts whose
     loads are ``vec`` elements wide.
 
-    Triton lays the ``(BLOCK_G, BLOCK_R, BLOCK_GS)`` tile out with ``min(32, block_gs / vec)``
-    threads of a warp along the experts of a group and the rest along tokens, then the warps along
-    tokens while there are enough of them: ``BLOCK_R`` = (tokens a warp covers) x 4 warps keeps
-    every reduction within a warp. About 16 logits a thread (two tokens a warp for 256 experts)
-    keeps registers near 56 (sm_90 ptxas), so that a 8192-token batch is resident in one wave.
-    Tiles that would need over 32 logits a thread route 2048 logits a program and reduce across
-    warps (bf16 DeepSeek-V3: 4 tokens a warp in 8 groups of 32 would take 209 registers).
-    To be confirmed on the H200: ``benchmarks/bench_moe.py --sweep``."""
+    ``BLOCK_R`` = (tokens a warp covers) x 4 warps keeps every reduction within a warp; about 16
+    logits a thread keeps registers near 56, so an 8192-token batch is resident in one wave; tiles
+    needing over 32 a thread route 2048 logits a program across warps. Register budgets, not a sweep
+    (``benchmarks/bench_moe.py --sweep``; docs/design/moe.md)."""
     tile = block_g * block_gs
     num_warps = 4
     block_r = 32 // min(32, max(1, block_gs // vec)) * num_warps
