@@ -18,7 +18,7 @@ The wrapper converts both ways and restores our empty-partial rules, which Flash
 The kernel moves three ``v``-sized tensors (reads ``v_a``, ``v_b``, writes ``v``); the fill and the two
 masked copies move eight more, so the op costs about 3.7 times the bare kernel's traffic: the price of
 the semantics (FlashInfer's kernel alone: 47 µs at 8192x32x128 bf16 on the H200, 4313 GB/s, against
-4045 for torch.compile of the reference, H200). Calls the kernel cannot take go to the next backend
+4045 for torch.compile of the reference; docs/design/attention.md). Calls the kernel cannot take go to the next backend
 (``merge_attn_states_refuses``; fp16/bf16 ``v`` only, ``KernelSpec.dtypes``):
 
 * ``D`` other than 64/128/256/512 (the kernel's ``DISPATCH_HEAD_DIM``), or more heads than one block of

@@ -27,15 +27,14 @@ from . import _jit
 
 _NAME = "merge_attn_states"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# Values a thread merges (at most): 16 puts two 16-byte vectors of each bf16 partial in flight.
+# Values a thread merges (at most): 16 puts two 16-byte vectors of each bf16 partial in flight
+# (4287 GB/s at 16384x32x128, 4 a thread 3245; docs/design/attention.md).
 _PER_THREAD = 16
 _THREADS = 256
 _INF = float("inf")
 # (token, head, lane) threads per launch: the flat thread index is a 32-bit integer.
 _MAX_THREADS = 2**31 - 1 - _THREADS
-# The partials' loads take no L2 hint: through _jit.load16 with evict_first (read once) or evict_last
-# they lost (sweep_tilelang_11.json, H200, bf16, 32 heads of 128, GB/s, plain / evict_first / evict_last:
-# 4096 tokens 4141 / 3958 / 4000, 16384 tokens 4317 / 3957 / 4280; FlashInfer 4120, 4306).
+# The partials' loads take no L2 hint: evict_first lost (3957 against 4317 GB/s at 16384x32x128).
 
 
 def _per_thread(head_size: int) -> int:
@@ -69,16 +68,12 @@ def _build(num_heads: int, head_size: int, dtype: str, aligned: bool):
         out: T.Tensor((Tn, H, D), dtype),  # merged values, written, contiguous
         out_lse: T.Tensor((Tn, H), "float32"),  # merged LSE, written, contiguous
     ):
-        # Accesses are guarded by hand (``item < Tn * H * LANES``); TileLang's own guards would
-        # split the vectors (see quant.py). Global vectors as explicit ld/st.global.v4: left to
-        # nvcc, the first 16 bytes of each thread's output went out as four 4-byte stores (sm_90
-        # PTX, nvcc 13.0, whatever the merge formula), the rest as v4.
+        # Guards by hand, as TileLang's would split the vectors; explicit ld/st.global.v4, as nvcc
+        # stored each thread's first 16 output bytes as four 4-byte stores (sm_90 PTX, nvcc 13.0).
         T.annotate_pass_configs({"tl.disable_safe_memory_legalize": True, "tl.enable_lower_ldgstg": True})
         if aligned:
-            # Checked by the launcher (with the data pointers) before it picks this kernel, and on
-            # the host at every call; strides of dimensions of size 1 are never used and exempt, and
-            # the views round them down to the vector, which lets TileLang prove that every head
-            # starts on a vector boundary (see rope.py).
+            # Checked by the launcher and the host code; size-1 dims' strides are unused, and the views
+            # round strides down to the vector so TileLang proves each head starts on one (see rope.py).
             T.assume(T.Or(Tn <= 1, sa_t % VEC == 0))
             T.assume(T.Or(Tn <= 1, sb_t % VEC == 0))
             if H > 1:

@@ -20,18 +20,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# Values per program 2048, 16 a thread (two 16-byte loads of each partial in bf16/fp16), so 4 warps:
-# `bench_attention.py --sweep` on the H200 (2026-11-29, bf16, CUDA-graph replay) measured 4139 GB/s
-# (0.979 of copy) at 8192 x 32 x 128 (16 heads a program) and 4274 (1.01) at 1024 x 128 x 512 (4
-# heads), where the former 1024 values at 8 a thread made 3895 and 3932; 4 to 8 a thread lost 2-6%
-# at every tile size, 16 won at every one.
+# 2048 values a program, 16 a thread, 4 warps: 4139 GB/s at 8192x32x128 against 3895 at 8 a thread
+# (H200, bf16; docs/design/attention.md).
 _TILE = 2048
 _ELEMENTS_PER_THREAD = 16
 _MAX_BLOCK_D = 1024  # wider heads (none in use: MLA's 512 is the widest) take several programs
 # CUDA grid limits: axis 0 takes 2^31 - 1 programs, axes 1 and 2 only 65535; larger launches are split.
 _MAX_GRID_0 = 2**31 - 1
 _MAX_GRID_12 = 65535
-# Program order: flat, head block fastest: at the chosen tile 0.5-5% above the 3-D grid (same sweep).
+# Program order: flat, head block fastest: 0.5-5% above the 3-D grid at the chosen tile.
 _FLAT = True
 
 
