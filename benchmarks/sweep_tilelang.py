@@ -5,12 +5,13 @@ FlashInfer's API in the same run: where the constants of ``impl/tilelang/norm.py
 (``_BLOCK_THREADS``), ``impl/tilelang/activation.py`` (``_FAST_MATH``, ``_WIDE_PER_THREAD``, ``_TANH_APPROX``)
 and ``_jit.dependent_launch`` come from; ``--only tanh`` measures the error of the activations' tanh.approx form.
 
-    python benchmarks/sweep_tilelang.py --out sweep.json
+    python benchmarks/sweep_tilelang.py --out results/sweep.json
 
 Each variant is built with the module's constants patched, compiled (nvcc in parallel threads), checked
 against the reference on random bf16 inputs, then timed by CUDA-graph replay, every implementation of a
 shape in 5 interleaved rounds (the median kept); GB/s = bytes read + written over device time, against
-a device-to-device copy measured in the same run.
+a device-to-device copy measured in the same run. What the sweeps decided, and the variants tried
+before these: ``docs/design/<family>.md`` and ``docs/design/tilelang.md``.
 """
 
 import argparse
@@ -37,17 +38,7 @@ ROUNDS = 5  # interleaved timing rounds, the median kept
 NORM_SHAPES = tuple((t, n) for n in (4096, 8192) for t in (1, 128, 512, 1024, 4096))
 NORM_OPS = ("rmsnorm", "fused_add_rmsnorm")
 # label -> the module constants it patches (names starting DEEPINFER_: environment variables; "streamed":
-# the many-token kernel, norm._build_streamed). The sweeps of 2026-11-29 set _THIRTY_TWO_A_THREAD
-# (elements a thread 8/16/32 x block threads 128/512/1024), _PREFETCH_WEIGHT and _TILE_EXACTLY, timed
-# programmatic dependent launch (sweep_tilelang_5.json), and ruled out a weight prefetched in fp32 with
-# Gemma's + 1 added, the fused residual stored before the row's sum and the fused rows in chunks without
-# L2 hints (sweep_tilelang_6.json; norm.py says by how much), and timed the streamed kernel (rows read
-# twice with L2 hints) against the one-pass kernel (sweep_tilelang_7.json), its hinted loads left to the
-# compiler's scheduling and its block size (sweep_tilelang_8.json), rmsnorm's streamed rows in smaller
-# blocks and kept in registers instead of re-read (sweep_tilelang_9.json), the L2 hint of the streamed
-# kernel's first-pass loads, the fused ops' block size and the one-pass kernel against the streamed one
-# up to 16384 tokens (sweep_tilelang_10/11.json: the first sweeps timed in interleaved rounds); the
-# activations' and merge's loads with L2 hints lost there (activation.py, attention.py say by how much).
+# the many-token kernel, norm._build_streamed); the early trigger's variants (docs/design/tilelang.md).
 NORM_VARIANTS = {"tilelang, one pass": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False},
                  "tilelang, always early trigger": {"_jit.NO_TRIGGER_BYTES": (0, 0)}}
 MERGE_TOKENS = (1, 256, 512, 4096)
@@ -58,11 +49,8 @@ ROPE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIG
                  "tilelang, always early trigger": {"_jit.NO_TRIGGER_BYTES": (0, 0)}}
 ACT_SHAPES = tuple((t, d) for d in (4096, 7168, 8192) for t in (1, 32, 512, 1024, 2048, 4096, 16384))  # (tokens, d)
 ACT_KINDS = ("silu", "gelu_tanh")
-# label -> constants, "per_thread": the kernel's outputs a thread (else the launcher's, activation._per_thread).
-# sweep_tilelang_13.json timed 8 and 16 a thread and 256 threads for every activation (activation.py),
-# sweep_tilelang_14.json 32 a thread and 64 threads for the erf GELU, sweep_tilelang_15/16.json the early
-# trigger from 64 to 2048 tokens (_jit.NO_TRIGGER_BYTES), sweep_tilelang_17.json its window,
-# sweep_tilelang_18.json tanh.approx (_TANH_APPROX), 1024 threads and 16 a thread from 512 tokens.
+# label -> constants, "per_thread": the kernel's outputs a thread (else the launcher's, activation._per_thread):
+# the tanh forms, blocks and outputs a thread of docs/design/activation.md.
 ACT_VARIANTS = {"tilelang": {}, "tilelang, sigmoid form": {"_TANH_APPROX": {}},
                 "tilelang, tanh.approx": {"_TANH_APPROX": {"silu": ("bfloat16",), "gelu_tanh": ("bfloat16",)}},
                 "tilelang, 1024 threads": {"_THREADS": 1024}, "tilelang, 16 a thread": {"per_thread": 16},
