@@ -2,7 +2,7 @@
 compiled, and the decoder layer (examples/decoder_layer.py) eager, compiled and reduce-overhead,
 ours against plain torch. What registry.COMPILE_ROUTE is set from.
 
-    python benchmarks/bench_compile.py --out docs/benchmarks/compile.json
+    python benchmarks/bench_compile.py --out docs/benchmarks/compile_ops.json
 
 Op blocks (bf16, Llama-8B-like shapes, ``--tokens`` tokens): ``x*2 -> op -> +1`` ("block": the
 neighbours Inductor may fuse) and the op alone ("alone": what it costs between two GEMMs), compiled
@@ -141,7 +141,7 @@ def bench_ops(t: int, names) -> list:
             row["eager"] = harness.graph_us(lambda: block(op, *eager_args, alone=alone))
             # "measured": no route forced, so the op's own choice (DECOMPOSE_AFTER_POINTWISE included).
             # inductor_triton last: a failure there that breaks the CUDA context (an illegal address
-            # in the rope block, H200, 2026-11-30) leaves the other figures standing
+            # as one once did in the rope block) leaves the other figures standing
             routes = sorted(registry.compile_routes(name), key=lambda r: r == registry.INDUCTOR_TRITON)
             variants = [("plain", None, reference), ("measured", None, op)] + [(r, r, op) for r in routes]
             for label, route, fn in variants:

@@ -1,7 +1,7 @@
 """What Inductor generates for the norm and activation references, and how fast it runs, beside our
 Triton and TileLang kernels in the same run (the H200 host):
 
-    python benchmarks/probe_inductor.py --out probe/
+    python benchmarks/probe_inductor.py --out results/probe
 
 ``torch.compile`` of the reference in two modes: every size static, and the token dimension dynamic
 (``mark_dynamic(x, 0)``, what an engine compiling for any batch size gets: the hidden size stays a

@@ -106,26 +106,17 @@ KERNELS: Tuple[KernelSpec, ...] = (
 
 #: The order in which the CUDA platform default tries backends, per op; the first one whose
 #: capability is met serves the op, the later ones take calls it cannot (dtype, size).
-#: TileLang first as in the DeepInfer dispatcher; Triton before FlashInfer because the one-row Triton
-#: rmsnorm measured 4092 GB/s against FlashInfer's 2762 at 16384x8192 bf16.
+#: TileLang first as in the DeepInfer dispatcher; Triton before FlashInfer: rmsnorm 4092 against 2762 GB/s
+#: at 16384x8192 bf16 (H200; the measurements behind each order: docs/design/<family>.md).
 DEFAULT_CUDA_PRIORITY: Tuple[Backend, ...] = (Backend.TILELANG, Backend.TRITON, Backend.FLASHINFER, Backend.TORCH)
-#: Per-op exceptions, from the H200 (docs/benchmarks/suite/, tune/winners.md; bf16). TileLang's
-#: activations serve first: since they compute the Triton backend's formulas with its fast exp and
-#: reciprocal, they tie or beat it (sweep_tilelang.py, 2026-11-29: gelu_tanh 1.32 against 1.41 µs at one
-#: token of 8192, 1.53 against 1.70 at 32, 4331 against 4341 GB/s at 16384x2*8192; erf GELU 4082
-#: against 3942 GB/s in the suite), at under half Triton's host cost (12 µs a call against 30).
-#: rotary_embedding serves Triton first: 85.8 µs against TileLang 86.0 at 16384 tokens (32+8 heads x
-#: 128), 1.53 against 1.73 at one token (docs/benchmarks/tune/winners.md, H200, bf16). TileLang's quant
-#: and merge kernels serve by default: quant ties Triton on the device (87.0 against 94.0 µs at
-#: 16384x7168, 1.64 against 1.57 at one token) at a third of its host cost (34 against 81 µs a call);
-#: merge was faster at every tuned size (25.9 against 26.7 µs at 4096x32x128, 1.59 against 1.78 at one
-#: token).
+#: Per-op exceptions: rope takes Triton first, 85.8 against 86.0 µs at 16384 tokens when chosen (the
+#: latest suite has TileLang ahead at every size: docs/design/rope.md).
 _TRITON_FIRST = (Backend.TRITON, Backend.TILELANG, Backend.FLASHINFER, Backend.TORCH)
 CUDA_PRIORITY: Dict[str, Tuple[Backend, ...]] = {"rotary_embedding": _TRITON_FIRST}
 
 # ------------------------------------------------------------------------------------------------
 # Compiled routes: what an op becomes below Dynamo's one node when torch.compile traces it on CUDA
-# (docs/compile.md). Figures: H200, bf16, CUDA-graph replay, docs/benchmarks/README.md unless said.
+# (docs/compile.md). The measurements behind each choice: docs/design/compile.md (H200, bf16).
 
 #: The reference formula, inlined, so that Inductor fuses the op with its neighbours.
 DECOMPOSE = "decompose"
@@ -137,15 +128,9 @@ OPAQUE = "opaque"
 COMPILE_ROUTES: Tuple[str, ...] = (DECOMPOSE, INDUCTOR_TRITON, OPAQUE)
 
 #: The route of each op where no pointwise op computes its data input (alone, after a matmul, on the
-#: graph's inputs; DECOMPOSE_AFTER_POINTWISE covers the other case). A compiled ``x*2 -> rmsnorm -> +1``
-#: block (4096x4096): decompose 23.6 µs, equal to the block in plain torch compiled (one fused kernel);
-#: inductor_triton 62 µs (three kernels); opaque 219 µs: the neighbours decide.
+#: graph's inputs; DECOMPOSE_AFTER_POINTWISE covers the other case): the neighbours decide.
 COMPILE_ROUTE: Dict[str, str] = {
-    # Alone (or after a matmul, as in a model) our kernel beats Inductor's for the reference; after a
-    # pointwise op they decompose (DECOMPOSE_AFTER_POINTWISE), so that Inductor fuses the neighbours.
-    # bench_compile.py, H200, 4096 tokens, bf16, alone opaque against decomposed: rmsnorm 4096x4096
-    # 17.8 against 20.7 µs (2026-11-30); fused_add_rmsnorm 35.8 against 42.9, gelu_and_mul 90.1
-    # against 97.5, gelu_tanh_and_mul 82.1 against 86.3, silu_and_mul 82.0 against 82.2 (2026-11-29)
+    # Alone our kernel beats Inductor's for the reference: rmsnorm 4096x4096 17.8 against 20.7 µs
     "rmsnorm": OPAQUE,
     "gemma_rmsnorm": OPAQUE,
     "fused_add_rmsnorm": OPAQUE,
@@ -153,25 +138,14 @@ COMPILE_ROUTE: Dict[str, str] = {
     "silu_and_mul": OPAQUE,
     "gelu_and_mul": OPAQUE,
     "gelu_tanh_and_mul": OPAQUE,
-    # compile 1213 GB/s against ours 3912 (neox, 8192 tokens, 32+8 heads x 128; GPT-J 878 vs 3878).
-    # In place on views of the QKV projection's output: the opaque call (auto_functionalize) rotates
-    # them in that buffer, no copy (tests/test_compile.py checks Inductor's output); after a pointwise
-    # op it decomposes (DECOMPOSE_AFTER_POINTWISE)
+    # compile 1213 GB/s against ours 3912 (8192 tokens); opaque rotates QKV views in their buffer, no copy
     "rotary_embedding": OPAQUE,
-    # compile 2078 GB/s against ours 4125 (8192x7168, g128); 248 against 4237 at g64. Opaque over
-    # Inductor launching our kernel: x*2 -> quant -> +1 at 4096x4096 measured 30.6 µs against 40.0,
-    # the op alone 12.4 against 12.3 (bench_compile.py, H200, 2026-11-29); after a pointwise op it
-    # decomposes (DECOMPOSE_AFTER_POINTWISE)
+    # compile 2078 GB/s against ours 4125 (8192x7168 g128); in a block opaque 30.6 µs, inductor_triton 40.0
     "per_token_group_quant_fp8": OPAQUE,
-    # compile 112 µs against ours 14 (8192 tokens x 256 experts, top-8); grouped 485 against 23.
-    # Opaque over Inductor launching our kernel, 4096 tokens (bench_compile.py, H200, 2026-11-29):
-    # x*2 -> topk_softmax -> +1 13.3 µs against 14.4, alone 8.6 both; grouped 20.1 against 20.4,
-    # alone 15.5 against 15.4; plain torch compiled 53.7 and 231.8. Opaque also keeps `auto`'s
-    # per-call choice under torch.compile.
+    # compile 112 µs against ours 14 (8192x256 top-8); opaque keeps `auto`'s per-call choice under compile
     "topk_softmax": OPAQUE,
     "grouped_topk": OPAQUE,
-    # alone opaque 25.7 against 28.1 µs decomposed (4096x32x128, bench_compile.py, H200, 2026-11-29);
-    # after a pointwise op it decomposes (DECOMPOSE_AFTER_POINTWISE)
+    # alone opaque 25.7 against 28.1 µs decomposed (4096x32x128)
     "merge_attn_states": OPAQUE,
     # no decomposition worth it (sort-based; Inductor failed on the reference's int64 cumsum)
     "top_k_renorm_probs": OPAQUE,
@@ -181,13 +155,7 @@ COMPILE_ROUTE: Dict[str, str] = {
 
 #: Ops that decompose instead of taking their own route when the graph computes their data input with a
 #: pointwise op (followed through views): Inductor then fuses that producer, and the neighbours after it,
-#: into the op's formula. bench_compile.py, H200, 4096 tokens, bf16, x*2 -> op -> +1, device µs,
-#: decomposed / plain torch compiled / opaque (2026-11-30 unless said):
-#: rmsnorm 4096x4096 20.4 / 20.2 / 50.1; fused_add_rmsnorm 42.5 / 42.3 / 87.7, silu_and_mul 81.8 / 81.8 /
-#: 251.0, gelu_and_mul 99.6 / 99.4 / 257.5, gelu_tanh_and_mul 89.4 / 89.2 / 251.5, merge_attn_states 27.9 /
-#: 28.0 / 62.0 (2026-11-29); rotary_embedding (32+8+8 heads x 128, q and k views of the product) 79.7 /
-#: 79.6 / 125.4; per_token_group_quant_fp8 (g128) 25.7 / 25.7 / 31.3. Alone the opaque call wins (the
-#: figures at COMPILE_ROUTE), and in a model these ops follow a matmul or take the graph's input.
+#: into the op's formula: x*2 -> rmsnorm -> +1 at 4096x4096 20.4 µs decomposed, 20.2 plain, 50.1 opaque.
 DECOMPOSE_AFTER_POINTWISE = frozenset({
     "rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "silu_and_mul", "gelu_and_mul",
     "gelu_tanh_and_mul", "rotary_embedding", "per_token_group_quant_fp8", "merge_attn_states"})
