@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from torch_kernels import dispatch, registry, spec
+from torch_kernels import dispatch, registry, reporting, spec
 from torch_kernels.dispatch import KernelUnavailableError, Selection
 from torch_kernels.spec import Backend, KernelSpec, Platform
 from torch_kernels.testing import assert_close
@@ -453,6 +453,22 @@ def test_trace_path_fixed_is_used_after_configure(tmp_path, capfd):
     dispatch.configure(trace_path=str(path))
     torch.ops.deepinfer.rmsnorm(torch.randn(2, 8), torch.randn(8), 1e-6)
     assert path.read_text().splitlines() == ["rmsnorm|torch"] and capfd.readouterr().err == ""
+
+
+def test_configure_pushes_verbosity_and_the_trace_down_to_the_kernel_compilers(tmp_path, capfd):
+    """TileLang's and FlashInfer's loaders, which may not import dispatch, read both from ``reporting``."""
+    path = tmp_path / "trace.txt"
+    dispatch.configure(verbose=True, trace_path=str(path))
+    assert reporting.verbose()
+    reporting.trace("tilelang-compile|rmsnorm|8192|2.500s")
+    assert path.read_text() == "tilelang-compile|rmsnorm|8192|2.500s\n"
+    dispatch.configure(verbose=False, trace_path=None)
+    assert not reporting.verbose()
+    reporting.trace("tilelang-compile|rmsnorm|4096|2.500s")  # no trace file now: dropped
+    assert path.read_text() == "tilelang-compile|rmsnorm|8192|2.500s\n"
+    dispatch.configure(trace_path=str(tmp_path / "missing" / "trace.txt"))
+    reporting.trace("tilelang-compile|rmsnorm|8192|2.500s")  # never raises: one notice, as for op traces
+    assert "cannot append" in capfd.readouterr().err
 
 
 def _append_many(path, rank, n, width):

@@ -36,12 +36,13 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import functools
 import os
 import sys
 import threading
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
-from . import registry
+from . import registry, reporting
 from .spec import FRAMEWORK_PACKAGE, Backend, Capability, KernelSpec, Platform
 
 ENV_BACKEND = "DEEPINFER_OPS_BACKEND"
@@ -236,6 +237,7 @@ def configure(selection: Optional[Selection] = None, **changes: Any) -> Selectio
     new = dataclasses.replace(base, **changes, env_fields=base.env_fields - set(changes)).validate()
     with _lock:
         previous, _selection = _selection, new
+        reporting.update(new.verbose, functools.partial(append_line, new.trace_path) if new.trace_path else None)
         _reset()
         _traced.clear()
         _route_notices.clear()

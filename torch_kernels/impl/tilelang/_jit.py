@@ -36,6 +36,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, Tuple
 
+from ... import reporting
+
 ENV_TARGET = "DEEPINFER_TILELANG_TARGET"
 #: "0" builds the kernels without programmatic dependent launch.
 ENV_PDL = "DEEPINFER_OPS_PDL"
@@ -202,9 +204,7 @@ def _quiet(tilelang: Any) -> None:
     tests). WARNING instead, unless ``DEEPINFER_OPS_VERBOSE``; the trace file records each compile."""
     global _quieted
     if not _quieted:
-        from ... import dispatch
-
-        if not dispatch.selection().verbose:
+        if not reporting.verbose():
             tilelang.set_log_level("WARNING")
         _quieted = True
 
@@ -232,11 +232,7 @@ def host_functions(name: str, build: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _trace_compile(name: str, key: tuple, seconds: float) -> None:
-    from ... import dispatch
-
-    path = dispatch.selection().trace_path
-    if path:
-        dispatch.append_line(path, f"tilelang-compile|{name}|{','.join(map(str, key))}|{seconds:.3f}s")
+    reporting.trace(f"tilelang-compile|{name}|{','.join(map(str, key))}|{seconds:.3f}s")
 
 
 def memo_size() -> int:
