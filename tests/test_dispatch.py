@@ -471,6 +471,21 @@ def test_configure_pushes_verbosity_and_the_trace_down_to_the_kernel_compilers(t
     assert "cannot append" in capfd.readouterr().err
 
 
+def test_a_new_selection_notifies_the_layers_above(monkeypatch, cuda_platform):
+    """configure and set_platform call back what registered (the C++ entry's clear), after resetting
+    every slot; dispatch imports none of them."""
+    from torch_kernels import fast_path
+
+    assert fast_path.clear in dispatch._on_new_selection
+    seen = []
+    monkeypatch.setattr(dispatch, "_on_new_selection", [])
+    dispatch.on_new_selection(lambda: seen.append(dispatch.slot("rmsnorm").impls))
+    dispatch.slot("rmsnorm").call(*_args())
+    dispatch.configure(backend="triton")
+    dispatch.set_platform(None)
+    assert seen == [[], []]
+
+
 def _append_many(path, rank, n, width):
     for i in range(n):
         dispatch.append_line(path, f"rank{rank}:{i}:" + chr(ord("a") + rank) * width)

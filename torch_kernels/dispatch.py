@@ -573,6 +573,7 @@ def _chain_call(op: str, impls: List[_Impl]) -> Callable[..., Any]:
 
 _slots: Dict[str, OpSlot] = {}
 _references: Dict[str, "ReferenceSlot"] = {}
+_on_new_selection: List[Callable[[], None]] = []
 
 
 class ReferenceSlot:
@@ -622,16 +623,23 @@ def slot(op: str, data_arg: int = 0) -> OpSlot:
         return _slots[op]
 
 
+def on_new_selection(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` whenever the selection changes (:func:`configure`, :func:`set_platform`), after
+    every slot has been reset: how a layer above drops what it chose under the previous selection
+    (``library.py`` registers the C++ entry's ``fast_path.clear``)."""
+    with _lock:
+        _on_new_selection.append(fn)
+
+
 def _reset() -> None:
     global _tuned
-    from . import fast_path
-
     _tuned = None
     for s in _slots.values():
         s.reset()
     for r in _references.values():
         r.reset()
-    fast_path.clear()  # what the C++ entry serves was published under the previous selection
+    for fn in _on_new_selection:
+        fn()
 
 
 def _describe(a: Any) -> str:

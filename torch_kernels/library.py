@@ -38,6 +38,7 @@ from .spec import Backend
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 #: the twins of the ops whose CUDA and Autograd kernels the C++ entry registers, when it is loaded
 TWINS = torch.library.Library(fast_path.TWIN_NAMESPACE, "DEF") if fast_path.load() else None
+dispatch.on_new_selection(fast_path.clear)  # what the C++ entry serves was published under the previous selection
 
 
 def mutated_args(overload) -> tuple:
