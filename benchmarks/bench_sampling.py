@@ -19,7 +19,7 @@ Checks: the Triton kernel's ids equal the reference's exactly; FlashInfer's ids 
 stream) lie in the reference's kept set; renormalised rows match within fp32 tolerance.
 
     python benchmarks/bench_sampling.py --out docs/benchmarks/sampling.json [--sweep]
-    python benchmarks/bench_sampling.py --prepass-sweep --out docs/benchmarks/sampling_prepass_sweep.json
+    python benchmarks/bench_sampling.py --prepass-sweep --out results/sampling_prepass_sweep.json
 
 ``--prepass-sweep`` times only ``top_k_renorm_probs`` at 1, 32 and 64 rows under the split prepass's
 launch alternatives (``PREPASS_VARIANTS``), FlashInfer's in the same interleaved rounds.
