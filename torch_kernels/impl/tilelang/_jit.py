@@ -1,30 +1,16 @@
 """Compiling TileLang kernels: the target, an in-process memo, TileLang's disk cache, the trace.
 
-Every family module builds its ``T.prim_func`` with a symbolic token dimension (``T.dynamic``), so one
-compiled kernel serves every batch size; ``compiled(name, build, *key)`` compiles it once per key
-(hidden size, dtype, flags) and process:
+Every family builds its ``T.prim_func`` with a symbolic token dimension (``T.dynamic``), so one compiled
+kernel serves every batch size. ``compiled(name, build, *key)`` compiles it once per key (hidden size,
+dtype, flags) and process, thread-safe (different keys compile concurrently, nvcc being a subprocess).
+``tilelang.compile`` keeps the binary under ``TILELANG_CACHE_DIR`` (default ``~/.tilelang/cache``),
+published atomically and checked on load (``tilelang/cache/kernel_cache.py``, 0.1.15), so a later
+process loads it: 0.1 s against 2.5-3 s compiling, on the H200 host. The first compile of each kernel
+in a process, from nvcc or the disk, appends ``tilelang-compile|<name>|<key>|<seconds>s`` to the trace.
 
-* in memory: a dict lookup per call after the first;
-* on disk: ``tilelang.compile`` keeps the binary under ``TILELANG_CACHE_DIR`` (default
-  ``~/.tilelang/cache``), keyed by a hash of the lowered function, the target and TileLang's own
-  build, and publishes each entry by writing it to a private staging directory, fsyncing it and
-  renaming it into place in one step (``tilelang/cache/kernel_cache.py``, 0.1.15); a rename that
-  loses the race to an identical entry is dropped, and a load checks the entry's manifest (sizes,
-  hashes) and compiles again if it is torn. So a second process loads the kernel instead of
-  compiling it (2.5-3 s a kernel on the H200 host, 0.1 s loaded), and two processes compiling the
-  same kernel at once both end with a sound entry (``tests/test_tilelang.py`` runs two, then a third
-  that must load without any compiler);
-* the first compile of each kernel in a process appends ``tilelang-compile|<name>|<key>|<seconds>s`` to
-  the trace file (``DEEPINFER_TRACE_KERNELS``), whether it came from nvcc or from the disk cache.
-
-Different keys compile concurrently when asked from several threads (nvcc runs as a subprocess);
-one key compiles once.
-
-The target is the current GPU (``"cuda"``) unless ``DEEPINFER_TILELANG_TARGET`` names another, as CI
-does to compile every kernel for ``{"kind": "cuda", "arch": "sm_90"}`` on a machine without a GPU.
-
-On sm_90 and later every kernel starts with ``T.pdl_sync()`` (:func:`dependent_launch`), which makes the
-compiled host code launch it as a programmatic dependent launch, as FlashInfer launches its kernels.
+The target is the current GPU (``"cuda"``) unless ``DEEPINFER_TILELANG_TARGET`` names another (CI:
+:data:`SM90`, on a machine without a GPU). On sm_90 and later every kernel starts with ``T.pdl_sync()``
+(:func:`dependent_launch`).
 """
 
 from __future__ import annotations
@@ -43,11 +29,8 @@ ENV_TARGET = "DEEPINFER_TILELANG_TARGET"
 ENV_PDL = "DEEPINFER_OPS_PDL"
 #: what CI compiles for (the H200 host's architecture)
 SM90 = {"kind": "cuda", "arch": "sm_90"}
-#: TileLang's execution backend for CUDA, pinned so that TILELANG_EXECUTION_BACKEND cannot change the
-#: call path under us. 'tvm_ffi' (0.1.15's default) hands torch tensors to the compiled host function
-#: through DLPack's C exchange API (no Python work per argument; the current torch stream is read the
-#: same way) and checks shapes, dtypes and strides in that compiled host code. 'cython' asks Python
-#: for the current stream and calls through ctypes on every launch; 'nvrtc' launches from Python.
+#: pinned against TILELANG_EXECUTION_BACKEND: 'tvm_ffi' takes the tensors and the stream through DLPack in
+#: C and checks them in compiled host code; 'cython' calls through ctypes from Python on every launch
 EXECUTION_BACKEND = "tvm_ffi"
 
 #: Bytes per element of the data dtypes the kernels take.
@@ -66,25 +49,14 @@ def target() -> Any:
     return json.loads(text) if text.startswith("{") else text
 
 
-#: Whether kernels that wait for their predecessor (:func:`dependent_launch`) also let their successor be
-#: scheduled at once (``T.pdl_trigger``, ``griddepcontrol.launch_dependents``, as FlashInfer's kernels do
-#: after their loads): the successor's blocks then start on SMs the tail of this grid leaves idle and
-#: wait there (its ``pdl_sync``, which waits for this grid to complete and flush) instead of being
-#: launched only once this grid has exited. A successor that does not wait (not launched as a dependent)
-#: is launched as before. ``DEEPINFER_OPS_PDL=0`` turns both off.
+#: Kernels that wait for their predecessor (:func:`dependent_launch`) also let their successor start at
+#: once (``T.pdl_trigger`` after the sync, as FlashInfer does): silu_and_mul 64x2*4096 1.04 µs with it,
+#: 1.22 without (H200, bf16). ``DEEPINFER_OPS_PDL=0`` turns both off.
 EARLY_TRIGGER = True
 
 
-#: Calls that move this many bytes (read + written, ``[low, high)``) do not trigger early, and their
-#: successor is launched as their blocks exit. The early trigger lost there and won outside
-#: (sweep_tilelang_16.json, H200, bf16, 5 interleaved rounds, µs with / without it): silu_and_mul
-#: 1024x2*4096 (25 MB) 5.56 / 3.71, 512x2*8192 5.53 / 3.73, 256x2*8192 (13 MB) 2.92 / 2.49,
-#: fused_add_rmsnorm 512x4096 (16 MB) 5.41 / 3.86, rmsnorm 512x4096 (8 MB) 3.16 / 2.48, rotary 512 tokens
-#: 2.84 / 2.62; outside, silu 64x2*4096 (1.5 MB) 1.04 / 1.22, 2048x2*4096 (50 MB) 11.74 / 12.01,
-#: fused 1024x4096 (32 MB) 6.51 / 6.89, rmsnorm 1024x8192 6.89 / 7.31. Inside, it won by at most 6%
-#: (merge_attn_states 512 tokens, 12.6 MB, 2.61 / 2.76). Those sizes sit in L2 (60 MB) across replays.
-#: sweep_tilelang_17.json timed the window against both: silu 512x2*8192 3.87 µs (never 3.79, always
-#: 5.47), 1x2*4096 0.79 (0.79 always, 1.01 never), fused_add_rmsnorm 4096x4096 31.89 (31.85, 32.45).
+#: Calls moving this many bytes ``[low, high)`` do not trigger early: there (L2-resident across replays)
+#: it lost, silu_and_mul 1024x2*4096 (25 MB) 5.56 µs with it, 3.71 without (H200, bf16).
 NO_TRIGGER_BYTES = (4 << 20, 32 << 20)
 
 
@@ -106,10 +78,8 @@ def dependent_launch() -> bool:
     """Whether kernels begin with ``T.pdl_sync()`` (``cudaGridDependencySynchronize``): TileLang then
     marks them for programmatic dependent launch, so a kernel is scheduled while the previous one on
     the stream drains and waits for it, memory flushed, before its first access. Needs sm_90; off with
-    ``DEEPINFER_OPS_PDL=0``. sweep_tilelang.py on the H200 (2026-11-29, bf16, CUDA-graph replay of
-    back-to-back calls): silu_and_mul one token of 2*8192 1.15 against 1.39 µs (FlashInfer, which
-    launches this way, 1.22), 32 tokens 1.32 against 1.50 (1.47); 16384 tokens unchanged (4295
-    against 4287 GB/s)."""
+    ``DEEPINFER_OPS_PDL=0``. silu_and_mul, one token of 2*8192: 1.15 against 1.39 µs (H200, bf16,
+    CUDA-graph replay)."""
     if os.environ.get(ENV_PDL, "1").strip() == "0":
         return False
     t = target()
@@ -132,12 +102,10 @@ def vector_width(n: int, dtype: str) -> int:
     return min(lanes(dtype), n & -n)
 
 
-#: 16-byte global loads with an L2 eviction priority (``createpolicy`` and ``ld ... .L2::cache_hint``, as
-#: Triton lowers ``eviction_policy=``): TileLang's own loads take no such hint. A kernel imports this
-#: source (``T.import_source``) and loads through :func:`load16`. ``asm volatile`` with a "memory" clobber
-#: keeps them in order with the stores; left to the compiler's scheduling (plain ``asm``, no clobber)
-#: they measured the same (sweep_tilelang_8.json, H200, bf16: 4143 against 4155 GB/s for
-#: fused_add_rmsnorm 16384x8192, 4045 against 4043 for rmsnorm 16384x7168).
+#: 16-byte global loads with an L2 eviction priority (``createpolicy``, ``ld ... .L2::cache_hint``, as
+#: Triton lowers ``eviction_policy=``), which TileLang's own loads lack; a kernel imports this source
+#: (``T.import_source``) and loads through :func:`load16`. ``asm volatile`` + "memory" keeps them ordered
+#: with the stores, at no cost (4143 against 4155 GB/s, fused_add_rmsnorm 16384x8192, H200, bf16).
 HINTS = ("evict_last", "evict_first")
 HINTED_LOADS = "".join(f"""
 __device__ __forceinline__ void tk_load16_{hint}(void* dst, const void* src) {{
@@ -200,8 +168,8 @@ _quieted = False
 
 
 def _quiet(tilelang: Any) -> None:
-    """TileLang sets its logger to INFO at import: two lines per kernel compiled (about 60 in the GPU
-    tests). WARNING instead, unless ``DEEPINFER_OPS_VERBOSE``; the trace file records each compile."""
+    """TileLang logs two INFO lines per kernel compiled (about 60 in the GPU tests): WARNING instead,
+    unless ``DEEPINFER_OPS_VERBOSE``; the trace file records each compile."""
     global _quieted
     if not _quieted:
         if not reporting.verbose():
