@@ -14,16 +14,11 @@ with ``shfl.xor``. The (row, group) pairs are numbered flat, so every thread has
 hidden size (one 32-bit division per thread finds its row). Rows whose stride or start is not a
 multiple of the 16-byte vector are read value by value by a second kernel of the same shape.
 
-Numerics against the reference, as in the Triton kernel (``impl/triton/quant.py``):
-* the group max is taken on the magnitudes' bit patterns as integers (``|x|`` bits order like the
-  values, and a NaN's above infinity's), so a NaN in a group propagates, where ``fmaxf`` would drop it;
-* ``scale = __fdiv_rn(amax, 448)``, the IEEE division torch does: scales bit-equal to the reference;
-* ``q = x * __frcp_rn(scale)``: one fp32 ulp from ``x / scale`` at most, one fp8 step where that ulp
-  crosses a rounding tie (the op's ``compare`` allows it); exact for UE8M0 scales. Below
-  ``eps = 2**-100`` the reciprocal could overflow, so those calls divide each value (``__fdiv_rn``);
-* the conversion is the hardware ``cvt.rn.satfinite.e4m3x2.f32`` (``__nv_cvt_float2_to_fp8x2`` with
-  ``__NV_SATFINITE``): nearest even, saturating at +-448, NaN to NaN, which is
-  ``clamp(y, -448, 448).to(float8_e4m3fn)`` bit for bit.
+Numerics as the Triton kernel's (``docs/design/quant.md``): the group max on the magnitudes' bits as
+integers (a NaN propagates); ``scale = __fdiv_rn(amax, 448)``, bit-equal to the reference's;
+``q = x * __frcp_rn(scale)``, one fp8 step at most from ``x / scale`` (each value divided below
+``eps = 2**-100``, where the reciprocal could overflow); the hardware ``cvt.rn.satfinite.e4m3x2.f32``,
+which is ``clamp(y, -448, 448).to(float8_e4m3fn)`` bit for bit.
 """
 
 from typing import Iterator

@@ -4,23 +4,14 @@
 Arguments arrive validated (``torch_kernels.ops.quant``): fp16/bf16/fp32 input, last dim contiguous
 (rows may be strided), ``group_size`` a power of two dividing the hidden size.
 
-Numerics against the reference (``impl/torch/quant.py``):
-* the scale is ``div_rn(amax, 448)`` (Triton's ``/`` is ``div.full.f32``, up to 2 ulp off; ``div_rn`` is
-  the correctly rounded division torch does), so scales are bit-equal to the reference's;
-* each element is multiplied by ``div_rn(1, scale)`` rather than divided by ``scale``: at most one
-  fp32 ulp from ``x / scale``, which moves ``q`` by one fp8 step only where ``x / scale`` lies within
-  that ulp of a rounding tie (the op's ``compare`` allows one step); exact with UE8M0 scales, whose
-  reciprocal is exact. With ``eps < 2**-100`` the reciprocal could overflow (scale below 2**-128), so
-  those calls divide each element with ``div_rn`` and are bit-equal;
-* the fp8 conversion: on the GPU ``y.to(float8e4nv)``, one ``cvt.rn.satfinite.e4m3x2.f32`` per two
-  values: round to nearest even, +-inf and |y| > 448 saturate to +-448, NaN -> NaN, -0 kept: exactly
-  ``clamp(y, -448, 448).to(float8_e4m3fn)``. Triton's interpreter (the CPU test path) converts fp32
-  to fp8 by truncation with a broken carry (measured, triton 3.9: 3218 of 20,700 values near the
-  fp8 grid wrong, e.g. 124 -> 64, NaN -> 384), so there (``EMULATE_CAST``) :func:`_round_to_e4m3`
-  first rounds in fp32 to a value float8_e4m3fn represents exactly, and the cast only copies it.
-  The emulation costs about ten integer/fp32 operations per element, which is why the GPU does not
-  use it (the kernel should be bound by memory, not issue slots); ``tests/test_quant.py`` checks both
-  roundings bit for bit against torch's conversion on the GPU, and the emulation in the interpreter.
+Numerics against the reference (``impl/torch/quant.py``; why each: ``docs/design/quant.md``):
+* the scale is ``div_rn(amax, 448)`` (Triton's ``/`` is ``div.full.f32``, up to 2 ulp off): bit-equal;
+* ``q = x * div_rn(1, scale)``: one fp8 step at most from ``x / scale``, exact with UE8M0 scales; with
+  ``eps < 2**-100`` the reciprocal could overflow, so those calls divide each element (bit-equal);
+* on the GPU ``y.to(float8e4nv)`` is ``cvt.rn.satfinite.e4m3x2.f32``, ``clamp(y, -448, 448)`` cast bit
+  for bit. Triton's interpreter (the CPU test path) truncates with a broken carry (3218 of 20,700
+  values near the fp8 grid wrong), so there (``EMULATE_CAST``) :func:`_round_to_e4m3` rounds in fp32
+  first; ``tests/test_quant.py`` checks both roundings bit for bit.
 
 ``wrap``: ``None`` in eager calls; ``torch.library.wrap_triton`` when ``torch.compile`` traces the
 op's ``inductor_triton`` route (``torch_kernels/library.py``). Traced, the token count is symbolic:
