@@ -50,10 +50,8 @@ def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10
                               column_major_scales: bool = False, scale_ue8m0: bool = False) -> Tuple[Tensor, Tensor]:
     x = input.to(torch.float32).unflatten(-1, (-1, group_size))  # (..., G, group_size)
     if column_major_scales:
-        # the scales computed as (G, ...) and returned as a view: the layout of empty_outputs, which
-        # the decomposed graph then keeps. A (..., G) result copied into that layout came back from
-        # Inductor row-major with an unbacked token count (H200, torch 2.11: strides (2, 1) for (1, 7));
-        # this form passes the gpu test of 1 to 16384 tokens there (test_compile.py)
+        # scales computed as (G, ...) and returned as a view, so the decomposed graph keeps the layout: a
+        # (..., G) result copied into it came back row-major from Inductor with an unbacked token count
         x = x.movedim(-2, 0)  # (G, ..., group_size)
     # amax propagates NaN and clamp keeps it: a group holding a NaN gets a NaN scale and NaN q.
     amax = x.abs().amax(-1).clamp(min=eps)  # (..., G), or (G, ...) for column-major scales
