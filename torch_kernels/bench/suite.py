@@ -259,8 +259,8 @@ def _tokens_dynamic(args: tuple, data_arg: int) -> tuple:
     """``args`` with the token dimension marked dynamic for the ``compile`` peer, as vLLM compiles a
     model: one graph per hidden size serves every batch size, the other sizes constants Inductor can
     tile for. With ``dynamic=True`` (every size symbolic) Inductor's kernels ran far slower: silu_and_mul
-    16384x2*4096 bf16 1659 GB/s against 4323 token-dynamic (the H200 suite of 2026-11-30,
-    probe_inductor_3.json), rmsnorm 16384x8192 2277 against 4143.
+    16384x2*4096 bf16 1659 GB/s against 4323 token-dynamic on the H200, rmsnorm 16384x8192 2277 against
+    4143 (docs/design/compile.md).
 
     The token dimension: dim 0 of every tensor as long as the data argument's, except a weight (a 1-D
     float tensor as long as the data's last dim, as 4096 tokens of 4096): marking it would recompile."""
