@@ -6,9 +6,7 @@ imports no kernel framework; backends load on the first CUDA call of each op.
 
 import importlib.util as _util
 
-from .spec import Backend, Platform
-
-__version__ = "0.1.0"
+from .spec import Backend, Platform, __version__
 
 # Where torch is not installed the inventory (spec, registry) still imports and lists every op.
 _HAS_TORCH = _util.find_spec("torch") is not None

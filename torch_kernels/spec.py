@@ -14,6 +14,9 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Tuple
 
+#: the package's version (``torch_kernels.__version__``): here, so that the core reads it without the package
+__version__ = "0.1.0"
+
 
 class Backend(str, enum.Enum):
     """Who implements a kernel. New backends (CUDA C++, CuTe DSL, ...) are added here."""

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import registry
-from .spec import Backend, Platform
+from .spec import Backend, Platform, __version__
 
 ENV_TUNE_DIR = "DEEPINFER_OPS_TUNE_DIR"
 SCHEMA = 1
@@ -67,8 +67,6 @@ def _version(distribution: str) -> Optional[str]:
 
 def table_key(platform: Platform) -> Dict[str, object]:
     """What a table was measured on: a table answers only the same GPU and versions."""
-    from . import __version__
-
     key: Dict[str, object] = {"gpu": platform.device_name,
                               "capability": ".".join(map(str, platform.compute_capability or ())),
                               "torch_kernels": __version__}

@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, Set, Tuple
 import flashinfer
 import torch
 
+from ... import reporting
+
 #: A cached module loads in under 0.1 s on the H200 host; a first load slower than this rebuilt something.
 SLOW_LOAD_S = 1.0
 
@@ -89,8 +91,4 @@ def jit_module(name: str, spec: Callable[..., Any], get: Callable[..., Any], *ar
 
 
 def _trace(name: str, what: str, seconds: float) -> None:
-    from ... import dispatch
-
-    path = dispatch.selection().trace_path
-    if path:
-        dispatch.append_line(path, f"flashinfer-jit|{name}|{what}|{seconds:.3f}s")
+    reporting.trace(f"flashinfer-jit|{name}|{what}|{seconds:.3f}s")
