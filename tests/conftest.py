@@ -76,6 +76,22 @@ def triton_world(monkeypatch):
                                             for op, per_op in registry.BY_OP.items()})
 
 
+def family_ops(family, backend=None):
+    """The ops ``family`` defines (``torch_kernels/ops/<family>.py``), in definition order; with
+    ``backend``, those of them it implements. Tests parametrize by this, so a new op is picked up."""
+    import importlib
+
+    from torch_kernels import registry
+
+    names = [d.name for d in importlib.import_module(f"torch_kernels.ops.{family}").OPS]
+    return names if backend is None else [op for op in names if op in registry.ops_of(backend)]
+
+
+def arg_names(op):
+    """The argument names of ``op``'s schema, in order."""
+    return [a.name for a in getattr(torch.ops.deepinfer, op).default._schema.arguments]
+
+
 def implementations_on(op, device):
     """(name, callable): the registered op, then every implementation of ``op`` that runs on
     ``device`` here (Triton on CPU tensors only in its interpreter). A call an implementation refuses

@@ -1,18 +1,19 @@
 """Numerics of the gated activations: the reference against an independent fp64 formula, and every
 backend against the reference, over dtypes and awkward shapes (Triton in its interpreter on CPU)."""
 
+import inspect
 import math
 import os
 
 import pytest
 import torch
 
-from torch_kernels import registry
+from torch_kernels import ops, registry
 from torch_kernels.ops import activation as activation_ops
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES, assert_bad_inputs_raise, implementations_on
+from conftest import DEVICES, assert_bad_inputs_raise, family_ops, implementations_on
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (input shape, row stride or None): d = 1, one token, d not a power of two (masked column tail),
@@ -22,9 +23,24 @@ SHAPES = [((1, 2), None), ((1, 8192), None), ((7, 2000), None), ((3, 5000), None
           ((7, 200), None), ((16, 128), None), ((2, 3, 514), None), ((10,), None), ((0, 128), None),
           ((5, 192), 256)]
 GPU_SHAPES = [((8192, 2 * 14336), None), ((33, 2 * 7168), 2 * 8192), ((4097, 2 * 4864), None)]
-# (op, approximate argument or None)
-CASES = [("silu_and_mul", None), ("gelu_and_mul", "none"), ("gelu_and_mul", "tanh"), ("gelu_tanh_and_mul", None)]
-CASE_IDS = ["silu", "gelu_none", "gelu_tanh", "gelu_tanh_and_mul"]
+
+
+def activation_cases(backend=None, every_approximation=True):
+    """(op, approximate argument or None) for each activation op (that ``backend`` implements): each
+    approximation its sample arguments pass, or only its default (the schema's)."""
+    out = []
+    for op in family_ops("activation", backend):
+        opdef = ops.BY_NAME[op]
+        seen = dict.fromkeys(args[1] if len(args) > 1 else None for args in opdef.samples("cpu", torch.float32))
+        default = inspect.signature(opdef.wrapper).parameters.get("approximate")
+        out += [(op, a) for a in seen if every_approximation or a is None or a == default.default]
+    return out
+
+
+CASES = activation_cases()
+# the op without "_and_mul" and the approximation (silu, gelu_none, gelu_tanh); the op's name where that is taken
+_SHORT = [op.removesuffix("_and_mul") + ("" if a is None else f"_{a}") for op, a in CASES]
+CASE_IDS = [short if a is not None or _SHORT.count(short) == 1 else op for short, (op, a) in zip(_SHORT, CASES)]
 
 
 def _rows(shape, stride, dtype, device, scale=2.0):

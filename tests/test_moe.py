@@ -13,10 +13,10 @@ from torch_kernels.ops.moe import compare_routing, grouped_topk, grouped_topk_ar
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES, assert_bad_inputs_raise, implementations_on
+from conftest import DEVICES, assert_bad_inputs_raise, family_ops, implementations_on
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-OPS = ["topk_softmax", "grouped_topk"]
+OPS = family_ops("moe")
 
 
 _backends = implementations_on

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import torch_kernels
-from torch_kernels import registry
+from torch_kernels import ops, registry
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES, assert_bad_inputs_raise, implementations_on
+from conftest import DEVICES, assert_bad_inputs_raise, family_ops, implementations_on
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (shape, row stride or None): one element, one token, hidden sizes that are not powers of two,
@@ -17,8 +17,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [((1, 1), None), ((1, 4096), None), ((7, 1000), None), ((2, 3, 257), None), ((0, 64), None),
           ((5, 96), 160), ((3, 5120), None), ((2, 20000), None), ((1, 65536), None)]
 GPU_SHAPES = [((4096, 8192), None), ((33, 7168), 8192), ((1, 131072), None)]
-NORM = ["rmsnorm", "gemma_rmsnorm"]
-FUSED = ["fused_add_rmsnorm", "gemma_fused_add_rmsnorm"]
+# the norms that return their output, and the fused ones that write input and residual in place (Tensor(a!))
+NORM = [op for op in family_ops("norm") if "!" not in ops.BY_NAME[op].schema]
+FUSED = [op for op in family_ops("norm") if "!" in ops.BY_NAME[op].schema]
 
 
 def _rows(shape, stride, dtype, device, scale=1.0):
