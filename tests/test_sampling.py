@@ -16,11 +16,10 @@ from torch_kernels.ops import sampling as sampling_ops
 from torch_kernels.spec import Backend
 from torch_kernels.testing import TOP_P_SLACK, assert_close, assert_ids_kept
 
-from conftest import DEVICES, assert_bad_inputs_raise, implementations_on
+from conftest import DEVICES, arg_names, assert_bad_inputs_raise, family_ops, implementations_on
 
-RENORM = ["top_k_renorm_probs", "top_p_renorm_probs"]
 SAMPLING = "top_k_top_p_sampling_from_probs"
-OPS = RENORM + [SAMPLING]
+OPS = family_ops("sampling")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -163,11 +162,12 @@ _SMALL_HIST = dict(hist_slices=4, hist_buckets=64, hist_levels=8, hist_level_oct
 
 def _launcher(op, cfg):
     from torch_kernels.impl.triton import sampling as triton_sampling
-    return {
-        "top_k_renorm_probs": lambda p, k: triton_sampling._launch(p, k, None, None, None, False, cfg),
-        "top_p_renorm_probs": lambda p, t: triton_sampling._launch(p, None, t, None, None, False, cfg),
-        SAMPLING: lambda p, k, t, s, o: triton_sampling._launch(p, k, t, s, o, True, cfg),
-    }[op]
+    names = arg_names(op)
+
+    def launch(*args):  # the arguments the op lacks are None; an op with a seed samples
+        given = dict(zip(names, args))
+        return triton_sampling._launch(*map(given.get, ("probs", "top_k", "top_p", "seed", "offset")), "seed" in given, cfg)
+    return launch
 
 
 def _backends(op, device, small=False):
@@ -182,11 +182,9 @@ def _backends(op, device, small=False):
 
 def _args(op, probs, top_k, top_p, seed=1234, offset=5):
     device = probs.device
-    if op == "top_k_renorm_probs":
-        return probs, top_k
-    if op == "top_p_renorm_probs":
-        return probs, top_p
-    return (probs, top_k, top_p, torch.tensor(seed, device=device), torch.tensor([offset], device=device))
+    given = {"probs": probs, "top_k": top_k, "top_p": top_p, "seed": torch.tensor(seed, device=device),
+             "offset": torch.tensor([offset], device=device)}
+    return tuple(given[name] for name in arg_names(op))
 
 
 def _check(op, name, got, want, args=None):
@@ -654,8 +652,7 @@ def _bad_cases(op, device):
     good = {"probs": probs, "top_k": torch.tensor([1, 2, 3, 4], device=device),
             "top_p": torch.full((4,), 0.9, device=device), "seed": torch.tensor(1, device=device),
             "offset": torch.tensor([0], device=device)}
-    names = {"top_k_renorm_probs": ("probs", "top_k"), "top_p_renorm_probs": ("probs", "top_p"),
-             SAMPLING: ("probs", "top_k", "top_p", "seed", "offset")}[op]
+    names = arg_names(op)
 
     def args(**change):
         return tuple({**good, **change}[n] for n in names)
