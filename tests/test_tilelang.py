@@ -37,6 +37,9 @@ from torch_kernels.impl.tilelang import _jit
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
+from conftest import family_ops
+from test_activation import activation_cases
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -526,7 +529,7 @@ LAYOUTS = ["contiguous", "stride8", "stride_odd", "offset", "sliced"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("op", ["rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm"])
+@pytest.mark.parametrize("op", family_ops("norm", Backend.TILELANG))
 def test_norm_launchers_keep_the_kernel_contract(op, layout, monkeypatch):
     calls = []
     norm = _stand_in_norm(monkeypatch, calls)
@@ -571,8 +574,7 @@ def test_norm_launcher_copies_only_rows_the_kernel_cannot_take(layout, monkeypat
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("op,approximate", [("silu_and_mul", None), ("gelu_and_mul", "none"), ("gelu_and_mul", "tanh"),
-                                            ("gelu_tanh_and_mul", None)])
+@pytest.mark.parametrize("op,approximate", activation_cases(Backend.TILELANG))
 def test_activation_launchers_keep_the_kernel_contract(op, approximate, layout, monkeypatch):
     from torch_kernels.impl.tilelang import activation
     from torch_kernels.impl.torch import activation as ref
@@ -668,7 +670,7 @@ def _check_norm(fn, reference, x, w, msg, r=None):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,dtype", [(4096, torch.float32), (7168, torch.bfloat16), (8192, torch.float16),
                                      (16384, torch.bfloat16)], ids=str)
-@pytest.mark.parametrize("op", ["rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm"])
+@pytest.mark.parametrize("op", family_ops("norm", Backend.TILELANG))
 def test_streamed_norms_match_the_reference(op, n, dtype):
     """The many-token kernel (rows read twice with L2 hints), from norm._streamed_from tokens: one chunk
     or several, a masked last chunk, strided rows."""
@@ -694,7 +696,7 @@ GPU_NORM_CASES = [(1, torch.float32), (8, torch.bfloat16), (100, torch.float16),
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,dtype", GPU_NORM_CASES, ids=str)
-@pytest.mark.parametrize("op", ["rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm"])
+@pytest.mark.parametrize("op", family_ops("norm", Backend.TILELANG))
 def test_norm_layouts_match_the_reference(op, n, dtype):
     from torch_kernels.impl.tilelang import norm
     reference = registry.BY_OP[op][Backend.TORCH].load()
@@ -709,7 +711,7 @@ def test_norm_layouts_match_the_reference(op, n, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,dtype", [(1, torch.float32), (3, torch.bfloat16), (200, torch.float16),
                                      (1536, torch.bfloat16), (4864, torch.float32), (14336, torch.bfloat16)], ids=str)
-@pytest.mark.parametrize("op,approximate", [("silu_and_mul", None), ("gelu_and_mul", "none"), ("gelu_tanh_and_mul", None)])
+@pytest.mark.parametrize("op,approximate", activation_cases(Backend.TILELANG, every_approximation=False))
 def test_activation_layouts_match_the_reference(op, approximate, d, dtype):
     from torch_kernels.impl.tilelang import activation
     reference = registry.BY_OP[op][Backend.TORCH].load()

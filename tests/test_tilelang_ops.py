@@ -38,7 +38,10 @@ from torch_kernels.ops.quant import compare as compare_quant  # noqa: E402
 from torch_kernels.spec import Backend  # noqa: E402
 from torch_kernels.testing import assert_close  # noqa: E402
 
-OPS = ("rotary_embedding", "per_token_group_quant_fp8", "merge_attn_states")
+from conftest import family_ops  # noqa: E402
+
+# the TileLang ops of this file's modules, one family each
+OPS = tuple(op for m in (rope, quant, attention) for op in family_ops(m.__name__.rsplit(".", 1)[1], Backend.TILELANG))
 INF = float("inf")
 # The H200 benchmark shapes' keys: rope neox 32+8 heads x 128 bf16, quant 7168 g128 bf16, merge 32 x 128 bf16.
 BENCH_KEYS = {rope: (32, 8, 128, 128, True, "bfloat16", "float32", "int64", 2, True),
