@@ -376,7 +376,7 @@ def test_triton_split_rows_skip_the_streaming_pass(monkeypatch):
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a GPU or Triton's interpreter")
-@pytest.mark.parametrize("op", [SAMPLING, "top_k_renorm_probs"])
+@pytest.mark.parametrize("op", [op for op in OPS if "top_k" in arg_names(op)])  # the top-k route
 def test_triton_split_prepass_matches_reference(op):
     """The split prepass against the reference: the rows of ``_split_rows`` (split: k <= 16, exact
     zeros, a slice of ties below t_k, odd values; falling back: k beyond the slots of a slice, k beyond
@@ -511,7 +511,7 @@ def test_triton_histogram_route_keeps_its_contract():
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a GPU or Triton's interpreter")
-@pytest.mark.parametrize("op", ["top_p_renorm_probs", SAMPLING])
+@pytest.mark.parametrize("op", [op for op in OPS if "top_p" in arg_names(op)])  # the top-p route
 def test_triton_histogram_route_matches_reference(op):
     """The histogram route (and its fallback) against the reference: the rows of ``_hist_rows``, with
     top-k keeping all (0, V, negative) beside rows that top-k cuts (split or not: they take the other
