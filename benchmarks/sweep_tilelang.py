@@ -1,21 +1,22 @@
 """Launch-parameter sweeps of TileLang kernels on a CUDA GPU, beside the Triton backend and
-FlashInfer's API in the same run: where the constants of ``impl/tilelang/norm.py``
-(``_ELEMENTS_PER_THREAD``, ``_THIRTY_TWO_A_THREAD``, ``_PREFETCH_WEIGHT``, ``_TILE_EXACTLY``),
-``impl/tilelang/attention.py`` (``_PER_THREAD``, ``_THREADS``), ``impl/tilelang/rope.py``
-(``_BLOCK_THREADS``), ``impl/tilelang/activation.py`` (``_FAST_MATH``, ``_WIDE_PER_THREAD``, ``_TANH_APPROX``)
-and ``_jit.dependent_launch`` come from; ``--only tanh`` measures the error of the activations' tanh.approx form.
+FlashInfer's API in the same run: where the launch configurations of ``impl/tilelang/norm.py``
+(``NormConfig``), ``impl/tilelang/attention.py`` (``MergeConfig``), ``impl/tilelang/rope.py``
+(``RopeConfig``), ``impl/tilelang/activation.py`` (``ActivationConfig``) and their early trigger
+(``_jit.LaunchConfig``) come from; ``--only tanh`` measures the error of the activations' tanh.approx form.
 
     python benchmarks/sweep_tilelang.py --out results/sweep.json
 
-Each variant is built with the module's constants patched, compiled (nvcc in parallel threads), checked
-against the reference on random bf16 inputs, then timed by CUDA-graph replay, every implementation of a
-shape in 5 interleaved rounds (the median kept); GB/s = bytes read + written over device time, against
-a device-to-device copy measured in the same run. What the sweeps decided, and the variants tried
-before these: ``docs/design/<family>.md`` and ``docs/design/tilelang.md``.
+Each variant is the launcher's configuration (``for_shape``) with some fields replaced, compiled (nvcc
+in parallel threads), checked against the reference on random bf16 inputs, then timed by CUDA-graph
+replay, every implementation of a shape in 5 interleaved rounds (the median kept); GB/s = bytes read +
+written over device time, against a device-to-device copy measured in the same run. What the sweeps
+decided, and the variants tried before these: ``docs/design/<family>.md`` and
+``docs/design/tilelang.md``.
 """
 
 import argparse
 import concurrent.futures
+import dataclasses
 import itertools
 import os
 import sys
@@ -37,46 +38,24 @@ from torch_kernels.impl.triton import rope as tr_rope  # noqa: E402
 ROUNDS = 5  # interleaved timing rounds, the median kept
 NORM_SHAPES = tuple((t, n) for n in (4096, 8192) for t in (1, 128, 512, 1024, 4096))
 NORM_OPS = ("rmsnorm", "fused_add_rmsnorm")
-# label -> the module constants it patches (names starting DEEPINFER_: environment variables; "streamed":
-# the many-token kernel, norm._build_streamed); the early trigger's variants (docs/design/tilelang.md).
-NORM_VARIANTS = {"tilelang, one pass": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False},
-                 "tilelang, always early trigger": {"_jit.NO_TRIGGER_BYTES": (0, 0)}}
+# label -> the config fields it replaces ("streamed": the many-token kernel, norm._build_streamed); the
+# early trigger's variants (docs/design/tilelang.md).
+NORM_VARIANTS = {"tilelang, one pass": {}, "tilelang, no early trigger": {"early_trigger": False},
+                 "tilelang, always early trigger": {"no_trigger_bytes": (0, 0)}}
 MERGE_TOKENS = (1, 256, 512, 4096)
-MERGE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False},  # label -> constants
-                  "tilelang, always early trigger": {"_jit.NO_TRIGGER_BYTES": (0, 0)}}
+MERGE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"early_trigger": False},  # label -> config fields
+                  "tilelang, always early trigger": {"no_trigger_bytes": (0, 0)}}
 ROPE_TOKENS = (1, 256, 512, 4096)
-ROPE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False},
-                 "tilelang, always early trigger": {"_jit.NO_TRIGGER_BYTES": (0, 0)}}
+ROPE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"early_trigger": False},
+                 "tilelang, always early trigger": {"no_trigger_bytes": (0, 0)}}
 ACT_SHAPES = tuple((t, d) for d in (4096, 7168, 8192) for t in (1, 32, 512, 1024, 2048, 4096, 16384))  # (tokens, d)
 ACT_KINDS = ("silu", "gelu_tanh")
-# label -> constants, "per_thread": the kernel's outputs a thread (else the launcher's, activation._per_thread):
-# the tanh forms, blocks and outputs a thread of docs/design/activation.md.
-ACT_VARIANTS = {"tilelang": {}, "tilelang, sigmoid form": {"_TANH_APPROX": {}},
-                "tilelang, tanh.approx": {"_TANH_APPROX": {"silu": ("bfloat16",), "gelu_tanh": ("bfloat16",)}},
-                "tilelang, 1024 threads": {"_THREADS": 1024}, "tilelang, 16 a thread": {"per_thread": 16},
-                "tilelang, no early trigger": {"_jit.EARLY_TRIGGER": False}}
-
-
-def _patched(module, values: dict, build, *key):
-    """``build(*key)`` with the module constants in ``values`` patched (names in capitals starting
-    with DEEPINFER_ are environment variables instead, names starting ``_jit.`` constants of _jit)."""
-    env = {k: v for k, v in values.items() if k.startswith("DEEPINFER_")}
-    consts = {(_jit, k[5:]) if k.startswith("_jit.") else (module, k): v for k, v in values.items() if k not in env}
-    old = {(m, k): getattr(m, k) for m, k in consts}
-    old_env = {k: os.environ.get(k) for k in env}
-    try:
-        for (m, k), v in consts.items():
-            setattr(m, k, v)
-        os.environ.update(env)
-        return build(*key)
-    finally:
-        for (m, k), v in old.items():
-            setattr(m, k, v)
-        for k, v in old_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+# label -> config fields (else the launcher's, ActivationConfig.for_shape): the tanh forms, blocks and
+# outputs a thread of docs/design/activation.md.
+ACT_VARIANTS = {"tilelang": {}, "tilelang, sigmoid form": {"tanh_approx": False},
+                "tilelang, tanh.approx": {"tanh_approx": True},
+                "tilelang, 1024 threads": {"threads": 1024}, "tilelang, 16 a thread": {"per_thread": 16},
+                "tilelang, no early trigger": {"early_trigger": False}}
 
 
 def _compile_all(funcs: dict) -> dict:
@@ -96,10 +75,13 @@ def norm_rows(ceiling: float) -> list:
     import flashinfer.norm
 
     keys = set(itertools.product({n for _, n in NORM_SHAPES}, NORM_OPS, NORM_VARIANTS))
-    prims = {(n, op, label): _patched(tl_norm, {k: v for k, v in NORM_VARIANTS[label].items() if k != "streamed"},
-                                      tl_norm._build, n, "bfloat16", "bfloat16", "fused" in op, op.startswith("gemma"),
-                                      NORM_VARIANTS[label].get("streamed", False))
-             for n, op, label in keys}
+
+    def prim(n, op, label):
+        fields = {k: v for k, v in NORM_VARIANTS[label].items() if k != "streamed"}
+        config = dataclasses.replace(tl_norm.NormConfig.for_shape(n, "bfloat16", "fused" in op), **fields)
+        return tl_norm._build(n, "bfloat16", "bfloat16", "fused" in op, op.startswith("gemma"),
+                              NORM_VARIANTS[label].get("streamed", False), config=config)
+    prims = {(n, op, label): prim(n, op, label) for n, op, label in keys}
     fns = _compile_all(prims)
     rows = []
     for (tokens, n), op in itertools.product(NORM_SHAPES, NORM_OPS):
@@ -139,8 +121,9 @@ def norm_rows(ceiling: float) -> list:
 
 def merge_rows(ceiling: float) -> list:
     heads, head_size = 32, 128
-    prims = {label: _patched(tl_merge, patch, tl_merge._build, heads, head_size, "bfloat16", True)
-             for label, patch in MERGE_VARIANTS.items()}
+    key = (heads, head_size, "bfloat16", True)
+    prims = {label: tl_merge._build(*key, config=dataclasses.replace(tl_merge.MergeConfig.for_shape(*key), **fields))
+             for label, fields in MERGE_VARIANTS.items()}
     fns = _compile_all(prims)
     rows = []
     for tokens in MERGE_TOKENS:
@@ -176,7 +159,8 @@ def merge_rows(ceiling: float) -> list:
 
 def rope_rows(ceiling: float) -> list:
     key = (32, 8, 128, 128, True, "bfloat16", "float32", "int64", 2, True)  # cases' rope shape, aligned
-    prims = {label: _patched(tl_rope, patch, tl_rope._build, *key) for label, patch in ROPE_VARIANTS.items()}
+    prims = {label: tl_rope._build(*key, config=dataclasses.replace(tl_rope.RopeConfig.for_shape(*key), **fields))
+             for label, fields in ROPE_VARIANTS.items()}
     fns = _compile_all(prims)
     rows = []
     for tokens in ROPE_TOKENS:
@@ -219,7 +203,7 @@ def _of_tolerance(got, exact) -> float:
 
 
 def tanh_rows(ceiling: float) -> list:
-    """The error of the activations' two forms (``activation._TANH_APPROX``: tanh.approx, or the sigmoid
+    """The error of the activations' two forms (``ActivationConfig.tanh_approx``: tanh.approx, or the sigmoid
     by ex2 and rcp) at every bf16 gate value of size 2^-8 to 16, up half 1: the largest error over |g| (the
     rounding to bf16 is relative to the output's own size), the largest in ulps of the output (the rounding
     alone: half an ulp) and where it occurs, how many outputs are more than an ulp off, and the largest as
@@ -231,9 +215,10 @@ def tanh_rows(ceiling: float) -> list:
     rows = []
     for act in ("silu", "gelu_tanh"):
         exact = _exact(act, x)
-        forms = {"tanh.approx": {act: ("bfloat16",)}, "sigmoid form": {}}
-        fns = _compile_all({label: _patched(tl_act, {"_TANH_APPROX": forms[label]}, tl_act._build, d, "bfloat16", act)
-                            for label in forms})
+        base = tl_act.ActivationConfig.for_shape("bfloat16", act, 1)
+        forms = {"tanh.approx": True, "sigmoid form": False}
+        fns = _compile_all({label: tl_act._build(d, "bfloat16", act, config=dataclasses.replace(base, tanh_approx=on))
+                            for label, on in forms.items()})
         for label, fn in [("reference", None), *fns.items()]:
             if isinstance(fn, str):
                 rows.append({"op": f"{act}_and_mul", "impl": label, "status": fn})
@@ -257,16 +242,15 @@ def act_rows(ceiling: float) -> list:
     import flashinfer.activation
 
     acts = ACT_KINDS
-    def per_thread(label, act, tokens):
-        return ACT_VARIANTS[label].get("per_thread") or tl_act._per_thread(act, tokens)
 
-    prims = {(d, act, label, per_thread(label, act, tokens)):
-             _patched(tl_act, {k: v for k, v in ACT_VARIANTS[label].items() if k != "per_thread"}, tl_act._build,
-                      d, "bfloat16", act, per_thread(label, act, tokens))
-             for (tokens, d) in ACT_SHAPES for act in acts for label in ACT_VARIANTS}
+    def config(label, act, tokens):
+        return dataclasses.replace(tl_act.ActivationConfig.for_shape("bfloat16", act, tokens), **ACT_VARIANTS[label])
+
+    configs = {(tokens, d, act, label): config(label, act, tokens)
+               for (tokens, d) in ACT_SHAPES for act in acts for label in ACT_VARIANTS}
+    prims = {(d, act, c): tl_act._build(d, "bfloat16", act, config=c) for (_, d, act, _), c in configs.items()}
     fns = _compile_all(prims)
-    fns = {(tokens, d, act, label): fns[(d, act, label, per_thread(label, act, tokens))]
-           for (tokens, d) in ACT_SHAPES for act in acts for label in ACT_VARIANTS}
+    fns = {k: fns[(k[1], k[2], c)] for k, c in configs.items()}
     rows = []
     for (tokens, d), act in itertools.product(ACT_SHAPES, acts):
         x = torch.randn(tokens, 2 * d, device="cuda", dtype=torch.bfloat16) * 2

@@ -307,7 +307,7 @@ def test_served_calls_match_the_reference(op, dtype, tilelang_entry):
         _run_and_compare(op, *_inputs(op, shape, dtype, weight_dtype))
         published = fast_path.counters()
         assert published["passed_on"] == before["passed_on"] + 1 and published["signatures"] == before["signatures"] + 1
-        streamed_from = norm._streamed_from(shape[-1], dtype, op in FUSED)
+        streamed_from = norm.NormConfig.for_shape(shape[-1], norm._DTYPES[dtype], op in FUSED).streamed_from
         for tokens in (1, 3, 4096, streamed_from + 3):  # both kernels, from the C++ entry
             _run_and_compare(op, *_inputs(op, (tokens, shape[-1]), dtype, weight_dtype))
         after = fast_path.counters()

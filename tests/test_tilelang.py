@@ -15,6 +15,7 @@ against the reference. The numerics over dtypes and awkward shapes are also cove
 """
 
 import concurrent.futures
+import dataclasses
 import importlib
 import itertools
 import importlib.util
@@ -184,8 +185,9 @@ def test_benchmark_shapes_compile_to_16_byte_accesses(family, key, buffers, sm90
 
 
 def test_only_the_bf16_tanh_gelu_takes_tanh_approx(sm90_build):
-    """activation._TANH_APPROX: the bf16 tanh GELU evaluates tanh by one tanh.approx.f32 (no ex2, no
-    rcp); the fp16 one and silu keep the sigmoid form, whose error the tighter tolerances need."""
+    """ActivationConfig.tanh_approx (activation._TANH_APPROX): the bf16 tanh GELU evaluates tanh by one
+    tanh.approx.f32 (no ex2, no rcp); the fp16 one and silu keep the sigmoid form, whose error the
+    tighter tolerances need."""
     kernels = {os.path.basename(k["source"]): k for k in sm90_build["activation"]["kernels"] if k["error"] is None}
     source = {key: open(kernels[f"activation-{key}.cu"]["source"]).read()
               for key in ("14336_bfloat16_gelu_tanh_8", "4864_float16_gelu_tanh_8", "14336_bfloat16_silu_8")}
@@ -202,7 +204,7 @@ def test_the_early_trigger_skips_the_calls_that_sit_in_l2(sm90_build):
     tokens it leaves the trigger to its blocks' exit."""
     kernels = {os.path.basename(k["source"]): k for k in sm90_build["activation"]["kernels"] if k["error"] is None}
     source = open(kernels["activation-14336_bfloat16_silu_8.cu"]["source"]).read()
-    low, high = (-(-limit // (3 * 14336 * 2)) for limit in _jit.NO_TRIGGER_BYTES)
+    low, high = (-(-limit // (3 * 14336 * 2)) for limit in _jit.LaunchConfig().no_trigger_bytes)
     assert (low, high) == (49, 391)
     condition = re.search(r"if \(\(num_tokens < (\d+)\) \|\| \((\d+) <= num_tokens\)\) \{\s*"
                           r"cudaTriggerProgrammaticLaunchCompletion\(\);", source)
@@ -352,6 +354,48 @@ def test_compiled_once_per_key_across_threads(monkeypatch, tmp_path):
         _jit.clear_memo()
 
 
+def test_a_kernel_built_for_one_config_never_serves_another(monkeypatch):
+    """The config record is part of the compile key: the same key under two configs compiles twice,
+    and the builder receives the config it was asked for."""
+    tilelang = pytest.importorskip("tilelang")
+    from torch_kernels.impl.tilelang import norm
+    monkeypatch.setattr(tilelang, "compile", lambda func, target=None, execution_backend=None: object())
+    built = []
+
+    def build(n, config=None):
+        built.append(config)
+        return f"func-{n}"
+    base = norm.NormConfig.for_shape(8192, "bfloat16", True)
+    other = dataclasses.replace(base, prefetch_weight=False)
+    _jit.clear_memo()
+    try:
+        kernels = [_jit.compiled("k", build, 8192, config=c) for c in (base, other, base, None)]
+        assert kernels[0] is kernels[2] and len({id(k) for k in kernels}) == 3
+        assert built == [base, other, None]
+    finally:
+        _jit.clear_memo()
+
+
+def test_launchers_take_the_configs_of_their_heuristics(monkeypatch):
+    """Each launcher compiles under its family's ``for_shape`` (memoised with the host function)."""
+    from torch_kernels.impl.tilelang import activation, norm
+    asked = []
+    monkeypatch.setattr(_jit, "compiled", lambda name, build, *key, config=None: asked.append((key, config)))
+    monkeypatch.setattr(_jit, "entry", lambda kernel: kernel)
+    monkeypatch.setattr(norm, "_functions", {})
+    monkeypatch.setattr(activation, "_functions", {})
+    norm._function(8192, torch.bfloat16, torch.bfloat16, False, False, 1)
+    activation._function(7168, torch.bfloat16, "gelu", 64)
+    config = norm.NormConfig.for_shape(8192, "bfloat16", False)
+    assert asked[:2] == [((8192, "bfloat16", "bfloat16", False, False), config),
+                         ((8192, "bfloat16", "bfloat16", False, False, True), config)]
+    assert config.elements_per_thread == 32 and config.streamed_threads == 256
+    assert asked[2] == ((7168, "bfloat16", "gelu", 16), activation.ActivationConfig.for_shape("bfloat16", "gelu", 64))
+    # the builders' own default (what ci_kernels() compile) is the launchers': one memo entry for both
+    assert all(build.config_for(*key) == config for build, (key, config) in zip(
+        (norm._build, norm._build, activation._build), asked))
+
+
 # --- launcher heuristics --------------------------------------------------------------------------
 
 NORM_SIZES = [1, 2, 3, 8, 64, 96, 100, 128, 257, 1000, 2048, 4096, 5120, 7168, 8192, 12288, 16384, 16385,
@@ -393,6 +437,7 @@ def test_self_check_compiles_tilelang_kernels_from_several_threads(monkeypatch, 
 def test_norm_layouts(dtype):
     from torch_kernels.impl.tilelang import norm
     for n, fused in itertools.product(NORM_SIZES, (False, True)):
+        config = norm.NormConfig.for_shape(n, dtype, fused)
         vec, tr, bm, width = norm._layout(n, dtype, fused)
         assert vec * _jit.ELEMENT_BYTES[dtype] <= 16 and n % vec == 0 and vec & (vec - 1) == 0, n
         assert tr & (tr - 1) == 0 and tr * bm <= norm._MAX_THREADS, n  # the row sum is one butterfly
@@ -402,10 +447,10 @@ def test_norm_layouts(dtype):
             assert width >= n and width - n < tr * vec, n  # one pass, less than a stripe of padding
             assert bm == 1 or tr * bm == norm._BLOCK_THREADS, n
             # at most twice the target a thread, or a row tiled exactly with up to the exact-tiling budget
-            assert per_thread <= 2 * norm._elements_per_thread(n, fused) or (
-                width == n and per_thread <= norm._EXACT_MAX_PER_THREAD), n
+            assert per_thread <= 2 * config.elements_per_thread or (
+                width == n and per_thread <= config.exact_max_per_thread), n
         else:
-            assert bm == 1 and per_thread == norm._ELEMENTS_PER_THREAD, n
+            assert bm == 1 and per_thread == config.elements_per_thread, n
     # the benchmark rows: 256 threads, four 16-byte vectors each; fused, 512 threads with two
     assert norm._layout(8192, "bfloat16") == (8, 256, 1, 8192)
     assert norm._layout(8192, "bfloat16", fused=True) == (8, 512, 1, 8192)
@@ -418,22 +463,22 @@ def test_streamed_norm_thresholds():
     """Every norm takes the streamed kernel from tensors of 128 MB; rmsnorm's rows of 16 KB from 4096
     tokens."""
     from torch_kernels.impl.tilelang import norm
-    assert norm._streamed_from(8192, torch.bfloat16, fused=False) == norm._STREAMED_MIN_TOKENS == 4096
-    assert norm._streamed_from(4096, torch.float32, fused=False) == 4096  # rows of 16 KB
-    assert norm._streamed_from(4096, torch.bfloat16, fused=False) == 16384  # narrower: from 128 MB
-    assert norm._streamed_from(7168, torch.bfloat16, fused=False) == 9363
-    assert norm._streamed_from(4096, torch.bfloat16, fused=True) == 16384
-    assert norm._streamed_from(8192, torch.bfloat16, fused=True) == 8192
-    assert norm._streamed_from(7168, torch.bfloat16, fused=True) == 9363  # ceil(2^27 / 14336)
-    assert norm._streamed_from(4096, torch.float32, fused=True) == 8192
-    assert norm._streamed_from(65536, torch.bfloat16, fused=True) == 4096  # never below rmsnorm's
+    assert norm.NormConfig.for_shape(8192, "bfloat16", False).streamed_from == norm._STREAMED_MIN_TOKENS == 4096
+    assert norm.NormConfig.for_shape(4096, "float32", False).streamed_from == 4096  # rows of 16 KB
+    assert norm.NormConfig.for_shape(4096, "bfloat16", False).streamed_from == 16384  # narrower: from 128 MB
+    assert norm.NormConfig.for_shape(7168, "bfloat16", False).streamed_from == 9363
+    assert norm.NormConfig.for_shape(4096, "bfloat16", True).streamed_from == 16384
+    assert norm.NormConfig.for_shape(8192, "bfloat16", True).streamed_from == 8192
+    assert norm.NormConfig.for_shape(7168, "bfloat16", True).streamed_from == 9363  # ceil(2^27 / 14336)
+    assert norm.NormConfig.for_shape(4096, "float32", True).streamed_from == 8192
+    assert norm.NormConfig.for_shape(65536, "bfloat16", True).streamed_from == 4096  # never below rmsnorm's
 
 
 def test_activation_tiles():
     from torch_kernels.impl.tilelang import activation
     for d, per_thread in itertools.product([1, 2, 3, 5, 8, 100, 128, 200, 257, 1000, 1024, 1536, 4864, 14336, 65536],
-                                           [activation._PER_THREAD, activation._WIDE_PER_THREAD]):
-        tile = per_thread * activation._THREADS
+                                           [activation.ActivationConfig.per_thread, activation._WIDE_PER_THREAD]):
+        tile = per_thread * activation.ActivationConfig.threads
         bm, bn = activation._tile(d, per_thread)
         assert bm * bn == tile and bn & (bn - 1) == 0 and bn >= per_thread, d
         assert bn >= min(d, tile) and (bm == 1 or bn < max(2 * d, 2 * per_thread)), d
@@ -455,15 +500,16 @@ def test_ci_kernels_cover_every_variant():
     assert any(bm > 1 for _, bm in layouts) and any(k[0] > norm._ONE_PASS_MAX for k in keys)
     assert any(norm._vec(k[0], k[1]) == 1 for k in keys)
     streamed = [k for k in keys if len(k) > 5 and k[5]]  # the many-token kernel: one chunk, chunks, masked
-    assert streamed and all(norm._streams(k[0], k[1], k[2], k[3]) for k in streamed)
-    assert {k[0] % (norm._streamed_threads(k[3]) * _jit.lanes(k[1])) == 0 for k in streamed} == {False, True}
+    assert streamed and all(norm._streams(k[0], k[1], k[2], norm.NormConfig.for_shape(k[0], k[1], k[3])) for k in streamed)
+    assert {k[0] % (norm.NormConfig.for_shape(k[0], k[1], k[3]).streamed_threads * _jit.lanes(k[1])) == 0
+            for k in streamed} == {False, True}
     assert {k[3] for k in streamed} == {False, True}
     keys = [key for _, _, key in activation.ci_kernels()]
     assert {k[1] for k in keys} == {"float16", "bfloat16", "float32"}
     assert {k[2] for k in keys} == set(activation._ACTIVATIONS)
     assert any(activation._tile(k[0])[0] > 1 for k in keys) and any(k[0] % activation._tile(k[0])[1] for k in keys)
     assert any(activation._vec(k[0], k[1]) == 1 for k in keys)
-    assert {k[3] for k in keys} == {activation._PER_THREAD, activation._WIDE_PER_THREAD}
+    assert {k[3] for k in keys} == {activation.ActivationConfig.per_thread, activation._WIDE_PER_THREAD}
 
 
 # --- the launchers' contract with the kernels, on CPU ---------------------------------------------
@@ -582,11 +628,11 @@ def test_activation_launchers_keep_the_kernel_contract(op, approximate, layout, 
     reference_of = {"silu": ref.silu_and_mul, "gelu": lambda x: ref.gelu_and_mul(x, "none"),
                     "gelu_tanh": ref.gelu_tanh_and_mul}
 
-    def function(d, dtype, act, per_thread):
+    def function(d, dtype, act, tokens):
         vec = activation._vec(d, activation._DTYPES[dtype])
 
         def host(x, out):
-            assert per_thread == activation._per_thread(act, x.shape[0])
+            assert tokens == x.shape[0]
             calls.append((x, out))
             _check_contract(vec, (x, out), (out,))
             out.copy_(reference_of[act](x))
@@ -672,14 +718,15 @@ def _check_norm(fn, reference, x, w, msg, r=None):
                                      (16384, torch.bfloat16)], ids=str)
 @pytest.mark.parametrize("op", family_ops("norm", Backend.TILELANG))
 def test_streamed_norms_match_the_reference(op, n, dtype):
-    """The many-token kernel (rows read twice with L2 hints), from norm._streamed_from tokens: one chunk
+    """The many-token kernel (rows read twice with L2 hints), from NormConfig.streamed_from tokens: one chunk
     or several, a masked last chunk, strided rows."""
     from torch_kernels.impl.tilelang import norm
     reference = registry.BY_OP[op][Backend.TORCH].load()
     fused = "fused" in op
-    assert norm._streams(n, norm._DTYPES[dtype], norm._DTYPES[dtype], fused)
+    config = norm.NormConfig.for_shape(n, norm._DTYPES[dtype], fused)
+    assert norm._streams(n, norm._DTYPES[dtype], norm._DTYPES[dtype], config)
     for layout in ("contiguous", "stride8"):
-        x = _views((norm._streamed_from(n, dtype, fused), n), dtype, layout, "cuda")
+        x = _views((config.streamed_from, n), dtype, layout, "cuda")
         w = torch.randn(n, device="cuda", dtype=dtype)
         _check_norm(getattr(norm, op), reference, x, w, f"{n} {layout}", _views(x.shape, dtype, layout, "cuda") if fused else None)
     one_pass, streamed = norm._functions[(n, dtype, dtype, fused, op.startswith("gemma"))][:2]

@@ -62,7 +62,7 @@ def test_rope_layouts():
                     lanes, par, iters, tokens = rope._layout(heads, rot_dim, vec)
                     assert lanes * vec == rot_dim // 2
                     assert par * iters >= heads > par * (iters - 1), "every round but the last is full"
-                    assert lanes * par * tokens <= max(rope._BLOCK_THREADS + lanes, lanes) <= 1024
+                    assert lanes * par * tokens <= max(rope.RopeConfig.block_threads + lanes, lanes) <= 1024
     # the benchmark shape: 160-thread blocks of one token, 2 rounds of 20 heads
     assert rope._vec(128, True, "bfloat16") == 8 and rope._layout(40, 128, 8) == (8, 20, 2, 1)
 
@@ -76,7 +76,7 @@ def test_quant_and_merge_layouts():
     assert quant._per_thread(128) == 16 and quant._vec(128, "bfloat16") == 8  # 2 loads, 1 fp8 store of 16 B
     for d in (1, 3, 40, 64, 80, 96, 128, 512, 1500):
         e = attention._per_thread(d)
-        assert d % e == 0 and e & (e - 1) == 0 and e <= attention._PER_THREAD
+        assert d % e == 0 and e & (e - 1) == 0 and e <= attention.MergeConfig.per_thread
         for dtype in ("float16", "bfloat16", "float32"):
             assert e % attention._vec(d, dtype) == 0 and attention._vec(d, dtype) * _jit.ELEMENT_BYTES[dtype] <= 16
 
@@ -90,7 +90,7 @@ def test_ci_kernels_cover_the_variants():
     keys = [k for _, _, k in quant.ci_kernels()]
     assert {k[1] for k in keys} == {"float16", "bfloat16", "float32"} and {64, 128} <= {k[0] for k in keys}
     assert {k[2] for k in keys} == {k[3] for k in keys} == {k[4] for k in keys} == {True, False}
-    assert any(k[0] > 32 * quant._PER_THREAD for k in keys) and BENCH_KEYS[quant] in keys
+    assert any(k[0] > 32 * quant.QuantConfig.per_thread for k in keys) and BENCH_KEYS[quant] in keys
     keys = [k for _, _, k in attention.ci_kernels()]
     assert {k[2] for k in keys} == {"float16", "bfloat16", "float32"} and {k[3] for k in keys} == {True, False}
     assert any(attention._vec(k[1], k[2]) * _jit.ELEMENT_BYTES[k[2]] < 16 for k in keys)

@@ -2,7 +2,8 @@
 
 Every family builds its ``T.prim_func`` with a symbolic token dimension (``T.dynamic``), so one compiled
 kernel serves every batch size. ``compiled(name, build, *key)`` compiles it once per key (hidden size,
-dtype, flags) and process, thread-safe (different keys compile concurrently, nvcc being a subprocess).
+dtype, flags), launch configuration (a frozen :class:`LaunchConfig`) and process, thread-safe (different
+keys compile concurrently, nvcc being a subprocess).
 ``tilelang.compile`` keeps the binary under ``TILELANG_CACHE_DIR`` (default ``~/.tilelang/cache``),
 published atomically and checked on load (``tilelang/cache/kernel_cache.py``, 0.1.15), so a later
 process loads it: 0.1 s against 2.5-3 s compiling, on the H200 host. The first compile of each kernel
@@ -20,7 +21,8 @@ import os
 import re
 import threading
 import time
-from typing import Any, Callable, Dict, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ... import reporting
 
@@ -36,8 +38,8 @@ EXECUTION_BACKEND = "tvm_ffi"
 #: Bytes per element of the data dtypes the kernels take.
 ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
-_kernels: Dict[Tuple[str, tuple], Any] = {}
-_key_locks: Dict[Tuple[str, tuple], threading.Lock] = {}
+_kernels: Dict[Tuple[str, tuple, Any], Any] = {}  # (name, key, config) -> kernel
+_key_locks: Dict[Tuple[str, tuple, Any], threading.Lock] = {}
 _lock = threading.Lock()
 
 
@@ -60,17 +62,27 @@ EARLY_TRIGGER = True
 NO_TRIGGER_BYTES = (4 << 20, 32 << 20)
 
 
-def triggers_early(tokens: Any, bytes_per_token: Any) -> Any:
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The knobs every family's launch configuration carries (a frozen record, part of the compile key:
+    :func:`compiled`'s ``config``); each family's subclass adds its own and a heuristic, ``for_shape``."""
+
+    early_trigger: bool = EARLY_TRIGGER
+    no_trigger_bytes: Tuple[int, int] = NO_TRIGGER_BYTES
+
+
+def triggers_early(tokens: Any, bytes_per_token: Any, config: Optional[LaunchConfig] = None) -> Any:
     """Whether a kernel calls ``T.pdl_trigger()`` right after its ``T.pdl_sync()``: ``False`` without
-    :data:`EARLY_TRIGGER` or :func:`dependent_launch`, else the condition over its runtime token count
+    ``config.early_trigger`` or :func:`dependent_launch`, else the condition over its runtime token count
     that the bytes it moves (``bytes_per_token``: an int or a TIR expression) lie outside
-    :data:`NO_TRIGGER_BYTES`."""
-    if not (EARLY_TRIGGER and dependent_launch()):
+    ``config.no_trigger_bytes`` (``config``: the kernel's :class:`LaunchConfig`, default the defaults)."""
+    config = config or LaunchConfig()
+    if not (config.early_trigger and dependent_launch()):
         return False
     import tilelang.language as T
 
     moved = T.cast(tokens, "int64") * bytes_per_token
-    low, high = NO_TRIGGER_BYTES
+    low, high = config.no_trigger_bytes
     return T.Or(moved < low, moved >= high)
 
 
@@ -142,24 +154,30 @@ def in_bounds(num_tokens: Any, block_rows: int, n: int, tile: int) -> Callable[[
     return live
 
 
-def compiled(name: str, build: Callable[..., Any], *key: Any) -> Any:
-    """The kernel ``build(*key)`` compiled for :func:`target` (``key``: hashable specialisation values).
-    Thread-safe; compiles at most once per process and key."""
-    kernel = _kernels.get((name, key))
+def compiled(name: str, build: Callable[..., Any], *key: Any, config: Optional[LaunchConfig] = None) -> Any:
+    """The kernel ``build(*key, config=config)`` compiled for :func:`target` (``key``: hashable
+    specialisation values; ``config`` default ``build.config_for(*key)``, the launcher's heuristic, where
+    the builder has one). Thread-safe; compiles at most once per process, key and config (a kernel built
+    for one config never serves another)."""
+    if config is None and hasattr(build, "config_for"):
+        config = build.config_for(*key)
+    memo = (name, key, config)
+    kernel = _kernels.get(memo)
     if kernel is not None:
         return kernel
     with _lock:
-        key_lock = _key_locks.setdefault((name, key), threading.Lock())
+        key_lock = _key_locks.setdefault(memo, threading.Lock())
     with key_lock:
-        kernel = _kernels.get((name, key))
+        kernel = _kernels.get(memo)
         if kernel is None:
             import tilelang
 
             _quiet(tilelang)
             start = time.perf_counter()
-            kernel = tilelang.compile(build(*key), target=target(), execution_backend=EXECUTION_BACKEND)
+            prim = build(*key) if config is None else build(*key, config=config)
+            kernel = tilelang.compile(prim, target=target(), execution_backend=EXECUTION_BACKEND)
             seconds = time.perf_counter() - start
-            _kernels[(name, key)] = kernel
+            _kernels[memo] = kernel
             _trace_compile(name, key, seconds)
     return kernel
 
@@ -187,7 +205,8 @@ def entry(kernel: Any) -> Callable[..., Any]:
 
 def host_functions(name: str, build: Callable[..., Any]) -> Callable[..., Any]:
     """``function(*key)``: :func:`entry` of ``compiled(name, build, *key)``, kept per key (its dict is
-    ``function.cache``): a launcher's per-call lookup after the first call."""
+    ``function.cache``; the builder's ``config_for`` runs once per key): a launcher's per-call lookup
+    after the first call."""
     cache: Dict[tuple, Any] = {}
 
     def function(*key: Any) -> Any:

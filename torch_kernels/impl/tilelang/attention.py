@@ -17,7 +17,8 @@ back exactly, never NaN; both empty gives ``v_a`` and ``-inf``. Partials whose s
 are not multiples of the vector are read value by value by a second kernel of the same shape.
 """
 
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import tilelang.language as T
 import torch
@@ -27,31 +28,48 @@ from . import _jit
 
 _NAME = "merge_attn_states"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# Values a thread merges (at most): 16 puts two 16-byte vectors of each bf16 partial in flight
-# (4287 GB/s at 16384x32x128, 4 a thread 3245; docs/design/attention.md).
-_PER_THREAD = 16
-_THREADS = 256
+
+
+@dataclass(frozen=True)
+class MergeConfig(_jit.LaunchConfig):
+    """How a merge kernel is launched; :meth:`for_shape` is what the launcher uses."""
+
+    # Values a thread merges (at most): 16 puts two 16-byte vectors of each bf16 partial in flight
+    # (4287 GB/s at 16384x32x128, 4 a thread 3245; docs/design/attention.md).
+    per_thread: int = 16
+    threads: int = 256
+
+    @classmethod
+    def for_shape(cls, *key) -> "MergeConfig":
+        """The launcher's configuration for a key of :func:`_build`: the same for every shape (the
+        launcher's alignment test and launch split read its values)."""
+        return cls()
+
+
+_DEFAULT = MergeConfig.for_shape()
 _INF = float("inf")
 # (token, head, lane) threads per launch: the flat thread index is a 32-bit integer.
-_MAX_THREADS = 2**31 - 1 - _THREADS
+_MAX_THREADS = 2**31 - 1 - _DEFAULT.threads
 # The partials' loads take no L2 hint: evict_first lost (3957 against 4317 GB/s at 16384x32x128).
 
 
-def _per_thread(head_size: int) -> int:
-    """Values per thread: the largest power of two up to :data:`_PER_THREAD` dividing the head size."""
-    return min(_PER_THREAD, head_size & -head_size)
+def _per_thread(head_size: int, config: MergeConfig = _DEFAULT) -> int:
+    """Values per thread: the largest power of two up to ``config.per_thread`` dividing the head size."""
+    return min(config.per_thread, head_size & -head_size)
 
 
-def _vec(head_size: int, dtype: str) -> int:
+def _vec(head_size: int, dtype: str, config: MergeConfig = _DEFAULT) -> int:
     """Values per access: 16 bytes, or what the head size allows."""
-    return min(_per_thread(head_size), _jit.lanes(dtype))
+    return min(_per_thread(head_size, config), _jit.lanes(dtype))
 
 
-def _build(num_heads: int, head_size: int, dtype: str, aligned: bool):
+def _build(num_heads: int, head_size: int, dtype: str, aligned: bool, config: Optional[MergeConfig] = None):
+    config = config or MergeConfig.for_shape()
+    THREADS = config.threads
     pdl = _jit.dependent_launch()
     H, D = num_heads, head_size
-    E = _per_thread(D)
-    VEC = _vec(D, dtype)
+    E = _per_thread(D, config)
+    VEC = _vec(D, dtype, config)
     LANES = D // E
     # Aligned partials load VEC values at a time; the others value by value (a vector at an address
     # off its size faults). The output is a fresh contiguous tensor: always vectors.
@@ -81,13 +99,13 @@ def _build(num_heads: int, head_size: int, dtype: str, aligned: bool):
                 T.assume(sb_h % VEC == 0)
         a_ = T.view(v_a, strides=(sa_t // VEC * VEC, sa_h // VEC * VEC, 1) if aligned else (sa_t, sa_h, 1))
         b_ = T.view(v_b, strides=(sb_t // VEC * VEC, sb_h // VEC * VEC, 1) if aligned else (sb_t, sb_h, 1))
-        with T.Kernel(T.ceildiv(Tn * (H * LANES), _THREADS), threads=_THREADS) as block:
+        with T.Kernel(T.ceildiv(Tn * (H * LANES), THREADS), threads=THREADS) as block:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
             # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-            if _jit.triggers_early(Tn, num_heads * (3 * head_size * _jit.ELEMENT_BYTES[dtype] + 12)):
+            if _jit.triggers_early(Tn, num_heads * (3 * head_size * _jit.ELEMENT_BYTES[dtype] + 12), config):
                 T.pdl_trigger()
-            item = block * _THREADS + T.get_thread_binding()  # (token, head, lane), flat
+            item = block * THREADS + T.get_thread_binding()  # (token, head, lane), flat
             t = T.alloc_var("int32")
             h = T.alloc_var("int32")
             lane = T.alloc_var("int32")
@@ -134,6 +152,7 @@ def _build(num_heads: int, head_size: int, dtype: str, aligned: bool):
 # Launcher: the reference's signature. Per call after the first: the outputs, an alignment test,
 # one dict lookup for the compiled host function (``_jit.entry``), the call.
 
+_build.config_for = MergeConfig.for_shape  # type: ignore[attr-defined]  # what _jit.compiled builds under
 _function = _jit.host_functions(_NAME, _build)  # key of _build -> compiled host function
 _functions = _function.cache
 

@@ -8,11 +8,12 @@ dtype. One kernel per (N, dtype, weight dtype, fused, gemma); the token count is
 (``T.dynamic``), so a batch-size change never compiles again.
 
 Each row is spread over ``TR`` threads (a power of two, so the sum of squares is one butterfly
-all-reduce), about :func:`_elements_per_thread` elements each in 16-byte vectors; short rows share a
+all-reduce), about ``NormConfig.elements_per_thread`` elements each in 16-byte vectors; short rows share a
 block of :data:`_BLOCK_THREADS` threads. The row is padded to ``TR * VEC * k`` columns and the tail is
 masked, so odd hidden sizes take the same path with narrower vectors. Rows of up to
 :data:`_ONE_PASS_MAX` elements are read once and kept in registers; wider ones are summed in a first
-pass and re-read (from L2) in a second, in chunks of ``_CHUNK_THREADS * _ELEMENTS_PER_THREAD``.
+pass and re-read (from L2) in a second, in chunks of ``_CHUNK_THREADS * elements_per_thread``.
+The launch knobs are a :class:`NormConfig`, part of the compile key; :meth:`NormConfig.for_shape` picks them.
 Many-token calls take a second, streamed kernel (:func:`_build_streamed`) whose loads carry L2 hints.
 
 Data pointers not 16-byte aligned (a view at an odd offset), or row strides that are not a multiple of
@@ -20,7 +21,8 @@ the vector, are rare: the launcher then runs the kernel on aligned copies, with 
 """
 
 import math
-from typing import Iterator, Tuple
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
 
 import tilelang.language as T
 import torch
@@ -32,10 +34,6 @@ from . import _jit
 _NAME = "rmsnorm"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
 # Design notes and the measurements behind each constant: docs/design/norm.md (H200, bf16).
-# 16 values a thread: the Triton warp sweep peaked there (8192 over 16 warps 0.974 of copy).
-_ELEMENTS_PER_THREAD = 16
-# 32 a thread where it measured faster: rmsnorm 16384x8192 4058 against 3958 GB/s.
-_THIRTY_TWO_A_THREAD = {(8192, False), (4096, True)}  # (hidden size, fused)
 _MAX_THREADS = 1024
 # Short rows (TR < 128 threads) share a block of 128 threads, several rows to it.
 _BLOCK_THREADS = 128
@@ -43,39 +41,62 @@ _BLOCK_THREADS = 128
 _ONE_PASS_MAX = 16384
 # Wider rows: two passes over 8192-value chunks; 512 threads do not spill where 1024 did (131072).
 _CHUNK_THREADS = 512
-# Load the weight before the row's barrier: 4035 against 4005 GB/s at 16384x8192 (padded rows lose).
-_PREFETCH_WEIGHT = True
-# Fewer threads that tile the row exactly instead of padding: 1.92 against 2.38 µs at one token of 7168.
-_TILE_EXACTLY = True
-_EXACT_MAX_PER_THREAD = 64
+
+
+@dataclass(frozen=True)
+class NormConfig(_jit.LaunchConfig):
+    """How a norm kernel is launched; :meth:`for_shape` is what the launchers use."""
+
+    # 16 values a thread: the Triton warp sweep peaked there (8192 over 16 warps 0.974 of copy).
+    elements_per_thread: int = 16
+    # Fewer threads that tile the row exactly instead of padding: 1.92 against 2.38 µs at one token of 7168.
+    tile_exactly: bool = True
+    exact_max_per_thread: int = 64
+    # Load the weight before the row's barrier: 4035 against 4005 GB/s at 16384x8192 (padded rows lose).
+    prefetch_weight: bool = True
+    # The token count from which the streamed kernel serves (where :func:`_streams`).
+    streamed_from: int = 4096
+    # Threads of the streamed kernel's block: fused 512; rmsnorm 256, row kept in registers (4190 GB/s at
+    # 16384x8192; re-read at 512: 3890).
+    streamed_threads: int = 512
+    # First-pass loads evict_last: evict_first lost from 8192 tokens (3961 against 4198 GB/s, fused 16384x8192).
+    first_pass_hint: str = "evict_last"
+
+    @classmethod
+    def for_shape(cls, n: int, dtype: str, fused: bool) -> "NormConfig":
+        """The launchers' configuration for rows of ``n`` elements of ``dtype`` (a name), fused or not."""
+        row_bytes = n * getattr(torch, dtype).itemsize
+        if not fused and row_bytes >= _STREAMED_WIDE_ROW_BYTES:
+            streamed_from = _STREAMED_MIN_TOKENS
+        else:
+            streamed_from = max(_STREAMED_MIN_TOKENS, -(-_STREAMED_MIN_BYTES // row_bytes))
+        return cls(elements_per_thread=32 if (n, fused) in _THIRTY_TWO_A_THREAD else 16,
+                   streamed_from=streamed_from, streamed_threads=512 if fused else 256)
+
+
+# 32 a thread where it measured faster: rmsnorm 16384x8192 4058 against 3958 GB/s.
+_THIRTY_TWO_A_THREAD = {(8192, False), (4096, True)}  # (hidden size, fused)
 # The streamed kernel from 4096 tokens and 128 MB a tensor, rmsnorm's 16 KB rows from 4096 tokens:
 # fused 16384x8192 4198 against 4052 GB/s one-pass, rmsnorm 4254 against 4150; below, one pass wins.
 _STREAMED_MIN_TOKENS = 4096
 _STREAMED_MIN_BYTES = 128 << 20
 _STREAMED_WIDE_ROW_BYTES = 16 << 10
-_STREAMED_THREADS = 512
-# First-pass loads evict_last: evict_first lost from 8192 tokens (3961 against 4198 GB/s, fused 16384x8192).
-_FIRST_PASS_HINT = "evict_last"
-# rmsnorm streamed at 256 threads, row kept in registers: 4190 GB/s at 16384x8192 (re-read at 512: 3890).
-_STREAMED_RMSNORM_THREADS = 256
 
 
 _vec = _jit.vector_width
 
 
-def _elements_per_thread(n: int, fused: bool) -> int:
-    return 32 if (n, fused) in _THIRTY_TWO_A_THREAD else _ELEMENTS_PER_THREAD
-
-
-def _layout(n: int, dtype: str, fused: bool = False) -> Tuple[int, int, int, int]:
+def _layout(n: int, dtype: str, fused: bool = False, config: Optional[NormConfig] = None) -> Tuple[int, int, int, int]:
     """``(VEC, TR, BM, WIDTH)``: vector width, threads per row (a power of two), rows per block, and
-    columns a pass covers (the padded row, or a chunk of it when the row is wider than one pass)."""
+    columns a pass covers (the padded row, or a chunk of it when the row is wider than one pass);
+    ``config`` default :meth:`NormConfig.for_shape`."""
+    config = config or NormConfig.for_shape(n, dtype, fused)
     vec = _vec(n, dtype)
     if n > _ONE_PASS_MAX:
-        return vec, _CHUNK_THREADS, 1, _CHUNK_THREADS * _ELEMENTS_PER_THREAD
-    tr = default = 1 << min(max(round(math.log2(n / _elements_per_thread(n, fused))), 0), _MAX_THREADS.bit_length() - 1)
-    if _TILE_EXACTLY:
-        while n % (tr * vec) and tr > 1 and 2 * n <= tr * _EXACT_MAX_PER_THREAD:
+        return vec, _CHUNK_THREADS, 1, _CHUNK_THREADS * config.elements_per_thread
+    tr = default = 1 << min(max(round(math.log2(n / config.elements_per_thread)), 0), _MAX_THREADS.bit_length() - 1)
+    if config.tile_exactly:
+        while n % (tr * vec) and tr > 1 and 2 * n <= tr * config.exact_max_per_thread:
             tr //= 2
         if n % (tr * vec):  # no power of two tiles the row within the register budget
             tr = default
@@ -83,11 +104,15 @@ def _layout(n: int, dtype: str, fused: bool = False) -> Tuple[int, int, int, int
     return vec, tr, max(1, _BLOCK_THREADS // tr), -(-n // step) * step
 
 
-def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, streamed: bool = False):
+def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, streamed: bool = False,
+           config: Optional[NormConfig] = None):
+    """The one-pass kernel (the streamed one with ``streamed``) under ``config`` (default
+    :meth:`NormConfig.for_shape`)."""
+    config = config or NormConfig.for_shape(n, dtype, fused)
     if streamed:
-        return _build_streamed(n, dtype, fused, gemma)
+        return _build_streamed(n, dtype, fused, gemma, config)
     pdl = _jit.dependent_launch()
-    VEC, TR, BM, WIDTH = _layout(n, dtype, fused)
+    VEC, TR, BM, WIDTH = _layout(n, dtype, fused, config)
     PASSES = -(-n // WIDTH)
     f32 = "float32"
     num_tokens = T.dynamic("num_tokens")
@@ -114,7 +139,7 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, stre
         w = T.cast(w, f32)
         return w + T.float32(1) if gemma else w
 
-    prefetch = _PREFETCH_WEIGHT and n == WIDTH
+    prefetch = config.prefetch_weight and n == WIDTH
 
     @T.macro
     def normalize(X, R, Wt, O, eps):
@@ -123,7 +148,7 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, stre
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
             # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-            if _jit.triggers_early(num_tokens, _bytes_per_token(n, dtype, fused)):
+            if _jit.triggers_early(num_tokens, _bytes_per_token(n, dtype, fused), config):
                 T.pdl_trigger()
             x = T.alloc_fragment((BM, WIDTH), f32)  # this pass's values of the block's rows
             sq = T.alloc_fragment((BM, WIDTH), f32)  # per-thread sums of squares
@@ -200,27 +225,23 @@ def _bytes_per_token(n: int, dtype: str, fused: bool) -> int:
     return (4 if fused else 2) * n * _jit.ELEMENT_BYTES[dtype]
 
 
-def _streamed_threads(fused: bool) -> int:
-    return _STREAMED_THREADS if fused else _STREAMED_RMSNORM_THREADS
-
-
-def _streams(n: int, dtype: str, weight_dtype: str, fused: bool) -> bool:
-    """Whether rows of ``n`` take :func:`_build_streamed` from :func:`_streamed_from` tokens: rows of
+def _streams(n: int, dtype: str, weight_dtype: str, config: NormConfig) -> bool:
+    """Whether rows of ``n`` take :func:`_build_streamed` from ``config.streamed_from`` tokens: rows of
     whole 16-byte vectors of the input and of the weight (the same dtype), at least one a thread, and
     one pass's width at most."""
     lanes = _jit.lanes(dtype)
-    return weight_dtype == dtype and n % lanes == 0 and _streamed_threads(fused) * lanes <= n <= _ONE_PASS_MAX
+    return weight_dtype == dtype and n % lanes == 0 and config.streamed_threads * lanes <= n <= _ONE_PASS_MAX
 
 
-def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
-    """One row a block of :func:`_streamed_threads` threads: the fused ops in chunks of one 16-byte
+def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool, config: NormConfig):
+    """One row a block of ``config.streamed_threads`` threads: the fused ops in chunks of one 16-byte
     vector a thread (4096 bf16 at 512 threads), as the Triton kernel does from 4096 tokens;
     rmsnorm in one chunk of the row, ``NV`` vectors a thread (4 at 8192 bf16 and 256 threads). The
     first pass sums the squares (and stores the fused ops' rounded residual), the block reduces them
     (warp shuffles, then one value a warp through shared memory), the second pass re-reads the fused
     ops' residual and normalises (rmsnorm: the row it kept in registers)."""
     pdl = _jit.dependent_launch()
-    TR, VEC = _streamed_threads(fused), _jit.lanes(dtype)
+    TR, VEC = config.streamed_threads, _jit.lanes(dtype)
     NV = 1 if fused else -(-n // (TR * VEC))  # vectors a thread a chunk
     CHUNK = NV * TR * VEC
     CHUNKS = -(-n // CHUNK)
@@ -243,7 +264,7 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
             # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-            if _jit.triggers_early(num_tokens, _bytes_per_token(n, dtype, fused)):
+            if _jit.triggers_early(num_tokens, _bytes_per_token(n, dtype, fused), config):
                 T.pdl_trigger()
             T.import_source(_jit.HINTED_LOADS)
             tid = T.get_thread_binding()
@@ -258,9 +279,9 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
                 for k in T.unroll(NV):
                     col = (c * NV + k) * TR * VEC + tid * VEC
                     if live(col):
-                        load16(_FIRST_PASS_HINT, xr[k, 0], X[row, col])
+                        load16(config.first_pass_hint, xr[k, 0], X[row, col])
                         if R is not None:
-                            load16(_FIRST_PASS_HINT, rr[k, 0], R[row, col])
+                            load16(config.first_pass_hint, rr[k, 0], R[row, col])
                 for k in T.unroll(NV):
                     col = (c * NV + k) * TR * VEC + tid * VEC
                     if live(col):
@@ -298,6 +319,14 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
     return _entry(normalize, n, dtype, dtype, fused, VEC, num_tokens, x_stride, r_stride)
 
 
+def _config_for(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, streamed: bool = False) -> NormConfig:
+    """The launchers' config of the kernel of this key."""
+    return NormConfig.for_shape(n, dtype, fused)
+
+
+_build.config_for = _config_for  # type: ignore[attr-defined]  # what _jit.compiled builds under
+
+
 # ----------------------------------------------------------------------------------------------
 # Launchers: the reference's signatures. Per call, after the first: one dict lookup for the
 # compiled host function (its vector width beside it), an alignment test, and the call.
@@ -305,27 +334,20 @@ def _build_streamed(n: int, dtype: str, fused: bool, gemma: bool):
 _functions: dict = {}  # (n, dtype, weight dtype, fused, gemma) -> _kernels' tuple
 
 
-def _streamed_from(n: int, dtype: torch.dtype, fused: bool) -> int:
-    """The token count from which rows of ``n`` take the streamed kernel (where :func:`_streams`)."""
-    row_bytes = n * dtype.itemsize
-    if not fused and row_bytes >= _STREAMED_WIDE_ROW_BYTES:
-        return _STREAMED_MIN_TOKENS
-    return max(_STREAMED_MIN_TOKENS, -(-_STREAMED_MIN_BYTES // row_bytes))
-
-
 def _kernels(n: int, dtype: torch.dtype, weight_dtype: torch.dtype, fused: bool, gemma: bool):
     """``(one-pass host function, streamed one, token count from which the streamed one serves, vector
-    width)`` for these rows (the streamed one is the one-pass one where the rows do not allow it). Both
-    are compiled at the first call, whatever its token count, so that a change of batch size never
-    compiles."""
+    width)`` for these rows under :meth:`NormConfig.for_shape` (the streamed one is the one-pass one where
+    the rows do not allow it). Both are compiled at the first call, whatever its token count, so that a
+    change of batch size never compiles."""
     key = (n, dtype, weight_dtype, fused, gemma)
     found = _functions.get(key)
     if found is None:
         names = _DTYPES[dtype], _DTYPES[weight_dtype]
-        one_pass = streamed = _jit.entry(_jit.compiled(_NAME, _build, n, *names, fused, gemma))
-        if _streams(n, *names, fused):
-            streamed = _jit.entry(_jit.compiled(_NAME, _build, n, *names, fused, gemma, True))
-        found = _functions[key] = (one_pass, streamed, _streamed_from(n, dtype, fused), _vec(n, names[0]))
+        config = NormConfig.for_shape(n, names[0], fused)
+        one_pass = streamed = _jit.entry(_jit.compiled(_NAME, _build, n, *names, fused, gemma, config=config))
+        if _streams(n, *names, config):
+            streamed = _jit.entry(_jit.compiled(_NAME, _build, n, *names, fused, gemma, True, config=config))
+        found = _functions[key] = (one_pass, streamed, config.streamed_from, _vec(n, names[0]))
     return found
 
 

@@ -21,7 +21,8 @@ integers (a NaN propagates); ``scale = __fdiv_rn(amax, 448)``, bit-equal to the 
 which is ``clamp(y, -448, 448).to(float8_e4m3fn)`` bit for bit.
 """
 
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import tilelang.language as T
 import torch
@@ -33,32 +34,49 @@ from . import _jit
 
 _NAME = "per_token_group_quant_fp8"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# 16 values a thread: one 16-byte fp8 store, 32 bytes of bf16 in flight; groups over 512 take
-# group_size / 32, so a group's lanes stay in one warp (docs/design/quant.md).
-_PER_THREAD = 16
-_THREADS = 256
+
+
+@dataclass(frozen=True)
+class QuantConfig(_jit.LaunchConfig):
+    """How a quantisation kernel is launched; :meth:`for_shape` is what the launcher uses."""
+
+    # 16 values a thread: one 16-byte fp8 store, 32 bytes of bf16 in flight; groups over 512 take
+    # group_size / 32, so a group's lanes stay in one warp (docs/design/quant.md).
+    per_thread: int = 16
+    threads: int = 256
+
+    @classmethod
+    def for_shape(cls, *key) -> "QuantConfig":
+        """The launcher's configuration for a key of :func:`_build`: the same for every shape (the
+        launcher's alignment test and launch split read its values)."""
+        return cls()
+
+
+_DEFAULT = QuantConfig.for_shape()
 # Below this eps the reciprocal of the scale may overflow: divide every value instead.
 _EXACT_DIV_EPS = 2.0 ** -100
 # (row, group) pairs per launch: the flat pair index is a 32-bit integer.
-_MAX_PAIRS = 2**31 - 1 - _THREADS
+_MAX_PAIRS = 2**31 - 1 - _DEFAULT.threads
 
 
-def _per_thread(group_size: int) -> int:
-    return max(min(_PER_THREAD, group_size), group_size // 32)
+def _per_thread(group_size: int, config: QuantConfig = _DEFAULT) -> int:
+    return max(min(config.per_thread, group_size), group_size // 32)
 
 
-def _vec(group_size: int, dtype: str) -> int:
+def _vec(group_size: int, dtype: str, config: QuantConfig = _DEFAULT) -> int:
     """Values per access of the input: 16 bytes, or one group when it is smaller."""
-    return min(_per_thread(group_size), _jit.lanes(dtype))
+    return min(_per_thread(group_size, config), _jit.lanes(dtype))
 
 
-def _build(group_size: int, dtype: str, ue8m0: bool, exact_div: bool, aligned: bool):
+def _build(group_size: int, dtype: str, ue8m0: bool, exact_div: bool, aligned: bool, config: Optional[QuantConfig] = None):
+    config = config or QuantConfig.for_shape()
+    THREADS = config.threads
     pdl = _jit.dependent_launch()
     GS = group_size
-    E = _per_thread(GS)
+    E = _per_thread(GS, config)
     LANES = GS // E  # threads a group: a power of two, at most 32
-    VEC = _vec(GS, dtype)
-    GROUPS_PER_BLOCK = _THREADS // LANES
+    VEC = _vec(GS, dtype, config)
+    GROUPS_PER_BLOCK = THREADS // LANES
     # Aligned rows load VEC values at a time; the others value by value (a vector at an address off
     # its size faults). q is a fresh contiguous tensor: always one vector of E values.
     load = T.vectorized if aligned else T.unroll
@@ -84,11 +102,11 @@ def _build(group_size: int, dtype: str, ue8m0: bool, exact_div: bool, aligned: b
         if aligned:
             T.assume(T.Or(Tn <= 1, sx % VEC == 0))
         xa = T.view(x, strides=(sx // VEC * VEC, 1) if aligned else (sx, 1))
-        with T.Kernel(T.ceildiv(Tn * G, GROUPS_PER_BLOCK), threads=_THREADS) as block:
+        with T.Kernel(T.ceildiv(Tn * G, GROUPS_PER_BLOCK), threads=THREADS) as block:
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
             # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-            if _jit.triggers_early(Tn, H * (_jit.ELEMENT_BYTES[dtype] + 1) + G * 4):
+            if _jit.triggers_early(Tn, H * (_jit.ELEMENT_BYTES[dtype] + 1) + G * 4, config):
                 T.pdl_trigger()
             tid = T.get_thread_binding()
             pair = block * GROUPS_PER_BLOCK + tid // LANES  # (row, group), flat
@@ -138,6 +156,7 @@ def _build(group_size: int, dtype: str, ue8m0: bool, exact_div: bool, aligned: b
 # Launcher: the reference's signature. Per call after the first: the outputs, an alignment test,
 # one dict lookup for the compiled host function (``_jit.entry``), the call.
 
+_build.config_for = QuantConfig.for_shape  # type: ignore[attr-defined]  # what _jit.compiled builds under
 _function = _jit.host_functions(_NAME, _build)  # key of _build -> compiled host function
 _functions = _function.cache
 

@@ -17,6 +17,7 @@ shape that moves value by value: every valid call is taken, none compiles per ba
 A position outside the cache reads nothing and rotates by NaN, as the Triton kernel does.
 """
 
+from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
 import tilelang.language as T
@@ -28,8 +29,19 @@ from . import _jit
 _NAME = "rotary_embedding"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _POSITION_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
-# (thread, head) tasks a block aims at: 4008 GB/s at 16384x(32+8)x128, 512: 3716 (docs/design/rope.md).
-_BLOCK_THREADS = 256
+
+
+@dataclass(frozen=True)
+class RopeConfig(_jit.LaunchConfig):
+    """How a rotary-embedding kernel is launched; :meth:`for_shape` is what the launcher uses."""
+
+    # (thread, head) tasks a block aims at: 4008 GB/s at 16384x(32+8)x128, 512: 3716 (docs/design/rope.md).
+    block_threads: int = 256
+
+    @classmethod
+    def for_shape(cls, *key) -> "RopeConfig":
+        """The launcher's configuration for a key of :func:`_build`: the same for every shape."""
+        return cls()
 
 
 def _vec(rot_dim: int, is_neox: bool, dtype: str) -> int:
@@ -40,27 +52,28 @@ def _vec(rot_dim: int, is_neox: bool, dtype: str) -> int:
     return min(widest, half & -half)
 
 
-def _layout(num_heads: int, rot_dim: int, vec: int) -> Tuple[int, int, int, int]:
+def _layout(num_heads: int, rot_dim: int, vec: int, block_threads: int = RopeConfig.block_threads) -> Tuple[int, int, int, int]:
     """(lanes per head, heads rotated side by side, iterations over the head list, tokens per block).
 
-    ``lanes * heads * tokens`` threads a block, about :data:`_BLOCK_THREADS`: the head list is split
+    ``lanes * heads * tokens`` threads a block, about ``block_threads``: the head list is split
     into ``iterations`` rounds of ``heads`` heads, the fewest rounds that fit, so that few slots idle
     (40 heads of 8 lanes: 2 rounds of 20 heads); few heads leave room for several tokens."""
     lanes = rot_dim // 2 // vec
-    iterations = -(-num_heads * lanes // _BLOCK_THREADS)
+    iterations = -(-num_heads * lanes // block_threads)
     heads = -(-num_heads // iterations)
-    tokens = max(1, _BLOCK_THREADS // (lanes * heads))
+    tokens = max(1, block_threads // (lanes * heads))
     return lanes, heads, iterations, tokens
 
 
 def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_neox: bool, dtype: str,
-           cache_dtype: str, positions_dtype: str, rank: int, aligned: bool):
+           cache_dtype: str, positions_dtype: str, rank: int, aligned: bool, config: Optional[RopeConfig] = None):
+    config = config or RopeConfig.for_shape()
     pdl = _jit.dependent_launch()
     HQ, HK, HS, ROT = num_q_heads, num_k_heads, head_size, rot_dim
     HALF = rot_dim // 2
     MOVED = 2 * (HQ + HK) * HS * _jit.ELEMENT_BYTES[dtype] + ROT * _jit.ELEMENT_BYTES[cache_dtype]  # bytes a token
     VEC = _vec(rot_dim, is_neox, dtype)
-    LANES, HPAR, ITER, TPAR = _layout(HQ + HK, rot_dim, VEC)
+    LANES, HPAR, ITER, TPAR = _layout(HQ + HK, rot_dim, VEC, config.block_threads)
     THREADS = LANES * HPAR * TPAR
     # A thread's pairs as loaded: neox, two segments of VEC (x1 half-row then x2 half-row);
     # GPT-J, one segment of 2*VEC values (x1, x2 interleaved). Pair i of the thread is at
@@ -111,7 +124,7 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
             if pdl:  # before any access: see _jit.dependent_launch
                 T.pdl_sync()
             # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
-            if _jit.triggers_early(Tn, MOVED):
+            if _jit.triggers_early(Tn, MOVED, config):
                 T.pdl_trigger()
             tid = T.get_thread_binding()
             t = block * TPAR + tid // (LANES * HPAR)
@@ -162,6 +175,7 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
 # Launcher: the reference's signature. Per call after the first: an alignment test, one dict lookup
 # for the compiled host function (``_jit.entry``: no Python loop over the arguments), the call.
 
+_build.config_for = RopeConfig.for_shape  # type: ignore[attr-defined]  # what _jit.compiled builds under
 _function = _jit.host_functions(_NAME, _build)  # key of _build -> compiled host function
 _functions = _function.cache
 
