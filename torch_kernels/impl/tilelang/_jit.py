@@ -70,6 +70,12 @@ class LaunchConfig:
     early_trigger: bool = EARLY_TRIGGER
     no_trigger_bytes: Tuple[int, int] = NO_TRIGGER_BYTES
 
+    @classmethod
+    def for_shape(cls, *key):
+        """The launcher's configuration for a kernel key: the defaults, for families whose choice does
+        not depend on the shape (those that do override this)."""
+        return cls()
+
 
 def triggers_early(tokens: Any, bytes_per_token: Any, config: Optional[LaunchConfig] = None) -> Any:
     """Whether a kernel calls ``T.pdl_trigger()`` right after its ``T.pdl_sync()``: ``False`` without

@@ -39,12 +39,6 @@ class MergeConfig(_jit.LaunchConfig):
     per_thread: int = 16
     threads: int = 256
 
-    @classmethod
-    def for_shape(cls, *key) -> "MergeConfig":
-        """The launcher's configuration for a key of :func:`_build`: the same for every shape (the
-        launcher's alignment test and launch split read its values)."""
-        return cls()
-
 
 _DEFAULT = MergeConfig.for_shape()
 _INF = float("inf")

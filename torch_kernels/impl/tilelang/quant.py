@@ -45,12 +45,6 @@ class QuantConfig(_jit.LaunchConfig):
     per_thread: int = 16
     threads: int = 256
 
-    @classmethod
-    def for_shape(cls, *key) -> "QuantConfig":
-        """The launcher's configuration for a key of :func:`_build`: the same for every shape (the
-        launcher's alignment test and launch split read its values)."""
-        return cls()
-
 
 _DEFAULT = QuantConfig.for_shape()
 # Below this eps the reciprocal of the scale may overflow: divide every value instead.

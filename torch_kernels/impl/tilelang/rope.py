@@ -38,11 +38,6 @@ class RopeConfig(_jit.LaunchConfig):
     # (thread, head) tasks a block aims at: 4008 GB/s at 16384x(32+8)x128, 512: 3716 (docs/design/rope.md).
     block_threads: int = 256
 
-    @classmethod
-    def for_shape(cls, *key) -> "RopeConfig":
-        """The launcher's configuration for a key of :func:`_build`: the same for every shape."""
-        return cls()
-
 
 def _vec(rot_dim: int, is_neox: bool, dtype: str) -> int:
     """Pairs per thread: one 16-byte access per half-row (neox) or per pair row (GPT-J, two values a
