@@ -527,22 +527,13 @@ def test_first_calls_from_many_threads_select_and_load_once(device, monkeypatch)
     monkeypatch.setattr(spec, "_resolve", counting)
     dispatch.configure(backend=backend)  # fresh slots
     n = 8
-    barrier, results, errors = threading.Barrier(n), [None] * n, []
+    results = [None] * n
     inputs = [tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in _args()) for _ in range(n)]
 
-    def worker(i):
-        try:
-            barrier.wait()
-            results[i] = dispatch.slot("rmsnorm").call(*inputs[i])
-        except Exception as e:  # reported below
-            errors.append(e)
+    def call(i):
+        results[i] = dispatch.slot("rmsnorm").call(*inputs[i])
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    _together(n, call)
     assert loads.count(f"torch_kernels.impl.{backend}.norm:rmsnorm") == 1
     for i in range(n):
         assert_close(results[i], _expected(*inputs[i]))
