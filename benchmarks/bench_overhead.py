@@ -77,22 +77,6 @@ def cases(x, w) -> dict:
     return out
 
 
-def host_goal(rounds: int = 5) -> dict:
-    """The benchmark issue's host goal: µs per eager call of the op at 1x4096 bf16 with TileLang
-    selected, and of ``F.rms_norm``, interleaved, in inference mode (how an engine calls); restores the
-    selection."""
-    with _tilelang_selected(), torch.inference_mode():
-        x, w = _inputs()
-        op = torch.ops.deepinfer.rmsnorm.default
-        for _ in range(2):
-            op(x, w, EPS)  # the first call publishes the signature to the C++ entry
-        served = fast_path.counters()["served"]
-        times = harness.host_us_interleaved({"op": lambda: op(x, w, EPS), "F.rms_norm": lambda: F.rms_norm(x, (HIDDEN,), w, EPS)},
-                                            rounds=rounds, calls=5000)
-        return {**times, "backend": "tilelang", "mode": "inference_mode",
-                "cpp_entry": fast_path.status().split(" (")[0], "served_in_cpp": fast_path.counters()["served"] > served}
-
-
 def layers() -> list:
     with _tilelang_selected():
         table = cases(*_inputs())
