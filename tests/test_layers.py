@@ -27,7 +27,7 @@ def _modules(*names: str) -> Set[str]:
 #: the bottom of the core: the inventory (it imports where torch is not installed) and what selection
 #: pushes down to the kernels (``reporting``); the standard library only, torch inside a function
 #: (``Platform.detect``)
-STDLIB_ONLY = _modules("spec", "registry", "reporting")
+STDLIB_ONLY = _modules("spec", "registry", "reporting", "_files")
 #: (rule, the modules it binds, what they never import, module or function level); ``PACKAGE`` itself
 #: stands for the package's ``__init__`` only, the others for everything under them
 RULES = (

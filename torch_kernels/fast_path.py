@@ -34,7 +34,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
+from ._files import open_regular
 ENV = "DEEPINFER_OPS_FAST_PATH"
 #: the ops whose CUDA and Autograd kernels the library registers (csrc/fast_path.cpp: kNames)
 NORM_OPS = ("rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm")
@@ -92,20 +92,10 @@ class Refused(Exception):
 
 
 def _open_regular(path: Path, limit: int) -> int:
-    """A read-only descriptor of ``path`` if it is a regular file of at most ``limit`` bytes, opened
-    without blocking (a FIFO would) and checked after opening (the name may have been replaced)."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise Refused(f"{path.name} is not a regular file")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise Refused(f"{path.name}: {e.strerror or e}") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
-        os.close(fd)
-        raise Refused(f"{path.name} is not a regular file" if not stat.S_ISREG(info.st_mode)
-                      else f"{path.name} is {info.st_size} bytes, more than {limit}")
-    return fd
+        return open_regular(path, limit)
+    except ValueError as e:
+        raise Refused(f"{path.name}: {e}") from None
 
 
 def _sha256(fd: int) -> str:

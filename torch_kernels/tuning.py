@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import registry
+from ._files import open_regular
 from .spec import Backend, Platform, __version__
 
 ENV_TUNE_DIR = "DEEPINFER_OPS_TUNE_DIR"
@@ -163,17 +164,10 @@ def _read_bytes(path: Path) -> bytes:
     """The file's bytes, refusing what is not a regular file (a FIFO or ``/dev/zero`` would block or never
     end) or is larger than :data:`MAX_TABLE_BYTES`, without blocking: a link to a regular file is read."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # before opening: a device is never opened
-            raise TableError("not a regular file")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise TableError(f"unreadable: {e.strerror or e}") from None
+        fd = open_regular(path, MAX_TABLE_BYTES)
+    except ValueError as e:
+        raise TableError(str(e)) from None
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)  # what was opened, should the name have been replaced since the stat
-        if not stat.S_ISREG(info.st_mode):
-            raise TableError("not a regular file")
-        if info.st_size > MAX_TABLE_BYTES:
-            raise TableError(f"{info.st_size} bytes, larger than the {MAX_TABLE_BYTES} read")
         try:
             data = f.read(MAX_TABLE_BYTES + 1)
         except OSError as e:
