@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_kernels  # noqa: E402,F401  (registers the ops)
 from benchmarks import cases, harness  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402
-from torch_kernels.impl.torch import activation as reference  # noqa: E402
-from torch_kernels.impl.triton import activation as triton_activation  # noqa: E402
+from torch_kernels.families.activation import reference as reference  # noqa: E402
+from torch_kernels.families.activation import triton as triton_activation  # noqa: E402
 from torch_kernels.testing import assert_close  # noqa: E402
 
 try:

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_kernels  # noqa: E402,F401  (registers the ops)
 from benchmarks import cases, harness  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402
-from torch_kernels.impl.torch import attention as reference  # noqa: E402
-from torch_kernels.impl.triton import attention as triton_attention  # noqa: E402
+from torch_kernels.families.attention import reference as reference  # noqa: E402
+from torch_kernels.families.attention import triton as triton_attention  # noqa: E402
 from torch_kernels.testing import assert_close  # noqa: E402
 
 try:
@@ -52,7 +52,7 @@ def impls(args) -> dict:
         "torch.compile(reference)": lambda: compiled(*args),
     }
     if flashinfer is not None:
-        from torch_kernels.impl.flashinfer.attention import merge_attn_states_refuses
+        from torch_kernels.families.attention.flashinfer import merge_attn_states_refuses
 
         # a launch FlashInfer cannot make leaves a sticky CUDA error behind: ask its limits first
         refused = merge_attn_states_refuses(*args)

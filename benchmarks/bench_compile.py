@@ -30,8 +30,14 @@ import decoder_layer  # noqa: E402
 import torch_kernels  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from torch_kernels import dispatch, registry  # noqa: E402
-from torch_kernels.impl.torch import activation, attention, moe, norm, quant, rope, sampling  # noqa: E402
-from torch_kernels.ops.rope import make_cos_sin_cache  # noqa: E402
+from torch_kernels.families.activation import reference as activation  # noqa: E402
+from torch_kernels.families.attention import reference as attention  # noqa: E402
+from torch_kernels.families.moe import reference as moe  # noqa: E402
+from torch_kernels.families.norm import reference as norm  # noqa: E402
+from torch_kernels.families.quant import reference as quant  # noqa: E402
+from torch_kernels.families.rope import reference as rope  # noqa: E402
+from torch_kernels.families.sampling import reference as sampling  # noqa: E402
+from torch_kernels.families.rope.ops import make_cos_sin_cache  # noqa: E402
 
 DEVICE = "cuda"  # a CPU dry run of the blocks and checks sets it to "cpu"
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 4096, 32, 8, 128, 14336

@@ -33,9 +33,9 @@ import torch_kernels  # noqa: E402,F401  (registers the ops)
 from benchmarks import harness  # noqa: E402
 from benchmarks.cases import nbytes  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402
-from torch_kernels.impl.torch import moe as reference  # noqa: E402
-from torch_kernels.impl.triton import moe as triton_moe  # noqa: E402
-from torch_kernels.ops.moe import compare_routing, near_ties  # noqa: E402
+from torch_kernels.families.moe import reference as reference  # noqa: E402
+from torch_kernels.families.moe import triton as triton_moe  # noqa: E402
+from torch_kernels.families.moe.ops import compare_routing, near_ties  # noqa: E402
 
 TOKENS, EXPERTS, TOPK = 8192, 256, 8
 GROUPS, TOPK_GROUP, SCALE = 8, 4, 2.5

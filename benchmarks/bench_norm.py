@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_kernels  # noqa: E402
 from benchmarks import cases, harness  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402
-from torch_kernels.impl.torch import norm as reference  # noqa: E402
-from torch_kernels.impl.triton import norm as triton_norm  # noqa: E402
+from torch_kernels.families.norm import reference as reference  # noqa: E402
+from torch_kernels.families.norm import triton as triton_norm  # noqa: E402
 from torch_kernels.testing import assert_close  # noqa: E402
 
 try:

@@ -20,9 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_kernels  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from torch_kernels import dispatch, fast_path  # noqa: E402
-from torch_kernels.impl.tilelang import norm as tilelang_norm  # noqa: E402
-from torch_kernels.impl.triton import norm as triton_norm  # noqa: E402
-from torch_kernels.ops import rope  # noqa: E402
+from torch_kernels.families.norm import tilelang as tilelang_norm  # noqa: E402
+from torch_kernels.families.norm import triton as triton_norm  # noqa: E402
+from torch_kernels.families.rope import ops as rope # noqa: E402
 
 EPS = 1e-6
 HIDDEN = 4096

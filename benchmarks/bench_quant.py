@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_kernels  # noqa: E402,F401
 from benchmarks import cases, harness  # noqa: E402
 from torch_kernels import dispatch, ops  # noqa: E402
-from torch_kernels.impl.torch import quant as reference  # noqa: E402
-from torch_kernels.impl.triton import quant as triton_quant  # noqa: E402
+from torch_kernels.families.quant import reference as reference  # noqa: E402
+from torch_kernels.families.quant import triton as triton_quant  # noqa: E402
 
 OP = "per_token_group_quant_fp8"
 EPS = 1e-10

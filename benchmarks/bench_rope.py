@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_kernels  # noqa: E402,F401  (registers the ops)
 from benchmarks import cases, harness  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402
-from torch_kernels.impl.torch import rope as reference  # noqa: E402
-from torch_kernels.impl.triton import rope as triton_rope  # noqa: E402
-from torch_kernels.ops import rope as rope_op  # noqa: E402
+from torch_kernels.families.rope import reference as reference  # noqa: E402
+from torch_kernels.families.rope import triton as triton_rope  # noqa: E402
+from torch_kernels.families.rope import ops as rope_op # noqa: E402
 from torch_kernels.testing import assert_close  # noqa: E402
 
 try:

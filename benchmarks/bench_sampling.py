@@ -36,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # noqa: E402
 from benchmarks.cases import flashinfer_sampling, kept_set  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402  (imports the package: registers the ops)
-from torch_kernels.impl.torch import sampling as reference  # noqa: E402
-from torch_kernels.impl.triton import sampling as triton_sampling  # noqa: E402
+from torch_kernels.families.sampling import reference as reference  # noqa: E402
+from torch_kernels.families.sampling import triton as triton_sampling  # noqa: E402
 from torch_kernels.testing import assert_close  # noqa: E402
 
 try:

@@ -16,10 +16,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from torch_kernels import dispatch  # noqa: E402
-from torch_kernels.impl.tilelang import _jit  # noqa: E402
+from torch_kernels.backends import tilelang_jit as _jit  # noqa: E402
 
 _FIRST_USE = """
-from torch_kernels.impl.tilelang import _jit, norm
+from torch_kernels.backends import tilelang_jit as _jit
+from torch_kernels.families.norm import tilelang as norm
 _jit.compiled("rmsnorm", norm._build, 384, "float16", "float32", True, True)
 """
 

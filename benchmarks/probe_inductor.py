@@ -19,9 +19,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import harness  # noqa: E402
-from torch_kernels.impl.tilelang import activation as tl_act, norm as tl_norm  # noqa: E402
-from torch_kernels.impl.torch import activation as ref_act, norm as ref_norm  # noqa: E402
-from torch_kernels.impl.triton import activation as tr_act, norm as tr_norm  # noqa: E402
+from torch_kernels.families.activation import tilelang as tl_act  # noqa: E402
+from torch_kernels.families.norm import tilelang as tl_norm  # noqa: E402
+from torch_kernels.families.activation import reference as ref_act  # noqa: E402
+from torch_kernels.families.norm import reference as ref_norm  # noqa: E402
+from torch_kernels.families.activation import triton as tr_act  # noqa: E402
+from torch_kernels.families.norm import triton as tr_norm  # noqa: E402
 
 SHAPES = ((16384, 8192), (16384, 7168))
 ROUNDS = 5  # interleaved timing rounds, the median kept (harness.replay_us_interleaved)

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torch_kernels.impl.triton import sampling  # noqa: E402
+from torch_kernels.families.sampling import triton as sampling  # noqa: E402
 
 CALLS = 20
 

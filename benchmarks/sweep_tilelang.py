@@ -1,7 +1,7 @@
 """Launch-parameter sweeps of TileLang kernels on a CUDA GPU, beside the Triton backend and
-FlashInfer's API in the same run: where the launch configurations of ``impl/tilelang/norm.py``
-(``NormConfig``), ``impl/tilelang/attention.py`` (``MergeConfig``), ``impl/tilelang/rope.py``
-(``RopeConfig``), ``impl/tilelang/activation.py`` (``ActivationConfig``) and their early trigger
+FlashInfer's API in the same run: where the launch configurations of ``families/norm/tilelang.py``
+(``NormConfig``), ``families/attention/tilelang.py`` (``MergeConfig``), ``families/rope/tilelang.py``
+(``RopeConfig``), ``families/activation/tilelang.py`` (``ActivationConfig``) and their early trigger
 (``_jit.LaunchConfig``) come from; ``--only tanh`` measures the error of the activations' tanh.approx form.
 
     python benchmarks/sweep_tilelang.py --out results/sweep.json
@@ -28,12 +28,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import cases, harness  # noqa: E402
 from torch_kernels.testing import TOLERANCES  # noqa: E402
-from torch_kernels.impl.tilelang import _jit, activation as tl_act, attention as tl_merge, norm as tl_norm  # noqa: E402
-from torch_kernels.impl.tilelang import rope as tl_rope  # noqa: E402
-from torch_kernels.impl.torch import activation as ref_act, attention as ref_merge, norm as ref_norm  # noqa: E402
-from torch_kernels.impl.torch import rope as ref_rope  # noqa: E402
-from torch_kernels.impl.triton import activation as tr_act, attention as tr_merge, norm as tr_norm  # noqa: E402
-from torch_kernels.impl.triton import rope as tr_rope  # noqa: E402
+from torch_kernels.backends import tilelang_jit as _jit  # noqa: E402
+from torch_kernels.families.activation import tilelang as tl_act  # noqa: E402
+from torch_kernels.families.attention import tilelang as tl_merge  # noqa: E402
+from torch_kernels.families.norm import tilelang as tl_norm  # noqa: E402
+from torch_kernels.families.rope import tilelang as tl_rope  # noqa: E402
+from torch_kernels.families.activation import reference as ref_act  # noqa: E402
+from torch_kernels.families.attention import reference as ref_merge  # noqa: E402
+from torch_kernels.families.norm import reference as ref_norm  # noqa: E402
+from torch_kernels.families.rope import reference as ref_rope  # noqa: E402
+from torch_kernels.families.activation import triton as tr_act  # noqa: E402
+from torch_kernels.families.attention import triton as tr_merge  # noqa: E402
+from torch_kernels.families.norm import triton as tr_norm  # noqa: E402
+from torch_kernels.families.rope import triton as tr_rope  # noqa: E402
 
 ROUNDS = 5  # interleaved timing rounds, the median kept
 NORM_SHAPES = tuple((t, n) for n in (4096, 8192) for t in (1, 128, 512, 1024, 4096))

@@ -1,5 +1,5 @@
 """The Triton RMSNorm kernel against the structure Inductor generates for the reference, on the GPU
-host, all in one run: where ``impl/triton/norm.py``'s pass structure and cache hints come from.
+host, all in one run: where ``families/norm/triton.py``'s pass structure and cache hints come from.
 
     python benchmarks/sweep_triton_norm.py --out results/sweep_triton_norm.json
 
@@ -22,8 +22,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import cases, harness  # noqa: E402
-from torch_kernels.impl.torch import norm as ref_norm  # noqa: E402
-from torch_kernels.impl.triton import norm as tr_norm  # noqa: E402
+from torch_kernels.families.norm import reference as ref_norm  # noqa: E402
+from torch_kernels.families.norm import triton as tr_norm  # noqa: E402
 
 SHAPES = ((32, 8192), (4096, 4096), (16384, 4096), (16384, 7168), (16384, 8192))
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_kernels  # noqa: F401  (registers torch.ops.deepinfer)
-from torch_kernels.ops.rope import make_cos_sin_cache
+from torch_kernels.families.rope.ops import make_cos_sin_cache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,13 +77,13 @@ def triton_world(monkeypatch):
 
 
 def family_ops(family, backend=None):
-    """The ops ``family`` defines (``torch_kernels/ops/<family>.py``), in definition order; with
+    """The ops ``family`` defines (``torch_kernels/families/<family>/ops.py``), in definition order; with
     ``backend``, those of them it implements. Tests parametrize by this, so a new op is picked up."""
     import importlib
 
     from torch_kernels import registry
 
-    names = [d.name for d in importlib.import_module(f"torch_kernels.ops.{family}").OPS]
+    names = [d.name for d in importlib.import_module(f"torch_kernels.families.{family}.ops").OPS]
     return names if backend is None else [op for op in names if op in registry.ops_of(backend)]
 
 

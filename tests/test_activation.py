@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torch_kernels import ops, registry
-from torch_kernels.ops import activation as activation_ops
+from torch_kernels.families.activation import ops as activation_ops
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
@@ -141,7 +141,7 @@ def test_gelu_tanh_and_mul_is_gelu_and_mul_tanh(device):
 def _triton_here(device):
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
-    from torch_kernels.impl.triton import activation
+    from torch_kernels.families.activation import triton as activation
     return activation
 
 
@@ -170,7 +170,7 @@ def test_triton_program_orders_and_split_launches(flat, device, monkeypatch):
 @pytest.mark.gpu
 def test_triton_int64_offsets_past_2_31_elements():
     """An input of more than 2^31 elements: the last rows are right (int32 offsets would wrap)."""
-    from torch_kernels.impl.triton import activation as triton_activation
+    from torch_kernels.families.activation import triton as triton_activation
     x = torch.randn(75000, 2 * 14336, device="cuda", dtype=torch.bfloat16)
     assert x.numel() > 2**31
     out = triton_activation.silu_and_mul(x)

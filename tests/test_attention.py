@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torch_kernels import registry
-from torch_kernels.ops import attention as attention_ops
+from torch_kernels.families.attention import ops as attention_ops
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
@@ -177,7 +177,7 @@ def test_triton_program_orders_and_split_launches(flat, device, monkeypatch):
     pass CUDA's limits (shrunk here to 2 programs an axis), strided inputs and empty partials."""
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
-    from torch_kernels.impl.triton import attention as triton_attention
+    from torch_kernels.families.attention import triton as triton_attention
     T, H, D = 5, 3, 40
     v_a = torch.randn(T, H + 1, D, device=device)[:, 1:]
     v_b = torch.randn(T, H, D, device=device)
@@ -203,7 +203,7 @@ def test_triton_program_orders_and_split_launches(flat, device, monkeypatch):
 @pytest.mark.gpu
 def test_triton_int64_offsets_past_2_31_elements():
     """v of more than 2^31 elements: the last tokens are right (int32 offsets would wrap)."""
-    from torch_kernels.impl.triton import attention as triton_attention
+    from torch_kernels.families.attention import triton as triton_attention
     T, H, D = 540000, 32, 128
     assert T * H * D > 2**31
     args = _inputs(T, H, D, torch.bfloat16, "cuda")

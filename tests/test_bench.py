@@ -117,7 +117,7 @@ def test_backend_from_inventory_timed_or_refused(tmp_path, monkeypatch):
     checks = types.ModuleType("bench_fake_checks")
     checks.refuse_wide = lambda x, w, eps=1e-6: "rows wider than 256" if x.shape[-1] > 256 else None
     monkeypatch.setitem(sys.modules, "bench_fake_checks", checks)
-    target = "torch_kernels.impl.torch.norm:rmsnorm"
+    target = "torch_kernels.families.norm.reference:rmsnorm"
     fakes = [registry.BY_OP["rmsnorm"][Backend.TORCH],
              KernelSpec("rmsnorm", Backend.TRITON, target, Capability(), ("bfloat16",), check="bench_fake_checks:refuse_wide"),
              KernelSpec("rmsnorm", Backend.TILELANG, target, Capability(), ("float16",))]
@@ -205,7 +205,7 @@ def test_compile_peer_is_one_graph_per_hidden_size():
     """The suite's torch.compile peer marks the token dimension dynamic (suite._tokens_dynamic): one graph
     serves every token count of a hidden size, as in an engine; another hidden size is another graph."""
     from torch._dynamo.testing import CompileCounter
-    from torch_kernels.impl.torch import norm as ref
+    from torch_kernels.families.norm import reference as ref
 
     torch._dynamo.reset()
     counter = CompileCounter()

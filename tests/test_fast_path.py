@@ -299,7 +299,7 @@ def test_served_calls_match_the_reference(op, dtype, tilelang_entry):
     """The first call of a signature goes to Python and publishes it; the next ones are served in C++,
     one-pass and streamed (from 4096 tokens, the fused ops from 128 MB), with a weight in another dtype
     too."""
-    from torch_kernels.impl.tilelang import norm
+    from torch_kernels.families.norm import tilelang as norm
     other = torch.bfloat16 if dtype == torch.float32 else torch.float32  # a weight dtype: a new signature
     for shape, weight_dtype in (((1, 4096), None), ((7, 1000), None), ((2, 3, 5120), None), ((4100, 2048), None),
                                 ((5, 4096), other)):
@@ -457,7 +457,8 @@ def test_offer_reads_the_signature_with_trailing_defaults_left_out(monkeypatch):
     """The twin's Python kernel gets the call's arguments without the trailing ones left at their
     defaults (eps): the weight is read by position, never from the end (H200: reading
     gelu_and_mul's approximate from args[1] raised IndexError on every default call)."""
-    from torch_kernels.impl.tilelang import activation, norm
+    from torch_kernels.families.activation import tilelang as activation
+    from torch_kernels.families.norm import tilelang as norm
 
     published = []
     monkeypatch.setattr(fast_path, "loaded", lambda: True)

@@ -1,4 +1,4 @@
-"""The FlashInfer backend (``torch_kernels/impl/flashinfer/``).
+"""The FlashInfer backend (``torch_kernels/families/*/flashinfer.py``).
 
 Without a GPU: a fake ``flashinfer`` package (``sys.modules``) whose functions have the signatures read
 from FlashInfer 0.6.0, 0.6.18.post1 and 0.7.4 (:data:`SIGNATURES`), bind every call against them and
@@ -26,10 +26,10 @@ import torch
 
 import torch_kernels
 from torch_kernels import dispatch, ops, registry
-from torch_kernels.impl.torch import attention as ref_attention
-from torch_kernels.impl.torch import rope as ref_rope
-from torch_kernels.impl.torch import sampling as ref_sampling
-from torch_kernels.ops import rope as rope_ops
+from torch_kernels.families.attention import reference as ref_attention
+from torch_kernels.families.rope import reference as ref_rope
+from torch_kernels.families.sampling import reference as ref_sampling
+from torch_kernels.families.rope import ops as rope_ops
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close, compare_outputs, mutated_args, outputs_of
 
@@ -172,14 +172,16 @@ class FakeFlashInfer:
             setattr(pkg, name, mod)
             self.mp.setitem(sys.modules, f"flashinfer.{name}", mod)
         # the backend's package and modules, imported afresh against the fake (restored afterwards)
-        import torch_kernels.impl
-        self.mp.delattr(torch_kernels.impl, "flashinfer", raising=False)
-        for name in [n for n in sys.modules if n.startswith("torch_kernels.impl.flashinfer")]:
+        families = ("norm", "activation", "rope", "attention", "sampling")
+        for f in families:
+            self.mp.delattr(importlib.import_module(f"torch_kernels.families.{f}"), "flashinfer", raising=False)
+        for name in [n for n in sys.modules if n.endswith(".flashinfer") and n.startswith("torch_kernels.families.")
+                     or n == "torch_kernels.backends.flashinfer_jit"]:
             self.mp.delitem(sys.modules, name)
+        self.mp.delattr(importlib.import_module("torch_kernels.backends"), "flashinfer_jit", raising=False)
         self.norm, self.activation, self.rope, self.attention, self.sampling = (
-            importlib.import_module(f"torch_kernels.impl.flashinfer.{f}")
-            for f in ("norm", "activation", "rope", "attention", "sampling"))
-        self._module = importlib.import_module("torch_kernels.impl.flashinfer._module")
+            importlib.import_module(f"torch_kernels.families.{f}.flashinfer") for f in families)
+        self._module = importlib.import_module("torch_kernels.backends.flashinfer_jit")
         self.mp.setattr(self._module, "max_shared_bytes", lambda device: self.smem)  # CPU tensors have no device
         return self
 
@@ -335,7 +337,7 @@ def test_recorded_signatures_are_the_installed_flashinfers():
 
 
 def test_inventory_lines(fake):
-    specs = {k.op: k for k in registry.FLASHINFER_KERNELS}
+    specs = {k.op: k for k in registry.KERNELS if k.backend is Backend.FLASHINFER}
     # the inventory lists exactly the ops the backend's modules implement (a launcher and its check)
     modules = (fake.norm, fake.activation, fake.rope, fake.attention, fake.sampling)
     assert set(specs) == {op for m in modules for op in ops.BY_NAME if callable(getattr(m, op, None))
@@ -349,7 +351,7 @@ def test_inventory_lines(fake):
 
 
 def test_launchers_and_checks_take_the_references_arguments(fake):
-    for k in registry.FLASHINFER_KERNELS:
+    for k in (k for k in registry.KERNELS if k.backend is Backend.FLASHINFER):
         ref = inspect.signature(_reference(k.op))
         strip = lambda s: [(p.name, p.default) for p in s.parameters.values()]  # noqa: E731
         assert strip(inspect.signature(k.load())) == strip(ref), k.op

@@ -5,7 +5,7 @@ Read from the source (AST), not by importing: every ``import`` and ``from ... im
 ``python tests/test_layers.py`` prints the cycles and the broken rules.
 
 An edge ``a -> b`` means that running ``a`` may run ``b``: the module imported, every package above it
-that is not already above ``a`` (importing ``torch_kernels.ops.rope`` from ``impl`` runs
+that is not already above ``a`` (importing ``torch_kernels.families.rope.ops`` from ``impl`` runs
 ``ops/__init__``), and the package itself for a name that is not a submodule (``from torch_kernels
 import rmsnorm``, ``import torch_kernels``): that runs ``__init__``'s imports too. A ``KernelSpec``'s
 ``"module:attr"`` target is no edge: it is how the core reaches a backend without importing it.
@@ -26,20 +26,39 @@ def _modules(*names: str) -> Set[str]:
 
 #: the bottom of the core: the inventory (it imports where torch is not installed) and what selection
 #: pushes down to the kernels (``reporting``); the standard library only, torch inside a function
-#: (``Platform.detect``)
-STDLIB_ONLY = _modules("spec", "registry", "reporting", "_files")
+#: (``Platform.detect``). Every family's package ``__init__`` and ``manifest`` join them (:func:`stdlib_only`).
+STDLIB_ONLY_CORE = _modules("spec", "registry", "manifest", "reporting", "_files", "families")
+FAMILIES = f"{PACKAGE}.families"
 #: (rule, the modules it binds, what they never import, module or function level); ``PACKAGE`` itself
 #: stands for the package's ``__init__`` only, the others for everything under them
 RULES = (
-    ("kernels and op definitions never reach selection, registration, tuning, the test kit, the "
-     "benchmarks or the front door", _modules("impl", "ops"),
-     {PACKAGE} | _modules("dispatch", "library", "fast_path", "tuning", "testing", "bench", "__main__")),
+    ("kernels and op definitions never reach selection, registration, the inventory, tuning, the test kit, "
+     "the benchmarks or the front door", {FAMILIES} | _modules("backends", "opdef", "checks"),
+     {PACKAGE} | _modules("dispatch", "library", "fast_path", "registry", "ops", "tuning", "testing", "bench", "__main__")),
+    ("a backend's shared code and the op kit never import a family", _modules("backends", "opdef", "checks"), {FAMILIES}),
     ("selection never reaches registration, a family, a backend or the front door (it pushes its "
      "settings down, or notifies)", _modules("dispatch", "tuning", "reporting"),
-     {PACKAGE} | _modules("library", "fast_path", "ops", "impl", "testing", "bench", "__main__")),
+     {PACKAGE} | _modules("library", "fast_path", "ops", "families", "backends", "testing", "bench", "__main__")),
     ("registration never imports the test kit, the benchmarks or the front door", _modules("library", "fast_path"),
      {PACKAGE} | _modules("testing", "bench", "__main__")),
+    ("registration names no family: it reaches them through the inventory", _modules("library", "ops"),
+     _modules("families", "backends")),
 )
+
+
+def stdlib_only(known: Dict[str, Path]) -> Set[str]:
+    """The modules that import the standard library only: the core's bottom, and every family's package
+    ``__init__`` and ``manifest`` (the inventory imports them where torch is not installed)."""
+    family_level = FAMILIES.count(".") + 1
+    return STDLIB_ONLY_CORE | {m for m, path in known.items() if m.startswith(FAMILIES + ".") and (
+        m.count(".") == family_level and path.name == "__init__.py"
+        or m.count(".") == family_level + 1 and m.endswith(".manifest"))}
+
+
+def _family(module: str) -> str:
+    """The family package ``module`` belongs to, or ``""``."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if module.startswith(FAMILIES + ".") else ""
 
 
 def modules(root: Path = SOURCE) -> Dict[str, Path]:
@@ -200,18 +219,22 @@ def violations(top: Dict[str, Set[str]], nested: Dict[str, Set[str]], root: Path
     """Every import that breaks a layer rule, as ``a -> b: rule``."""
     stdlib = set(sys.stdlib_module_names)
     paths = modules(root)
+    bottom = stdlib_only(paths)
     out = []
     for name in sorted(top):
         everything = top[name] | nested[name]
-        if name in STDLIB_ONLY:
-            out += [f"{name} -> {t}: imports only the stdlib and {', '.join(sorted(STDLIB_ONLY))}"
-                    for t in sorted(everything - STDLIB_ONLY)]
+        if name in bottom:
+            out += [f"{name} -> {t}: imports only the stdlib and the inventory's modules"
+                    for t in sorted(everything - bottom)]
             at_top, inside = outside_imports(paths[name])
             out += [f"{name} -> {t}: imports only the stdlib (torch inside a function)"
                     for t in sorted((at_top - stdlib) | (inside - stdlib - {"torch"}))]
         for rule, bound, forbidden in RULES:
             if _under(name, bound):
                 out += [f"{name} -> {t}: {rule}" for t in sorted(everything) if _under(t, forbidden)]
+        if _family(name):
+            out += [f"{name} -> {t}: a family never imports another family" for t in sorted(everything)
+                    if _family(t) not in ("", _family(name))]
     return out
 
 
@@ -228,21 +251,27 @@ def test_the_graph_sees_relative_function_level_and_package_imports(tmp_path):
     """The reader itself, on a package of four files: a relative import inside a function, a name from
     the package's ``__init__``, the circle they close, and the rules they break."""
     pkg = tmp_path / PACKAGE
-    (pkg / "impl").mkdir(parents=True)
+    for family in ("a", "b"):
+        (pkg / "families" / family).mkdir(parents=True)
+        (pkg / "families" / family / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("from . import dispatch\n")
-    (pkg / "dispatch.py").write_text("from .impl import kernel\n")
-    (pkg / "impl" / "__init__.py").write_text("")
-    (pkg / "impl" / "kernel.py").write_text("def f():\n    from .. import dispatch\n    from torch_kernels import x\n")
+    (pkg / "dispatch.py").write_text("from .families.a import kernel\n")
+    (pkg / "families" / "__init__.py").write_text("")
+    (pkg / "families" / "a" / "kernel.py").write_text("def f():\n    from ... import dispatch\n    from torch_kernels import x\n")
+    (pkg / "families" / "b" / "manifest.py").write_text("from ..a import kernel\n")
     (pkg / "spec.py").write_text("import os\nimport torch\n")
     top, nested = graph(pkg)
-    assert top[f"{PACKAGE}.dispatch"] == {f"{PACKAGE}.impl", f"{PACKAGE}.impl.kernel"}
-    assert nested[f"{PACKAGE}.impl.kernel"] == {f"{PACKAGE}.dispatch", PACKAGE}
+    a, kernel = f"{FAMILIES}.a", f"{FAMILIES}.a.kernel"
+    assert top[f"{PACKAGE}.dispatch"] == {FAMILIES, a, kernel}
+    assert nested[kernel] == {f"{PACKAGE}.dispatch", PACKAGE}
     assert cycles(top) == []
     merged = {k: top[k] | nested[k] for k in top}
-    assert cycles(merged) == [[PACKAGE, f"{PACKAGE}.dispatch", f"{PACKAGE}.impl.kernel", PACKAGE]]
+    assert cycles(merged) == [[PACKAGE, f"{PACKAGE}.dispatch", kernel, PACKAGE]]
     assert [v.split(":")[0] for v in violations(top, nested, pkg)] == [
-        f"{PACKAGE}.dispatch -> {PACKAGE}.impl", f"{PACKAGE}.dispatch -> {PACKAGE}.impl.kernel",
-        f"{PACKAGE}.impl.kernel -> {PACKAGE}", f"{PACKAGE}.impl.kernel -> {PACKAGE}.dispatch",
+        f"{PACKAGE}.dispatch -> {FAMILIES}", f"{PACKAGE}.dispatch -> {a}", f"{PACKAGE}.dispatch -> {kernel}",
+        f"{kernel} -> {PACKAGE}", f"{kernel} -> {PACKAGE}.dispatch",
+        f"{FAMILIES}.b.manifest -> {kernel}",  # a manifest imports the stdlib and the inventory only
+        f"{FAMILIES}.b.manifest -> {a}", f"{FAMILIES}.b.manifest -> {kernel}",  # and no other family
         f"{PACKAGE}.spec -> torch"]
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torch_kernels import ops, registry
-from torch_kernels.ops.moe import compare_routing, grouped_topk, grouped_topk_args, near_ties, topk_softmax
+from torch_kernels.families.moe.ops import compare_routing, grouped_topk, grouped_topk_args, near_ties, topk_softmax
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
@@ -491,7 +491,7 @@ def test_topk_softmax_and_grouped_topk_refuse_autograd():
 def test_triton_topk_softmax_and_grouped_topk_refuse_rows_wider_than_the_tile():
     """The Triton kernel holds a token's experts in registers, up to MAX_TILE padded; its
     KernelSpec.check sends wider routers to the reference, and the launcher itself refuses them."""
-    from torch_kernels.impl.triton import moe as triton_moe
+    from torch_kernels.families.moe import triton as triton_moe
     wide, ok = torch.empty(2, triton_moe.MAX_TILE + 1), torch.empty(2, triton_moe.MAX_TILE)
     assert triton_moe.topk_softmax_refuses(ok, 8) is None and triton_moe.grouped_topk_refuses(ok, 8, True, 8, 4) is None
     assert "experts" in triton_moe.topk_softmax_refuses(wide, 8)

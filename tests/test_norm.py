@@ -112,7 +112,7 @@ def test_backends_large_values_and_nonfinite(op, device):
 def test_triton_large_batch_routes_match_reference(op, device, monkeypatch):
     """The Triton backend's routes from 4096 tokens (the fused ops in chunks, rmsnorm reading its row
     twice) at every token count: a row in one chunk, a masked last chunk, several chunks, strided rows."""
-    from torch_kernels.impl.triton import norm as triton_norm
+    from torch_kernels.families.norm import triton as triton_norm
     monkeypatch.setattr(triton_norm, "_FUSED_CHUNKED_MIN_TOKENS", 1)
     monkeypatch.setattr(triton_norm, "_RELOAD_MIN_TOKENS", 1)
     for dtype in (torch.bfloat16, torch.float32):

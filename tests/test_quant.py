@@ -18,7 +18,7 @@ import torch
 
 import torch_kernels  # noqa: F401  (registers the ops)
 from torch_kernels import ops, registry
-from torch_kernels.ops.quant import per_token_group_quant_fp8
+from torch_kernels.families.quant.ops import per_token_group_quant_fp8
 from torch_kernels.spec import Backend
 
 from conftest import DEVICES, assert_bad_inputs_raise, implementations_on
@@ -26,7 +26,7 @@ from conftest import DEVICES, assert_bad_inputs_raise, implementations_on
 try:  # after conftest, which switches the interpreter on without a GPU
     import triton
     import triton.language as tl
-    from torch_kernels.impl.triton.quant import _to_e4m3
+    from torch_kernels.families.quant.triton import _to_e4m3
 except ImportError:
     triton = None
 
@@ -215,7 +215,7 @@ def test_reference_matches_fp64_formula_on_device(op, dtype, device):
 def _emulations(device):
     """The Triton fp8 roundings to test: the GPU runs the hardware cast (the kernel's choice there)
     and the fp32 emulation (the interpreter's, so the GPU checks the arithmetic the CPU tests run);
-    the interpreter runs only the emulation (its own cast is wrong, see impl/triton/quant.py)."""
+    the interpreter runs only the emulation (its own cast is wrong, see families/quant/triton.py)."""
     return (False, True) if device == "cuda" else (True,)
 
 
@@ -226,7 +226,7 @@ def test_triton_division_paths(op, device):
     (``div_rn``: q bit-equal to the formula), with either fp8 rounding."""
     if triton is None or device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton runs on CPU only in its interpreter")
-    from torch_kernels.impl.triton import quant as tq
+    from torch_kernels.families.quant import triton as tq
     x = _rows((16, 1024), None, torch.float32, device)
     q_want, s_want = _formula(x.cpu(), 128, 1e-10, False)
     q_ref, s_ref = _reference()(x, 128, 1e-10)

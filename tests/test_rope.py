@@ -10,7 +10,7 @@ import torch
 
 import torch_kernels
 from torch_kernels import registry
-from torch_kernels.ops import rope
+from torch_kernels.families.rope import ops as rope
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
@@ -138,7 +138,7 @@ def test_rotary_embedding_backends_match_reference(dtype, device):
 
 
 def _tilelang_rotary_embedding(*args):
-    from torch_kernels.impl.tilelang import rope as tilelang_rope
+    from torch_kernels.families.rope import tilelang as tilelang_rope
     return tilelang_rope.rotary_embedding(*args)
 
 
@@ -187,9 +187,9 @@ def test_rotary_embedding_inplace_op_refuses_autograd():
     positions, q, k, hs, cache, neox = _args(CASES[0], "cpu", torch.float32)
     q.requires_grad_()
     with pytest.raises(RuntimeError, match=rf"deepinfer::{OP} does not support autograd"):
-        torch_kernels.ops.rope.rotary_embedding(positions, q, k, hs, cache, neox)
+        torch_kernels.families.rope.ops.rotary_embedding(positions, q, k, hs, cache, neox)
     with torch.no_grad():
-        torch_kernels.ops.rope.rotary_embedding(positions, q, k, hs, cache, neox)
+        torch_kernels.families.rope.ops.rotary_embedding(positions, q, k, hs, cache, neox)
 
 
 # --- bad input -----------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from torch_kernels import registry
-from torch_kernels.impl.torch import sampling as reference
-from torch_kernels.ops import sampling as sampling_ops
+from torch_kernels.families.sampling import reference as reference
+from torch_kernels.families.sampling import ops as sampling_ops
 from torch_kernels.spec import Backend
 from torch_kernels.testing import TOP_P_SLACK, assert_close, assert_ids_kept
 
@@ -139,7 +139,7 @@ def test_philox_known_answers():
 
 def _small_config():
     """A 64-slot buffer without the split prepass: the one-program routes on rows of 1000."""
-    from torch_kernels.impl.triton import sampling as triton_sampling
+    from torch_kernels.families.sampling import triton as triton_sampling
     return triton_sampling.Config(cap=64, chunk=64, k_small=16, chunk_g=512, np_count=16, np_mass=16, num_warps=4,
                                   slices=0, write_block=256, write_warps=4,  # 4 write blocks a row, the last short
                                   hist_slices=0)
@@ -148,7 +148,7 @@ def _small_config():
 def _small_split_config(slices=4, np_slice=16):
     """A 64-slot buffer with the split prepass: ``64 // slices`` slots a slice (16 at 4 slices: rows of
     1000 split at top_k <= 16); k_small = 32 leaves 16 < top_k <= 32 to the unsplit candidate route."""
-    from torch_kernels.impl.triton import sampling as triton_sampling
+    from torch_kernels.families.sampling import triton as triton_sampling
     return triton_sampling.Config(cap=64, chunk=64, k_small=32, chunk_g=512, np_count=16, np_mass=16, num_warps=4,
                                   slices=slices, np_slice=np_slice, slice_warps=4, write_block=128, write_warps=4,
                                   **_SMALL_HIST)
@@ -161,7 +161,7 @@ _SMALL_HIST = dict(hist_slices=4, hist_buckets=64, hist_levels=8, hist_level_oct
 
 
 def _launcher(op, cfg):
-    from torch_kernels.impl.triton import sampling as triton_sampling
+    from torch_kernels.families.sampling import triton as triton_sampling
     names = arg_names(op)
 
     def launch(*args):  # the arguments the op lacks are None; an op with a seed samples
@@ -306,7 +306,7 @@ def _split_rows(device):
 
 def _split_decisions(probs, top_k, cfg):
     """Whether the filter kernel takes the split path for each row, from the prepass's stats."""
-    from torch_kernels.impl.triton import sampling as triton_sampling
+    from torch_kernels.families.sampling import triton as triton_sampling
     B, _ = probs.shape
     buf = [torch.empty((B, cfg.cap), dtype=torch.int32, device=probs.device) for _ in range(2)]
     stats = triton_sampling._slice_prepass(probs, top_k, *buf, cfg).cpu()
@@ -356,7 +356,7 @@ def test_triton_slice_prepass_keeps_its_contract():
 def test_triton_split_rows_skip_the_streaming_pass(monkeypatch):
     """Sampling reads a split row in the prepass only: with the rows zeroed right after it, the split
     rows of ``_split_rows`` still draw the reference's token and the others draw 0 (no mass)."""
-    from torch_kernels.impl.triton import sampling as triton_sampling
+    from torch_kernels.families.sampling import triton as triton_sampling
     torch.manual_seed(7)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     probs, top_k, top_p, split = _split_rows(device)
@@ -459,7 +459,7 @@ def test_triton_histogram_route_keeps_its_contract():
     bracket: ``lo`` fails and ``hi`` passes (the threshold lies in ``(lo, hi]``), ``g_*``/``c_*`` are
     the exact mass and count above them, the rows take the route or the fallback as intended; the
     compacted buffer holds exactly the values in the bracket. Rows whose top-k cuts are off the route."""
-    from torch_kernels.impl.triton import sampling as triton_sampling
+    from torch_kernels.families.sampling import triton as triton_sampling
     torch.manual_seed(8)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     probs, top_p, want_route, want_sure = _hist_rows(device)

@@ -21,7 +21,6 @@ import itertools
 import importlib.util
 import json
 import os
-import pkgutil
 import re
 import subprocess
 import sys
@@ -32,9 +31,8 @@ import time
 import pytest
 import torch
 
-import torch_kernels.impl.tilelang as tilelang_backend
 from torch_kernels import dispatch, registry
-from torch_kernels.impl.tilelang import _jit
+from torch_kernels.backends import tilelang_jit as _jit
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
@@ -44,7 +42,7 @@ from test_activation import activation_cases
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = sorted(m.name for m in pkgutil.iter_modules(tilelang_backend.__path__) if not m.name.startswith("_"))
+FAMILIES = sorted({k.target.split(".")[2] for k in registry.KERNELS if k.backend is Backend.TILELANG})
 TRACE_LINE = re.compile(r"^tilelang-compile\|(?P<name>[^|]+)\|(?P<key>[^|]*)\|(?P<seconds>\d+\.\d{3})s$")
 
 
@@ -64,14 +62,14 @@ def _run(code: str, env: dict, *args: str, wait: bool = True):
 
 _COMPILE = """
     import concurrent.futures, importlib, json, os, sys, traceback
-    from torch_kernels.impl.tilelang import _jit
+    from torch_kernels.backends import tilelang_jit as _jit
 
     out_dir, part, shard, shards = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     default_keys, families = json.loads(sys.argv[5]), sys.argv[6:]
     results, jobs = {}, []
     for family in families:
         try:
-            kernels = list(importlib.import_module("torch_kernels.impl.tilelang." + family).ci_kernels())
+            kernels = list(importlib.import_module(f"torch_kernels.families.{family}.tilelang").ci_kernels())
         except Exception:
             results[family] = {"error": traceback.format_exc()}
             continue
@@ -138,7 +136,7 @@ def sm90_build_rest(tmp_path_factory):
 
 
 def _check_compiled(family, result):
-    assert "error" not in result, f"torch_kernels.impl.tilelang.{family}.ci_kernels() failed:\n{result.get('error')}"
+    assert "error" not in result, f"torch_kernels.families.{family}.tilelang.ci_kernels() failed:\n{result.get('error')}"
     assert sorted(k["key"] for k in result["kernels"]) == sorted(result["keys"]), family
     failed = [f"{k['key']}:\n{k['error']}" for k in result["kernels"] if k["error"]]
     assert not failed, "\n\n".join(failed)
@@ -215,7 +213,8 @@ def test_the_early_trigger_skips_the_calls_that_sit_in_l2(sm90_build):
 
 _COMPILE_ONE = """
     import json, os, subprocess, sys, time
-    from torch_kernels.impl.tilelang import _jit, norm
+    from torch_kernels.backends import tilelang_jit as _jit
+    from torch_kernels.families.norm import tilelang as norm
 
     mode, barrier = sys.argv[1], sys.argv[2]
     if mode == "load":  # a cache hit must start no compiler (nvcc, or the C compiler of the host code)
@@ -358,7 +357,7 @@ def test_a_kernel_built_for_one_config_never_serves_another(monkeypatch):
     """The config record is part of the compile key: the same key under two configs compiles twice,
     and the builder receives the config it was asked for."""
     tilelang = pytest.importorskip("tilelang")
-    from torch_kernels.impl.tilelang import norm
+    from torch_kernels.families.norm import tilelang as norm
     monkeypatch.setattr(tilelang, "compile", lambda func, target=None, execution_backend=None: object())
     built = []
 
@@ -378,7 +377,8 @@ def test_a_kernel_built_for_one_config_never_serves_another(monkeypatch):
 
 def test_launchers_take_the_configs_of_their_heuristics(monkeypatch):
     """Each launcher compiles under its family's ``for_shape`` (memoised with the host function)."""
-    from torch_kernels.impl.tilelang import activation, norm
+    from torch_kernels.families.activation import tilelang as activation
+    from torch_kernels.families.norm import tilelang as norm
     asked = []
     monkeypatch.setattr(_jit, "compiled", lambda name, build, *key, config=None: asked.append((key, config)))
     monkeypatch.setattr(_jit, "entry", lambda kernel: kernel)
@@ -435,7 +435,7 @@ def test_self_check_compiles_tilelang_kernels_from_several_threads(monkeypatch, 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_norm_layouts(dtype):
-    from torch_kernels.impl.tilelang import norm
+    from torch_kernels.families.norm import tilelang as norm
     for n, fused in itertools.product(NORM_SIZES, (False, True)):
         config = norm.NormConfig.for_shape(n, dtype, fused)
         vec, tr, bm, width = norm._layout(n, dtype, fused)
@@ -462,7 +462,7 @@ def test_norm_layouts(dtype):
 def test_streamed_norm_thresholds():
     """Every norm takes the streamed kernel from tensors of 128 MB; rmsnorm's rows of 16 KB from 4096
     tokens."""
-    from torch_kernels.impl.tilelang import norm
+    from torch_kernels.families.norm import tilelang as norm
     assert norm.NormConfig.for_shape(8192, "bfloat16", False).streamed_from == norm._STREAMED_MIN_TOKENS == 4096
     assert norm.NormConfig.for_shape(4096, "float32", False).streamed_from == 4096  # rows of 16 KB
     assert norm.NormConfig.for_shape(4096, "bfloat16", False).streamed_from == 16384  # narrower: from 128 MB
@@ -475,7 +475,7 @@ def test_streamed_norm_thresholds():
 
 
 def test_activation_tiles():
-    from torch_kernels.impl.tilelang import activation
+    from torch_kernels.families.activation import tilelang as activation
     for d, per_thread in itertools.product([1, 2, 3, 5, 8, 100, 128, 200, 257, 1000, 1024, 1536, 4864, 14336, 65536],
                                            [activation.ActivationConfig.per_thread, activation._WIDE_PER_THREAD]):
         tile = per_thread * activation.ActivationConfig.threads
@@ -491,7 +491,8 @@ def test_activation_tiles():
 
 
 def test_ci_kernels_cover_every_variant():
-    from torch_kernels.impl.tilelang import activation, norm
+    from torch_kernels.families.activation import tilelang as activation
+    from torch_kernels.families.norm import tilelang as norm
     keys = [key for _, _, key in norm.ci_kernels()]
     assert {k[1] for k in keys} == {"float16", "bfloat16", "float32"}
     assert {(k[3], k[4]) for k in keys} == {(f, g) for f in (False, True) for g in (False, True)}
@@ -528,8 +529,8 @@ def _check_contract(vec, rows, others=()):
 
 
 def _stand_in_norm(monkeypatch, calls):
-    from torch_kernels.impl.tilelang import norm
-    from torch_kernels.impl.torch import norm as ref
+    from torch_kernels.families.norm import tilelang as norm
+    from torch_kernels.families.norm import reference as ref
 
     def function(n, dtype, weight_dtype, fused, gemma, tokens):
         vec = norm._vec(n, norm._DTYPES[dtype])
@@ -622,8 +623,8 @@ def test_norm_launcher_copies_only_rows_the_kernel_cannot_take(layout, monkeypat
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("op,approximate", activation_cases(Backend.TILELANG))
 def test_activation_launchers_keep_the_kernel_contract(op, approximate, layout, monkeypatch):
-    from torch_kernels.impl.tilelang import activation
-    from torch_kernels.impl.torch import activation as ref
+    from torch_kernels.families.activation import tilelang as activation
+    from torch_kernels.families.activation import reference as ref
     calls = []
     reference_of = {"silu": ref.silu_and_mul, "gelu": lambda x: ref.gelu_and_mul(x, "none"),
                     "gelu_tanh": ref.gelu_tanh_and_mul}
@@ -663,7 +664,7 @@ def _trace_compiles(path, name):
 def test_cuda_default_is_tilelang_for_its_ops():
     """TileLang serves every op it implements, except where ``registry.CUDA_PRIORITY`` puts Triton first
     by measurement; then TileLang is next, and nothing says a notice."""
-    for spec in registry.TILELANG_KERNELS:
+    for spec in (k for k in registry.KERNELS if k.backend is Backend.TILELANG):
         chain, notice = dispatch.plan(spec.op)
         want = registry.cuda_priority(spec.op)
         assert [s.backend for s in chain][:2] == [b for b in want if b in (Backend.TILELANG, Backend.TRITON)], spec.op
@@ -672,7 +673,8 @@ def test_cuda_default_is_tilelang_for_its_ops():
 
 @pytest.mark.gpu
 def test_one_compiled_kernel_serves_every_batch_size(tmp_path):
-    from torch_kernels.impl.tilelang import activation, norm
+    from torch_kernels.families.activation import tilelang as activation
+    from torch_kernels.families.norm import tilelang as norm
     trace = str(tmp_path / "trace.txt")
     dispatch.configure(trace_path=trace)
     _jit.clear_memo()
@@ -720,7 +722,7 @@ def _check_norm(fn, reference, x, w, msg, r=None):
 def test_streamed_norms_match_the_reference(op, n, dtype):
     """The many-token kernel (rows read twice with L2 hints), from NormConfig.streamed_from tokens: one chunk
     or several, a masked last chunk, strided rows."""
-    from torch_kernels.impl.tilelang import norm
+    from torch_kernels.families.norm import tilelang as norm
     reference = registry.BY_OP[op][Backend.TORCH].load()
     fused = "fused" in op
     config = norm.NormConfig.for_shape(n, norm._DTYPES[dtype], fused)
@@ -745,7 +747,7 @@ GPU_NORM_CASES = [(1, torch.float32), (8, torch.bfloat16), (100, torch.float16),
 @pytest.mark.parametrize("n,dtype", GPU_NORM_CASES, ids=str)
 @pytest.mark.parametrize("op", family_ops("norm", Backend.TILELANG))
 def test_norm_layouts_match_the_reference(op, n, dtype):
-    from torch_kernels.impl.tilelang import norm
+    from torch_kernels.families.norm import tilelang as norm
     reference = registry.BY_OP[op][Backend.TORCH].load()
     for tokens, layout, weight_dtype in [(37, "contiguous", dtype), (5, "offset", torch.float32),
                                          (3, "stride_odd", torch.float64), (129, "stride8", dtype)]:
@@ -760,7 +762,7 @@ def test_norm_layouts_match_the_reference(op, n, dtype):
                                      (1536, torch.bfloat16), (4864, torch.float32), (14336, torch.bfloat16)], ids=str)
 @pytest.mark.parametrize("op,approximate", activation_cases(Backend.TILELANG, every_approximation=False))
 def test_activation_layouts_match_the_reference(op, approximate, d, dtype):
-    from torch_kernels.impl.tilelang import activation
+    from torch_kernels.families.activation import tilelang as activation
     reference = registry.BY_OP[op][Backend.TORCH].load()
     args = () if approximate is None else (approximate,)
     for tokens, layout in [(1, "contiguous"), (37, "offset"), (5, "stride_odd"), (1000, "stride8")]:
@@ -772,7 +774,8 @@ def test_activation_layouts_match_the_reference(op, approximate, d, dtype):
 @pytest.mark.gpu
 def test_offsets_past_2_31_elements():
     """Inputs of more than 2^31 elements: the last rows are right (int32 offsets would wrap)."""
-    from torch_kernels.impl.tilelang import activation, norm
+    from torch_kernels.families.activation import tilelang as activation
+    from torch_kernels.families.norm import tilelang as norm
     x = torch.randn(75000, 2 * 14336, device="cuda", dtype=torch.bfloat16)
     assert x.numel() > 2**31
     out = activation.silu_and_mul(x)
@@ -787,7 +790,8 @@ def test_offsets_past_2_31_elements():
 @pytest.mark.gpu
 def test_cuda_graph_capture_and_replay():
     """The launches go to the current (capturing) stream, so a graph replays them on new data."""
-    from torch_kernels.impl.tilelang import activation, norm
+    from torch_kernels.families.activation import tilelang as activation
+    from torch_kernels.families.norm import tilelang as norm
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     r = torch.randn_like(x)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)

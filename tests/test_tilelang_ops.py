@@ -1,5 +1,5 @@
 """TileLang ``rotary_embedding``, ``per_token_group_quant_fp8`` and ``merge_attn_states``
-(``torch_kernels/impl/tilelang/{rope,quant,attention}.py``).
+(``torch_kernels/families/{rope,quant,attention}/tilelang.py``).
 
 Without a GPU:
 * launch layouts and key choice: one key per shape whatever the token count, the value-by-value kernel
@@ -31,17 +31,22 @@ import torch
 tilelang = pytest.importorskip("tilelang")
 
 from torch_kernels import dispatch, registry  # noqa: E402
-from torch_kernels.impl.tilelang import _jit, attention, quant, rope  # noqa: E402
-from torch_kernels.impl.torch import attention as attention_ref, quant as quant_ref, rope as rope_ref  # noqa: E402
-from torch_kernels.ops import rope as rope_op  # noqa: E402
-from torch_kernels.ops.quant import compare as compare_quant  # noqa: E402
+from torch_kernels.backends import tilelang_jit as _jit  # noqa: E402
+from torch_kernels.families.attention import tilelang as attention  # noqa: E402
+from torch_kernels.families.quant import tilelang as quant  # noqa: E402
+from torch_kernels.families.rope import tilelang as rope  # noqa: E402
+from torch_kernels.families.attention import reference as attention_ref  # noqa: E402
+from torch_kernels.families.quant import reference as quant_ref  # noqa: E402
+from torch_kernels.families.rope import reference as rope_ref  # noqa: E402
+from torch_kernels.families.rope import ops as rope_op # noqa: E402
+from torch_kernels.families.quant.ops import compare as compare_quant  # noqa: E402
 from torch_kernels.spec import Backend  # noqa: E402
 from torch_kernels.testing import assert_close  # noqa: E402
 
 from conftest import family_ops  # noqa: E402
 
 # the TileLang ops of this file's modules, one family each
-OPS = tuple(op for m in (rope, quant, attention) for op in family_ops(m.__name__.rsplit(".", 1)[1], Backend.TILELANG))
+OPS = tuple(op for m in (rope, quant, attention) for op in family_ops(m.__name__.split(".")[2], Backend.TILELANG))
 INF = float("inf")
 # The H200 benchmark shapes' keys: rope neox 32+8 heads x 128 bf16, quant 7168 g128 bf16, merge 32 x 128 bf16.
 BENCH_KEYS = {rope: (32, 8, 128, 128, True, "bfloat16", "float32", "int64", 2, True),
@@ -652,7 +657,7 @@ def test_rope_positions_outside_the_cache_read_nothing_and_give_nan():
 def test_quant_bit_equal_to_triton(shape, stride, group, column_major, ue8m0, eps):
     """Both kernels compute div.rn scales, multiply by rcp.rn (or divide) and convert with
     cvt.rn.satfinite: the same bytes, NaN and infinities included."""
-    from torch_kernels.impl.triton import quant as triton_quant
+    from torch_kernels.families.quant import triton as triton_quant
     x = torch.randn(shape[0], stride or shape[1], device="cuda") * 4
     x = (x * torch.exp2(torch.randint(-6, 7, (shape[0], 1), device="cuda").float())).to(torch.bfloat16)[:, :shape[1]]
     x[0, 5], x[1, 200], x[2, :group] = float("nan"), INF, 0.0

@@ -274,12 +274,12 @@ def offer(op: str, spec: Any, args: tuple) -> None:
     if key in _published or x.dtype not in _DTYPES or w.dtype not in _DTYPES:
         return
     if op in ACTIVATION_OPS:
-        from .impl.tilelang import activation
+        from .families.activation import tilelang as activation
 
         one_pass = streamed = activation.host_function(x, "silu" if op == "silu_and_mul" else "gelu_tanh")
         streamed_from = _NEVER
     else:
-        from .impl.tilelang import norm
+        from .families.norm import tilelang as norm
 
         one_pass, streamed, streamed_from = norm.host_functions(x, w, fused="fused" in op, gemma=op.startswith("gemma"))
     _publish(op, x.dtype, w.dtype, x.shape[-1], x.device.index, streamed_from, one_pass.__chandle__(), streamed.__chandle__())

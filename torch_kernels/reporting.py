@@ -1,6 +1,6 @@
 """Verbosity and the trace file, as the layers below selection read them.
 
-Kernel compilers and JIT loaders (``impl/tilelang/_jit.py``, ``impl/flashinfer/_module.py``) report what
+Kernel compilers and JIT loaders (``backends/tilelang_jit.py``, ``backends/flashinfer_jit.py``) report what
 they build, but may not import ``dispatch``, which selects among them: ``dispatch.configure`` pushes each
 new selection's settings here (:func:`update`) and they read them here. Standard library only.
 """

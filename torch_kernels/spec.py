@@ -144,6 +144,8 @@ class KernelSpec:
     dtypes: Tuple[str, ...] = ()
     check: Optional[str] = None
     description: str = ""
+    # samples from the reference's kept set with its own random stream: held to the kept set, not the ids
+    own_random_stream: bool = False
 
     def __post_init__(self) -> None:
         for t in (self.target, self.check):
@@ -176,3 +178,53 @@ def _resolve(target: str) -> Any:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+# Compiled routes: what an op becomes below Dynamo's one node when torch.compile traces it on CUDA
+# (docs/compile.md; the measurements behind each op's route: docs/design/compile.md).
+#: The reference formula, inlined, so that Inductor fuses the op with its neighbours.
+DECOMPOSE = "decompose"
+#: Our Triton kernel, launched by Inductor itself (``torch.library.wrap_triton``, as in ``triton_op``);
+#: Inductor cannot fuse into a user kernel, so the neighbours stay separate kernels.
+INDUCTOR_TRITON = "inductor_triton"
+#: One opaque call to the backend ``dispatch.plan`` selects, as in eager mode.
+OPAQUE = "opaque"
+COMPILE_ROUTES: Tuple[str, ...] = (DECOMPOSE, INDUCTOR_TRITON, OPAQUE)
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What the inventory records of one op beside its implementations: its route under ``torch.compile``
+    (one of ``registry.COMPILE_ROUTES``), when that changes, the routes it cannot take, and its CUDA order.
+
+    ``compile_route`` is taken where no pointwise op computes the data input (alone, after a matmul);
+    ``decompose_after_pointwise`` decomposes instead where one does, so that Inductor fuses that producer
+    into the formula. ``no_compile_route`` maps a route to why the op cannot take it; ``opaque_off_cuda``
+    keeps the op opaque on devices other than CUDA, where every route runs the reference.
+    ``cuda_priority`` replaces ``registry.DEFAULT_CUDA_PRIORITY`` for this op."""
+
+    name: str
+    compile_route: str
+    decompose_after_pointwise: bool = False
+    no_compile_route: Tuple[Tuple[str, str], ...] = ()  # (route, why)
+    opaque_off_cuda: bool = False
+    cuda_priority: Optional[Tuple[Backend, ...]] = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One op family's manifest (``torch_kernels/families/<name>/manifest.py``): its ops and every
+    implementation of them. ``package`` is the family's package; its ``ops`` module holds the op
+    definitions (schema, validation, fake, samples), which need torch, so the inventory never imports it."""
+
+    package: str
+    ops: Tuple[OpInfo, ...]
+    kernels: Tuple[KernelSpec, ...]
+
+    @property
+    def name(self) -> str:
+        return self.package.rpartition(".")[2]
+
+    @property
+    def definitions(self) -> str:
+        return f"{self.package}.ops"

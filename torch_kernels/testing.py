@@ -1,11 +1,11 @@
 """What the tests and the self-check share: the comparison against the reference. The tolerance table
-and ``assert_close`` live with the op definitions (``ops/_opdef.py``), which compare with them too."""
+and ``assert_close`` live with the op definitions (``opdef.py``), which compare with them too."""
 
 import torch
 
 from . import ops, registry
 from .library import mutated_args  # noqa: F401  (the tests and the self-check use it from here)
-from .ops._opdef import TOLERANCES, assert_close  # noqa: F401  (likewise)
+from .opdef import TOLERANCES, assert_close  # noqa: F401  (likewise)
 from .spec import Backend
 
 
@@ -59,7 +59,7 @@ TOP_P_SLACK = 1e-4
 
 def assert_ids_kept(probs, top_k, top_p, ids, top_p_slack: float = 0.0) -> None:
     """Every sampled id lies in the reference's kept set (``top_p`` raised by ``top_p_slack``)."""
-    from .impl.torch import sampling as reference
+    from .families.sampling import reference
 
     bits = reference.value_bits(probs)
     q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(probs.shape[1]))

@@ -21,8 +21,8 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from ..ops import rope as rope_op
-from ..ops.moe import grouped_topk_args
+from ..families.rope import ops as rope_op
+from ..families.moe.ops import grouped_topk_args
 
 EPS = 1e-6
 QUANT_EPS = 1e-10
@@ -253,7 +253,7 @@ def flashinfer_sampling(op: str, args: tuple) -> Dict[str, Union[Peer, str]]:
 def kept_set(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """``(B, V)`` bool: the tokens the reference's top-k then top-p filter keeps (where any correct
     sampler's ids must fall, whatever its random stream)."""
-    from ..impl.torch import sampling as reference
+    from ..families.sampling import reference
 
     bits = reference.value_bits(probs)
     q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(probs.shape[1]))

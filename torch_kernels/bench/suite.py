@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dispatch, ops, registry, tuning
-from ..ops.moe import compare_routing, near_ties
+from ..families.moe.ops import compare_routing, near_ties
 from ..spec import Backend, Platform
 from ..testing import compare_outputs, mutated_args, outputs_of
 from . import cases, default_out, harness

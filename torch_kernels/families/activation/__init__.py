@@ -1,0 +1,1 @@
+"""Gated activations: ``silu_and_mul``, ``gelu_and_mul``, ``gelu_tanh_and_mul``."""

@@ -1,0 +1,181 @@
+"""The gated-activation family: ``silu_and_mul``, ``gelu_and_mul``, ``gelu_tanh_and_mul``.
+
+The MLP gate of a decoder layer: ``(..., 2d) -> (..., d)``, ``act(x[..., :d]) * x[..., d:]``, with the
+semantics of vLLM's ``SiluAndMul``/``GeluAndMul`` and FlashInfer's ``flashinfer.activation``; the
+reference is ``torch_kernels/families/activation/reference.py``.
+"""
+
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from ... import checks as check
+from ...opdef import OpDef
+
+_APPROXIMATE = ("none", "tanh")
+
+
+def _validate_input(op: str, input: Tensor) -> None:
+    check.tensor(op, "input", input)
+    check.floating(op, "input", input)
+    check.last_dim_contiguous(op, "input", input)
+    n = input.shape[-1]
+    check.require(n != 0, op, "input", "must have a last dimension of at least 2 (gate and up halves), got 0")
+    check.require(n % 2 == 0, op, "input",
+                  lambda: f"must have an even last dimension (gate and up halves of d each), got {n}")
+
+
+def _validate_approximate(op: str, approximate: str) -> None:
+    if not isinstance(approximate, str):
+        check.fail(op, "approximate", f"must be 'none' or 'tanh', got {type(approximate).__name__}", TypeError)
+    if approximate not in _APPROXIMATE:
+        check.fail(op, "approximate", f"must be 'none' or 'tanh', got {approximate!r}")
+
+
+# The eager validators first test the common valid call in as few tensor attribute reads as they
+# can; anything else, and every fake tensor, goes through the full checks, which name the argument.
+
+
+def _validator(op: str):
+    def validate(input: Tensor) -> None:
+        try:
+            n = input.shape[-1]
+            if input.dtype in check.FLOATING and n and not n % 2 and input.is_contiguous():
+                return  # strided rows (allowed) take the full checks; is_contiguous() costs a third of stride(-1)
+        except (IndexError, RuntimeError, AttributeError):  # 0-d tensors, non-tensors
+            pass
+        _validate_input(op, input)
+    return validate
+
+
+def _validate_gelu(input: Tensor, approximate: str = "none") -> None:
+    try:
+        n = input.shape[-1]
+        if (input.dtype in check.FLOATING and n and not n % 2 and input.is_contiguous()
+                and approximate in _APPROXIMATE):
+            return
+    except (IndexError, RuntimeError, AttributeError):
+        pass
+    _validate_input("gelu_and_mul", input)
+    _validate_approximate("gelu_and_mul", approximate)
+
+
+def _out_shape(input: Tensor):
+    return (*input.shape[:-1], input.shape[-1] // 2)
+
+
+def _fake(op: str):
+    def fake(input: Tensor) -> Tensor:
+        _validate_input(op, input)
+        return input.new_empty(_out_shape(input))
+    return fake
+
+
+def _fake_gelu(input: Tensor, approximate: str = "none") -> Tensor:
+    _validate_input("gelu_and_mul", input)
+    _validate_approximate("gelu_and_mul", approximate)
+    return input.new_empty(_out_shape(input))
+
+
+# ----------------------------------------------------------------------------------------------
+# Typed wrappers: what IDEs show, and what docs/ops.md is generated from.
+
+
+def silu_and_mul(input: Tensor) -> Tensor:
+    """``out = silu(x[..., :d]) * x[..., d:]`` with ``silu(g) = g * sigmoid(g)``, ``x = input``
+
+    The SwiGLU gate of Llama-style MLPs (vLLM's ``SiluAndMul``, FlashInfer's ``silu_and_mul``),
+    computed in fp32 (fp64 for fp64 input) and returned in the input's dtype.
+
+    Args:
+        input: ``(..., 2d)`` fp16/bf16/fp32/fp64, the gate half then the up half; last dimension
+            contiguous and even (rows may be strided; any leading dims, zero tokens included).
+
+    Returns:
+        ``(..., d)``, the dtype of ``input``, contiguous. Not differentiable.
+    """
+    return torch.ops.deepinfer.silu_and_mul.default(input)
+
+
+def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
+    """``out = gelu(x[..., :d]) * x[..., d:]`` with ``gelu(g) = g/2 * (1 + erf(g/sqrt(2)))``, or with
+    ``approximate="tanh"``: ``gelu(g) = g/2 * (1 + tanh(sqrt(2/pi) * (g + 0.044715 g^3)))``
+
+    The GeGLU gate (vLLM's ``GeluAndMul(approximate)``, FlashInfer's ``gelu_and_mul`` and
+    ``gelu_tanh_and_mul``), computed in fp32 (fp64 for fp64 input) and returned in the input's dtype.
+
+    Args:
+        input: ``(..., 2d)`` fp16/bf16/fp32/fp64, the gate half then the up half; last dimension
+            contiguous and even (rows may be strided; any leading dims, zero tokens included).
+        approximate: ``"none"`` (exact, erf) or ``"tanh"``, as ``torch.nn.functional.gelu`` takes it.
+
+    Returns:
+        ``(..., d)``, the dtype of ``input``, contiguous. Not differentiable.
+    """
+    return torch.ops.deepinfer.gelu_and_mul.default(input, approximate)
+
+
+def gelu_tanh_and_mul(input: Tensor) -> Tensor:
+    """``out = gelu_tanh(x[..., :d]) * x[..., d:]`` with ``gelu_tanh(g) = g/2 * (1 + tanh(sqrt(2/pi) * (g + 0.044715 g^3)))``
+
+    :func:`gelu_and_mul` with ``approximate="tanh"`` (FlashInfer's ``gelu_tanh_and_mul``; Gemma's MLP).
+
+    Args:
+        input: ``(..., 2d)`` fp16/bf16/fp32/fp64, the gate half then the up half; last dimension
+            contiguous and even (rows may be strided; any leading dims, zero tokens included).
+
+    Returns:
+        ``(..., d)``, the dtype of ``input``, contiguous. Not differentiable.
+    """
+    return torch.ops.deepinfer.gelu_tanh_and_mul.default(input)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sample arguments for opcheck, the self-check and the tests: awkward shapes, never zeros.
+
+#: (leading shape, d, row stride or None): d = 1, one token, one 1-D row, d not a power of two,
+#: 3-D, zero tokens, strided rows.
+SAMPLE_SHAPES = (((1,), 1, None), ((3,), 128, None), ((), 5, None), ((2, 3), 257, None), ((0,), 64, None),
+                 ((4,), 48, 160))
+
+
+def _rows(lead, n: int, stride: Optional[int], device, dtype) -> Tensor:
+    """Values spread over [-6, 6] or so, where the activations bend."""
+    if stride is None:
+        return torch.randn(*lead, n, device=device, dtype=dtype) * 2
+    return (torch.randn(*lead, stride, device=device, dtype=dtype) * 2)[..., :n]
+
+
+def _samples(device, dtype) -> Iterator[tuple]:
+    for lead, d, stride in SAMPLE_SHAPES:
+        yield (_rows(lead, 2 * d, stride, device, dtype),)
+
+
+def _samples_gelu(device, dtype) -> Iterator[tuple]:
+    for i, (lead, d, stride) in enumerate(SAMPLE_SHAPES):
+        yield _rows(lead, 2 * d, stride, device, dtype), _APPROXIMATE[i % 2]
+
+
+def _tokens(n: int, device) -> tuple:
+    return (torch.randn(n, 128, device=device),), (0,)
+
+
+def _tokens_gelu(n: int, device) -> tuple:
+    return (torch.randn(n, 128, device=device), "tanh"), (0,)
+
+
+_NO_GRAD = "it is an inference kernel; differentiate the formula in its docstring instead"
+
+
+def _act_op(name: str, wrapper) -> OpDef:
+    return OpDef(f"{name}(Tensor input) -> Tensor", _validator(name), _fake(name), wrapper, _samples, _tokens,
+                 no_grad_reason=_NO_GRAD)
+
+
+OPS = (
+    _act_op("silu_and_mul", silu_and_mul),
+    OpDef('gelu_and_mul(Tensor input, str approximate="none") -> Tensor', _validate_gelu, _fake_gelu,
+          gelu_and_mul, _samples_gelu, _tokens_gelu, no_grad_reason=_NO_GRAD),
+    _act_op("gelu_tanh_and_mul", gelu_tanh_and_mul),
+)

@@ -1,0 +1,267 @@
+"""TileLang gated activations: ``(T, 2d) -> (T, d)``, ``out = act(x[:, :d]) * x[:, d:]`` with ``act`` one
+of silu, gelu (erf) and gelu (tanh), computed in fp32 as the reference (``families/activation/reference.py``)
+writes them (the bf16 tanh GELU's tanh by the hardware's approximation: :data:`_TANH_APPROX`), and
+rounded once to the input's dtype. The launch knobs are an :class:`ActivationConfig`, part of the compile
+key; :meth:`ActivationConfig.for_shape` picks them.
+
+Shapes: ``input`` ``(T, 2d)`` row view (last dim contiguous, any row stride that is a multiple of the
+vector); the output is ``(T, d)``, contiguous. One kernel per (d, dtype, activation, outputs a
+thread); the token count is a runtime value (``T.dynamic``), so a batch-size change never compiles
+again.
+
+A streaming kernel: each block of ``ActivationConfig.threads`` threads writes one tile of outputs (``BM`` rows of
+``BN`` columns, ``BM > 1`` only when a row is shorter than the tile), every thread 8 of them in 16-byte
+accesses (two in fp32) of the gate, the up half ``d`` columns to its right, and the output; the erf
+GELU's many-token kernel 16 (:data:`_WIDE_PER_THREAD`). Blocks are numbered column tile fastest on one
+grid axis (2^31 - 1 blocks), so consecutive blocks stream consecutive memory, as the Triton kernel and
+Inductor's pointwise grid do.
+
+Data pointers not 16-byte aligned, or row strides that are not a multiple of the vector, are rare: the
+launcher then runs the kernel on an aligned copy, with the same result.
+"""
+
+from dataclasses import dataclass, replace
+from typing import Iterator, Optional
+
+import tilelang.language as T
+import torch
+from torch import Tensor
+
+from ...backends import tilelang_jit as _jit
+
+_NAME = "act_and_mul"
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# Design notes and the measurements behind each constant: docs/design/activation.md (H200, bf16).
+# The erf GELU from 32 tokens at 16 a thread: 4058 against 3839 GB/s at 16384x2*7168 (one token loses).
+_WIDE_PER_THREAD = 16
+_WIDE_MIN_TOKENS = 32
+_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# Activation -> dtypes taking tanh by tanh.approx.f32 (one SFU op, not two): 3.83 against 4.50 µs at
+# 512x2*7168; bf16 only: its error is 0.159 of bf16's tolerance, and fp16's and fp32's are tighter.
+_TANH_APPROX = {"gelu_tanh": ("bfloat16",)}
+_TANH_APPROX_SOURCE = """
+__device__ __forceinline__ float tk_tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
+# The input's loads take no L2 hint: evict_first lost at every shape (4123 against 4315 GB/s, 16384x2*7168).
+
+
+@dataclass(frozen=True)
+class ActivationConfig(_jit.LaunchConfig):
+    """How an activation kernel is launched; :meth:`for_shape` is what the launchers use."""
+
+    # 1024 outputs a block of 4 warps, 8 a thread in 16-byte vectors: the Triton tile, 4363 GB/s at 8192x2*14336.
+    threads: int = 128
+    per_thread: int = 8
+    # tanh by tanh.approx.f32 (silu or the tanh GELU; see _TANH_APPROX)
+    tanh_approx: bool = False
+    # __expf and an approximate reciprocal, as Triton lowers them: silu 1.33 against 1.68 µs at one token.
+    fast_math: bool = True
+
+    @classmethod
+    def for_shape(cls, dtype: str, act: str, tokens: int) -> "ActivationConfig":
+        """The launchers' configuration for ``tokens`` rows of ``dtype`` (a name) under ``act``."""
+        return cls(per_thread=_per_thread(act, tokens), tanh_approx=dtype in _TANH_APPROX.get(act, ()))
+
+
+_PER_THREAD = ActivationConfig.per_thread
+
+
+_vec = _jit.vector_width  # over d: the up half starts d elements after the gate
+
+
+def _tile(d: int, per_thread: int = _PER_THREAD, threads: int = ActivationConfig.threads):
+    """``(BM, BN)`` of a block's ``per_thread * threads`` outputs: a row of up to that many columns (a
+    power of two, at least one thread's ``per_thread``), rows filling the tile."""
+    tile = per_thread * threads
+    bn = min(max(1 << (d - 1).bit_length(), per_thread), tile)
+    return tile // bn, bn
+
+
+def _per_thread(act: str, tokens: int) -> int:
+    return _WIDE_PER_THREAD if act == "gelu" and tokens >= _WIDE_MIN_TOKENS else _PER_THREAD
+
+
+def _erfc_t(g):
+    """``t = 1 / (1 + 0.3275911 |g| / sqrt(2))`` of the GELU below, by the approximate reciprocal (as
+    Triton's ``1.0 / x``): kept in a register by the kernel, since its five uses would otherwise be five
+    instructions (the reciprocal is an ``asm volatile``)."""
+    return T.fast_rcp(T.float32(1) + T.float32(0.3275911 * 0.7071067811865476) * T.abs(g))
+
+
+def _tanh_approx(u):
+    """``tanh(u)`` for an fp32 expression, by ``tanh.approx.f32`` (the kernel imports
+    :data:`_TANH_APPROX_SOURCE`)."""
+    return T.call_extern("float32", "tk_tanh_approx", u)
+
+
+def _activate(g, act: str, t=None, tanh_approx: bool = False, fast_math: bool = True):
+    """``act(g)`` for an fp32 expression ``g``: silu as ATen's CUDA kernel computes it (with
+    ``fast_math``, by ``__expf`` and ``fast_rcp`` as Triton's ``tl.exp`` and division), the GELUs in the
+    Triton backend's forms (``triton/activation.py``: ``_activate``, which says why each is exact
+    enough); ``t``: :func:`_erfc_t` of ``g`` (erf GELU); ``tanh_approx``: silu or the tanh GELU as
+    ``h + h * tanh(u)`` with one ``tanh.approx.f32`` (:data:`_TANH_APPROX`). Not CUDA's ``erff``/``tanhf``,
+    which branch on the argument: 3686 and 3949 against silu's 4345 GB/s at 16384x2*8192."""
+    f = T.float32
+    if tanh_approx:  # h = g / 2; silu's u = h, the tanh GELU's sqrt(2/pi) (g + 0.044715 g^3)
+        h = f(0.5) * g
+        u = h if act == "silu" else g * (f(0.7978845608028654) + f(0.7978845608028654 * 0.044715) * g * g)
+        return h + h * _tanh_approx(u)
+    if act == "silu":
+        if fast_math:
+            return g * T.fast_rcp(f(1) + T.__exp(-g))
+        return g / (f(1) + T.exp(-g))
+    if act == "gelu":
+        # 1 + erf(g / sqrt(2)) from erfc(z) ~ t * P(t) * exp(-z^2), z = |g| / sqrt(2) (Abramowitz &
+        # Stegun 7.1.26: within 2.1e-7 absolute of the exact GELU): 2 - erfc for g >= 0, erfc (no
+        # cancellation) below; erfc appears once, so the generated code has no branch to repeat it in
+        z = T.abs(g) * f(0.7071067811865476)
+        erfc = t * (f(0.254829592) + t * (f(-0.284496736) + t * (f(1.421413741) + t * (f(-1.453152027) + t * f(1.061405429)))))
+        erfc = erfc * T.__exp(-z * z)
+        pos = g >= f(0)
+        return f(0.5) * g * (T.if_then_else(pos, f(2), f(0)) + T.if_then_else(pos, f(-1), f(1)) * erfc)
+    # 0.5 * (1 + tanh(u)) == sigmoid(2u): g * sigmoid(2 * sqrt(2/pi) * (g + 0.044715 g^3))
+    if fast_math:
+        return g * T.fast_rcp(f(1) + T.__exp(f(-1.5957691216057308) * (g + f(0.044715) * g * g * g)))
+    return g / (f(1) + T.exp(f(-1.5957691216057308) * (g + f(0.044715) * g * g * g)))
+
+
+def _build(d: int, dtype: str, act: str, per_thread: int = _PER_THREAD, config: Optional[ActivationConfig] = None):
+    """The kernel of ``per_thread`` outputs a thread under ``config`` (default :meth:`ActivationConfig.for_shape`,
+    whose ``per_thread`` gives way to the argument)."""
+    config = config or _config_for(d, dtype, act, per_thread)
+    per_thread, THREADS = config.per_thread, config.threads
+    pdl = _jit.dependent_launch()
+    VEC = _vec(d, dtype)
+    NV = per_thread // VEC  # vectors a thread
+    BM, BN = _tile(d, per_thread, THREADS)
+    TR = BN // per_thread  # threads a row
+    COL_TILES = -(-d // BN)
+    f32 = "float32"
+    num_tokens = T.dynamic("num_tokens")
+    x_stride = T.dynamic("x_row_stride", "int64")
+
+    live = _jit.in_bounds(num_tokens, BM, d, BN)  # of the output
+    tanh_approx = config.tanh_approx
+    if tanh_approx and act == "gelu":
+        raise ValueError("activation: the erf GELU has no tanh form")
+
+    @T.prim_func
+    def act_and_mul(
+        X: T.StridedTensor((num_tokens, 2 * d), (x_stride, 1), dtype),  # gate then up half per row, read
+        O: T.Tensor((num_tokens, d), dtype),  # output rows, contiguous; written
+    ):
+        # Row strides are multiples of VEC from two rows on (the launcher ensures it, the host code checks);
+        # the view rounds the stride down to VEC, moving no address, so TileLang proves 16-byte row starts.
+        T.assume(T.Or(num_tokens <= 1, x_stride % VEC == 0))
+        Xa = T.view(X, strides=(x_stride // VEC * VEC, 1))
+        with T.Kernel(T.ceildiv(num_tokens, BM) * COL_TILES, threads=THREADS) as block:
+            if tanh_approx:
+                T.import_source(_TANH_APPROX_SOURCE)
+            if pdl:  # before any access: see _jit.dependent_launch
+                T.pdl_sync()
+            # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+            if _jit.triggers_early(num_tokens, 3 * d * _jit.ELEMENT_BYTES[dtype], config):
+                T.pdl_trigger()
+            # Thread t: row t // TR, vectors at columns (t % TR + k * TR) * VEC, so a warp's lanes touch
+            # consecutive vectors; explicit register loops, as TileLang does not widen a loop calling erf.
+            tid = T.get_thread_binding()
+            row = block // COL_TILES * BM + tid // TR
+            col = block % COL_TILES * BN + tid % TR * VEC
+            gate = T.alloc_local((NV, VEC), dtype)
+            up = T.alloc_local((NV, VEC), dtype)
+            t = T.alloc_local((1,), f32)  # the erf GELU's _erfc_t
+            for k in T.unroll(NV):  # every load issued before the first use
+                if live(row, col + k * TR * VEC):
+                    for v in T.vectorized(VEC):
+                        gate[k, v] = Xa[row, col + k * TR * VEC + v]
+                    for v in T.vectorized(VEC):
+                        up[k, v] = Xa[row, d + col + k * TR * VEC + v]
+            for k in T.unroll(NV):
+                if live(row, col + k * TR * VEC):
+                    for v in T.unroll(VEC):
+                        if act == "gelu":
+                            t[0] = _erfc_t(T.cast(gate[k, v], f32))
+                        gate[k, v] = T.cast(_activate(T.cast(gate[k, v], f32), act, t[0], tanh_approx, config.fast_math)
+                                            * T.cast(up[k, v], f32), dtype)
+                    for v in T.vectorized(VEC):
+                        O[row, col + k * TR * VEC + v] = gate[k, v]
+
+    return act_and_mul
+
+
+def _config_for(d: int, dtype: str, act: str, per_thread: int = _PER_THREAD) -> ActivationConfig:
+    """The launcher's config of the kernel of this key (``for_shape`` at a token count taking ``per_thread``)."""
+    return replace(ActivationConfig.for_shape(dtype, act, 1), per_thread=per_thread)
+
+
+_build.config_for = _config_for  # type: ignore[attr-defined]  # what _jit.compiled builds under
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers: the reference's signatures. Per call, after the first: one dict lookup for the
+# compiled host function (its vector width beside it), an alignment test, and the call.
+
+_functions: dict = {}  # (d, dtype, activation, outputs a thread) -> (host function, vector width)
+
+
+def _function(d: int, dtype: torch.dtype, act: str, tokens: int = 1):
+    """``(host function, vector width)`` for ``tokens`` rows under :meth:`ActivationConfig.for_shape`."""
+    key = (d, dtype, act, _per_thread(act, tokens))
+    found = _functions.get(key)
+    if found is None:
+        config = ActivationConfig.for_shape(_DTYPES[dtype], act, tokens)
+        kernel = _jit.compiled(_NAME, _build, d, _DTYPES[dtype], act, config.per_thread, config=config)
+        found = _functions[key] = (_jit.entry(kernel), _vec(d, _DTYPES[dtype]))
+    return found
+
+
+def host_function(input: Tensor, act: str):
+    """The compiled host function ``act_and_mul`` calls for rows like ``input``'s, ``fn(x, out)``: what
+    the C++ entry (``fast_path.py``) calls for the plain calls (contiguous, aligned) it serves (silu and
+    the tanh GELU: one kernel for every token count)."""
+    return _function(input.shape[-1] // 2, input.dtype, act)[0]
+
+
+def act_and_mul(input: Tensor, act: str) -> Tensor:
+    d = input.shape[-1] // 2
+    x = input if input.dim() == 2 else input.reshape(-1, 2 * d)
+    out = x.new_empty((x.shape[0], d))  # contiguous; half the host time of torch.empty(shape, dtype=, device=)
+    if x.shape[0]:
+        fn, vec = _function(d, x.dtype, act, x.shape[0])
+        if x.data_ptr() & 15 or x.stride(0) % vec:  # rare: a view at an odd offset; a fresh copy is aligned
+            x = x.clone(memory_format=torch.contiguous_format)
+        fn(x, out)
+    return out if input.dim() == 2 else out.view(*input.shape[:-1], d)
+
+
+def silu_and_mul(input: Tensor) -> Tensor:
+    return act_and_mul(input, "silu")
+
+
+def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
+    return act_and_mul(input, "gelu_tanh" if approximate == "tanh" else "gelu")
+
+
+def gelu_tanh_and_mul(input: Tensor) -> Tensor:
+    return act_and_mul(input, "gelu_tanh")
+
+
+def ci_kernels() -> Iterator[tuple]:
+    """(name, build, key) of the specialisations CI compiles for sm_90: every activation, every dtype,
+    and each tiling: whole column tiles (14336 = 14 x 1024), a masked last column tile (4864), rows
+    shorter than the tile (several a block, 200: masked), and an odd ``d`` (scalar accesses); the erf
+    GELU's 16 a thread too."""
+    for d, dtype, act, per_thread in (
+        (14336, "bfloat16", "silu", _PER_THREAD),  # the benchmark shape
+        (14336, "bfloat16", "gelu", _WIDE_PER_THREAD),
+        (4864, "float16", "gelu_tanh", _PER_THREAD),
+        (14336, "bfloat16", "gelu_tanh", _PER_THREAD),  # tanh.approx
+        (200, "float32", "silu", _PER_THREAD),
+        (257, "bfloat16", "gelu", _PER_THREAD),
+        (4864, "float32", "gelu", _WIDE_PER_THREAD),
+    ):
+        yield _NAME, _build, (d, dtype, act, per_thread)

@@ -1,0 +1,158 @@
+"""Triton gated activations: ``(..., 2d) -> (..., d)``, ``act(x[..., :d]) * x[..., d:]``.
+
+A streaming kernel, written for bandwidth: a 2-D decomposition over row blocks x column blocks, each
+program reading one ``BLOCK_M x BLOCK_N`` tile of the gate and the tile ``d`` columns to its right
+(the up half), computing in fp32 and writing one tile of the output. Programs are numbered column
+block fastest (one flat grid axis, one scalar division per program), so that consecutive programs
+stream consecutive memory as Inductor's flat pointwise grid does; ``FLAT=False`` launches the 2-D
+grid instead (rows on axis 0), kept for the GPU sweep to compare. Arguments arrive validated
+(``ops.py``): last dim contiguous and even, dtype fp16/bf16/fp32.
+
+``wrap``: ``None`` in eager calls; ``torch.library.wrap_triton`` when ``torch.compile`` traces the
+op's ``inductor_triton`` route (``torch_kernels/library.py``). Traced, the row count is symbolic, so
+no launch choice reads it: one launch (checked at run time to fit the grid), rows masked unless a
+program holds one row, and an empty grid skipped by Triton's launcher instead of an early return.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ...backends.rows import rows
+
+# 1024 outputs over 4 warps, one 16-byte load of each half a thread: Inductor's pointwise tile, whose
+# kernel ran this op at 4348 GB/s (H200; docs/design/activation.md; `bench_activation.py --sweep`).
+_TILE = 1024
+_ELEMENTS_PER_THREAD = 8
+# CUDA grid limits: axis 0 takes 2^31 - 1 programs, axis 1 only 65535; larger launches are split.
+_MAX_GRID_0 = 2**31 - 1
+_MAX_GRID_1 = 65535
+# Program order: flat, column block fastest, as Inductor's pointwise grid (`--sweep` times the 2-D grid).
+_FLAT = True
+
+
+@triton.jit
+def _activate(g, ACT: tl.constexpr):
+    """``act(g)`` in fp32 for ``ACT`` in ``"silu"``, ``"gelu"`` (erf), ``"gelu_tanh"``."""
+    if ACT == "silu":
+        y = g * tl.sigmoid(g)
+    elif ACT == "gelu":
+        # 1 + erf(z), z = g / sqrt(2), from erfc(|z|) ~ t * P(t) * exp(-z^2), t = 1 / (1 + 0.3275911 |z|)
+        # (Abramowitz & Stegun 7.1.26, within 2.1e-7 absolute): libdevice's erff branches on |z|, and
+        # the kernel ran at 3513 GB/s with it against silu's 4351 (8192x2*14336 bf16, H200).
+        z = tl.abs(g) * 0.7071067811865476  # 1/sqrt(2)
+        t = 1.0 / (1.0 + 0.3275911 * z)
+        erfc = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+        erfc = erfc * tl.exp(-z * z)
+        y = 0.5 * g * tl.where(g >= 0, 2.0 - erfc, erfc)  # no cancellation for negative g
+    else:
+        # 0.5 * (1 + tanh(u)) == sigmoid(2u) exactly, so gelu_tanh(g) = g * sigmoid(2u) with
+        # u = sqrt(2/pi) * (g + 0.044715 g^3): Triton has no portable tanh (tl.math lacks it, the
+        # libdevice path moved between versions), and this form never cancels for negative g.
+        y = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))  # 2 * sqrt(2/pi)
+    return y
+
+
+@triton.jit
+def _act_and_mul_kernel(
+    x_ptr,  # input rows (T, 2d): gate at columns [0, d), up at [d, 2d); last dim contiguous; read
+    x_row_stride,  # elements between consecutive input rows (>= 2d: rows may be strided)
+    out_ptr,  # output rows (T, d); written
+    out_row_stride,  # elements between consecutive output rows
+    n_rows,  # rows in this launch
+    n_cols,  # output columns in this launch (d, or a chunk of it when d needs more than 65535 blocks)
+    up_offset,  # d: how far right of the gate its up value lies in the input row
+    n_col_blocks,  # cdiv(n_cols, BLOCK_N): programs per row block on the flat grid
+    ACT: tl.constexpr,  # "silu", "gelu" (erf) or "gelu_tanh"
+    BLOCK_M: tl.constexpr,  # rows per program: 1 unless rows are shorter than the tile
+    BLOCK_N: tl.constexpr,  # output columns per program
+    EVEN: tl.constexpr,  # n_rows % BLOCK_M == 0 and n_cols % BLOCK_N == 0: no masks
+    FLAT: tl.constexpr,  # one grid axis numbered column block fastest; else a (row blocks, column blocks) grid
+):
+    if FLAT:
+        pid_m = tl.program_id(0) // n_col_blocks
+        pid_n = tl.program_id(0) - pid_m * n_col_blocks
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    # int64 for everything that multiplies a row stride: T x 2d passes 2^31 elements in long prefills
+    # (8192 x 28672 is 2^27.8; 128k tokens of the same model 2^31.8).
+    row0 = pid_m.to(tl.int64) * BLOCK_M
+    rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    gate_ptrs = x_ptr + row0 * x_row_stride + rows[:, None] * x_row_stride + cols[None, :]
+    out_ptrs = out_ptr + row0 * out_row_stride + rows[:, None] * out_row_stride + cols[None, :]
+    if EVEN:
+        g = tl.load(gate_ptrs).to(tl.float32)
+        u = tl.load(gate_ptrs + up_offset).to(tl.float32)
+        tl.store(out_ptrs, (_activate(g, ACT) * u).to(out_ptr.dtype.element_ty))
+    else:
+        mask = (row0 + rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gate_ptrs + up_offset, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, (_activate(g, ACT) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def tile(d: int, block_n: int = 0, tile: int = _TILE):
+    """``(BLOCK_M, BLOCK_N, num_warps)`` for output rows of ``d`` elements: ``BLOCK_N`` the row up to
+    ``tile`` elements, ``BLOCK_M`` rows filling the tile when the row is shorter, one warp per
+    ``32 * _ELEMENTS_PER_THREAD`` elements of the tile (1 to 16)."""
+    block_n = block_n or min(triton.next_power_of_2(d), tile)
+    block_m = max(1, tile // block_n)
+    num_warps = min(max(block_m * block_n // (32 * _ELEMENTS_PER_THREAD), 1), 16)
+    return block_m, block_n, num_warps
+
+
+def launch(x: Tensor, out: Tensor, act: str, block_m: int, block_n: int, num_warps: int, flat: bool = _FLAT,
+           wrap=None) -> None:
+    """``out = act(x[:, :d]) * x[:, d:]`` for 2-D row views ``x`` (T, 2d) and ``out`` (T, d)."""
+    T, d = out.shape[0], int(out.shape[1])
+    if wrap is None and T == 0:
+        return
+    if flat:
+        cols_per_launch = _MAX_GRID_0 * block_n
+        rows_per_launch = _MAX_GRID_0 // triton.cdiv(min(d, cols_per_launch), block_n) * block_m
+    else:
+        rows_per_launch, cols_per_launch = _MAX_GRID_0 * block_m, _MAX_GRID_1 * block_n
+    if wrap is not None:  # traced: T is symbolic, so one launch, checked when it runs
+        torch._check(d <= cols_per_launch)
+        torch._check(T <= rows_per_launch, lambda: f"{T} rows of {d} exceed one launch of the traced route")
+    elif T > rows_per_launch or d > cols_per_launch:  # no realistic shape: several launches
+        for r0 in range(0, T, rows_per_launch):
+            for c0 in range(0, d, cols_per_launch):
+                xs, os_ = x[r0:r0 + rows_per_launch, c0:], out[r0:r0 + rows_per_launch, c0:]
+                _launch_one(xs, os_, xs.shape[0], min(cols_per_launch, d - c0), d, act, block_m, block_n, num_warps, flat)
+        return
+    _launch_one(x, out, T, d, d, act, block_m, block_n, num_warps, flat, wrap)
+
+
+def _launch_one(x, out, n_rows, n_cols, up_offset, act, block_m, block_n, num_warps, flat, wrap=None):
+    row_blocks, col_blocks = triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n)
+    # traced, n_rows is symbolic: masked rows unless every program holds one row
+    even_rows = block_m == 1 or (wrap is None and n_rows % block_m == 0)
+    (_act_and_mul_kernel if wrap is None else wrap(_act_and_mul_kernel))[
+        (row_blocks * col_blocks,) if flat else (row_blocks, col_blocks)](
+        x, x.stride(0), out, out.stride(0), n_rows, n_cols, up_offset, col_blocks,
+        ACT=act, BLOCK_M=block_m, BLOCK_N=block_n, EVEN=even_rows and n_cols % block_n == 0,
+        FLAT=flat, num_warps=num_warps,
+    )
+
+
+def act_and_mul(input: Tensor, act: str, wrap=None) -> Tensor:
+    d = int(input.shape[-1]) // 2
+    out = torch.empty((*input.shape[:-1], d), dtype=input.dtype, device=input.device)
+    launch(rows(input), out.view(-1, d), act, *tile(d), wrap=wrap)
+    return out
+
+
+def silu_and_mul(input: Tensor, *, wrap=None) -> Tensor:
+    return act_and_mul(input, "silu", wrap)
+
+
+def gelu_and_mul(input: Tensor, approximate: str = "none", *, wrap=None) -> Tensor:
+    return act_and_mul(input, "gelu_tanh" if approximate == "tanh" else "gelu", wrap)
+
+
+def gelu_tanh_and_mul(input: Tensor, *, wrap=None) -> Tensor:
+    return act_and_mul(input, "gelu_tanh", wrap)

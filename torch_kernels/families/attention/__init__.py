@@ -1,0 +1,1 @@
+"""Attention-state merge: ``merge_attn_states``."""

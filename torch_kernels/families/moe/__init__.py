@@ -1,0 +1,1 @@
+"""MoE routing: ``topk_softmax``, ``grouped_topk``."""

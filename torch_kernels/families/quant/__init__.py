@@ -1,0 +1,1 @@
+"""FP8 quantisation: ``per_token_group_quant_fp8``."""

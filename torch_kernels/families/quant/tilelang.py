@@ -1,0 +1,199 @@
+"""TileLang ``per_token_group_quant_fp8``: per group of ``group_size`` consecutive values of a row,
+``scale = max(max|x|, eps) / 448`` (``scale_ue8m0``: its power-of-two ceiling) and
+``q = clamp(x / scale, -448, 448)`` as float8_e4m3fn (the reference is ``families/quant/reference.py``).
+
+Shapes: ``input (..., H)`` fp16/bf16/fp32, last dimension contiguous, rows of any stride; ``q (..., H)``
+contiguous; ``scales (..., H/group_size)`` fp32, row-major or column-major (DeepGEMM's, storage
+``(H/group_size, T)``: the kernel writes through the scale tensor's strides, so one kernel serves both).
+
+One kernel per (group size, dtype, UE8M0, division mode, aligned rows); token count, hidden size and
+strides are runtime values. Each thread owns ``E`` consecutive values of one group (16, or
+``group_size / 32`` for groups wider than 512; 16 bf16 are two 16-byte loads and one 16-byte fp8
+store), and the ``group_size / E`` consecutive lanes of a warp that share a group combine their maxima
+with ``shfl.xor``. The (row, group) pairs are numbered flat, so every thread has work whatever the
+hidden size (one 32-bit division per thread finds its row). Rows whose stride or start is not a
+multiple of the 16-byte vector are read value by value by a second kernel of the same shape.
+
+Numerics as the Triton kernel's (``docs/design/quant.md``): the group max on the magnitudes' bits as
+integers (a NaN propagates); ``scale = __fdiv_rn(amax, 448)``, bit-equal to the reference's;
+``q = x * __frcp_rn(scale)``, one fp8 step at most from ``x / scale`` (each value divided below
+``eps = 2**-100``, where the reciprocal could overflow); the hardware ``cvt.rn.satfinite.e4m3x2.f32``,
+which is ``clamp(y, -448, 448).to(float8_e4m3fn)`` bit for bit.
+"""
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import tilelang.language as T
+import torch
+from torch import Tensor
+
+from .reference import FP8_MAX, empty_outputs
+
+from ...backends import tilelang_jit as _jit
+
+_NAME = "per_token_group_quant_fp8"
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class QuantConfig(_jit.LaunchConfig):
+    """How a quantisation kernel is launched; :meth:`for_shape` is what the launcher uses."""
+
+    # 16 values a thread: one 16-byte fp8 store, 32 bytes of bf16 in flight; groups over 512 take
+    # group_size / 32, so a group's lanes stay in one warp (docs/design/quant.md).
+    per_thread: int = 16
+    threads: int = 256
+
+
+_DEFAULT = QuantConfig.for_shape()
+# Below this eps the reciprocal of the scale may overflow: divide every value instead.
+_EXACT_DIV_EPS = 2.0 ** -100
+# (row, group) pairs per launch: the flat pair index is a 32-bit integer.
+_MAX_PAIRS = 2**31 - 1 - _DEFAULT.threads
+
+
+def _per_thread(group_size: int, config: QuantConfig = _DEFAULT) -> int:
+    return max(min(config.per_thread, group_size), group_size // 32)
+
+
+def _vec(group_size: int, dtype: str, config: QuantConfig = _DEFAULT) -> int:
+    """Values per access of the input: 16 bytes, or one group when it is smaller."""
+    return min(_per_thread(group_size, config), _jit.lanes(dtype))
+
+
+def _build(group_size: int, dtype: str, ue8m0: bool, exact_div: bool, aligned: bool, config: Optional[QuantConfig] = None):
+    config = config or QuantConfig.for_shape()
+    THREADS = config.threads
+    pdl = _jit.dependent_launch()
+    GS = group_size
+    E = _per_thread(GS, config)
+    LANES = GS // E  # threads a group: a power of two, at most 32
+    VEC = _vec(GS, dtype, config)
+    GROUPS_PER_BLOCK = THREADS // LANES
+    # Aligned rows load VEC values at a time; the others value by value (a vector at an address off
+    # its size faults). q is a fresh contiguous tensor: always one vector of E values.
+    load = T.vectorized if aligned else T.unroll
+    Tn, H, G = T.dynamic("num_tokens, hidden, groups")
+    sx, ss_t, ss_g = T.dynamic("sx, ss_t, ss_g", "int64")
+
+    @T.prim_func
+    def quant(
+        x: T.StridedTensor((Tn, H), (sx, 1), dtype),  # input rows, read
+        q: T.Tensor((Tn, H), "float8_e4m3fn"),  # written, contiguous
+        s: T.StridedTensor((Tn, G), (ss_t, ss_g), "float32"),  # scales, written: row- or column-major
+        eps: T.float32,  # floor of each group's max, >= 0
+    ):
+        # The accesses below are guarded by hand (``pair < Tn * G``); TileLang's own guards, which
+        # it adds where it cannot prove a row index in range, would split every vector access
+        # into 16 checked scalar ones.
+        T.annotate_pass_configs({"tl.disable_safe_memory_legalize": True})
+        # Checked on the host at every call. A lone row's stride is never used and may be reported
+        # as anything (DLPack exports of torch before 2.10 say 1); the view rounds it down to the
+        # vector, which lets TileLang prove that every row starts on a vector boundary.
+        T.assume(H == G * GS)
+        T.assume(H % GS == 0)
+        if aligned:
+            T.assume(T.Or(Tn <= 1, sx % VEC == 0))
+        xa = T.view(x, strides=(sx // VEC * VEC, 1) if aligned else (sx, 1))
+        with T.Kernel(T.ceildiv(Tn * G, GROUPS_PER_BLOCK), threads=THREADS) as block:
+            if pdl:  # before any access: see _jit.dependent_launch
+                T.pdl_sync()
+            # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+            if _jit.triggers_early(Tn, H * (_jit.ELEMENT_BYTES[dtype] + 1) + G * 4, config):
+                T.pdl_trigger()
+            tid = T.get_thread_binding()
+            pair = block * GROUPS_PER_BLOCK + tid // LANES  # (row, group), flat
+            # Row and group kept in registers: one 32-bit division per thread (sizes are positive:
+            # C's truncating division, not TIR's floor division with its sign tests).
+            t = T.alloc_var("int32")
+            g = T.alloc_var("int32")
+            t = T.truncdiv(pair, G)
+            g = pair - t * G
+            xf = T.alloc_local((E,), "float32")
+            qv = T.alloc_local((E,), "float8_e4m3fn")
+            amax_bits = T.alloc_var("int32")
+            if pair < Tn * G:
+                for v in load(E):
+                    xf[v] = T.cast(xa[t, g * GS + tid % LANES * E + v], "float32")
+            else:  # no row: still takes part in the shuffles below
+                for v in T.unroll(E):
+                    xf[v] = T.float32(0)
+            amax_bits = T.reinterpret(eps, "int32")  # a negative int for eps = -0.0: never the max
+            for v in T.unroll(E):
+                amax_bits = T.max(amax_bits, T.reinterpret(xf[v], "int32") & 0x7FFFFFFF)
+            for k in T.unroll(LANES.bit_length() - 1):
+                amax_bits = T.max(amax_bits, T.shfl_xor(amax_bits, 1 << k))
+            scale = T.alloc_var("float32")
+            scale = T.ieee_fdiv(T.reinterpret(amax_bits, "float32"), T.float32(FP8_MAX))
+            if ue8m0:  # the power-of-two ceiling from the bits (unsigned: a NaN's would overflow int32)
+                up = T.reinterpret((T.reinterpret(scale, "uint32") + T.uint32(0x7FFFFF)) & T.uint32(0x7F800000),
+                                   "float32")
+                scale = T.if_then_else(T.isnan(scale), scale, up)
+            if exact_div:
+                for v in T.vectorized(E):
+                    qv[v] = T.cast(T.ieee_fdiv(xf[v], scale), "float8_e4m3fn")
+            else:
+                inv = T.ieee_frcp(scale)
+                for v in T.vectorized(E):
+                    qv[v] = T.cast(xf[v] * inv, "float8_e4m3fn")
+            if pair < Tn * G:
+                for v in T.vectorized(E):
+                    q[t, g * GS + tid % LANES * E + v] = qv[v]
+                if tid % LANES == 0:
+                    s[t, g] = scale
+
+    return quant
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher: the reference's signature. Per call after the first: the outputs, an alignment test,
+# one dict lookup for the compiled host function (``_jit.entry``), the call.
+
+_build.config_for = QuantConfig.for_shape  # type: ignore[attr-defined]  # what _jit.compiled builds under
+_function = _jit.host_functions(_NAME, _build)  # key of _build -> compiled host function
+_functions = _function.cache
+
+
+def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10,
+                              column_major_scales: bool = False, scale_ue8m0: bool = False):
+    q, s = empty_outputs(input, group_size, column_major_scales)
+    if input.dim() == 2:
+        x, q2, s2 = input, q, s
+    else:  # (T, H) rows: a view unless the leading dims do not collapse; (T, G) views of the outputs,
+        # whose leading dims are contiguous in both scale layouts
+        H = input.shape[-1]
+        x, q2, s2 = input.reshape(-1, H), q.view(-1, H), s.view(-1, H // group_size)
+    rows = x.shape[0]
+    if rows == 0:
+        return q, s
+    dtype = _DTYPES[input.dtype]
+    aligned = not ((x.stride(0) if rows > 1 else 0) | x.data_ptr() // x.element_size()) % _vec(group_size, dtype)
+    fn = _function(group_size, dtype, bool(scale_ue8m0), eps < _EXACT_DIV_EPS, aligned)
+    per_launch = _MAX_PAIRS // s2.shape[1]
+    if rows <= per_launch:  # every realistic call
+        fn(x, q2, s2, eps)
+    else:
+        for r in range(0, rows, per_launch):
+            fn(x[r:r + per_launch], q2[r:r + per_launch], s2[r:r + per_launch], eps)
+    return q, s
+
+
+def ci_kernels() -> Iterator[tuple]:
+    """(name, build, key) of the specialisations CI compiles for sm_90: DeepSeek's group 128 and 64
+    in every dtype, UE8M0, the exact-division path (eps < 2**-100), groups narrower than a thread's
+    16 values, wider than 512 (group_size / 32 a thread), and misaligned rows. (Column-major scales
+    are a stride, not a key.)"""
+    for group, dtype, ue8m0, exact, aligned in (
+        (128, "bfloat16", False, False, True),  # the benchmark shape
+        (128, "bfloat16", True, False, True),
+        (128, "float16", False, False, True),
+        (128, "float32", False, True, True),
+        (64, "bfloat16", False, False, True),
+        (64, "float32", True, False, True),
+        (8, "bfloat16", False, False, True),
+        (1, "float16", True, False, True),
+        (4096, "bfloat16", False, False, True),
+        (128, "bfloat16", False, False, False),
+    ):
+        yield _NAME, _build, (group, dtype, ue8m0, exact, aligned)

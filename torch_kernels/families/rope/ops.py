@@ -1,0 +1,253 @@
+"""The rotary embedding family: ``rotary_embedding``.
+
+Semantics and schema of vLLM's ``_custom_ops.rotary_embedding`` (``RotaryEmbedding.forward_native``);
+the reference is ``torch_kernels/families/rope/reference.py``.
+
+Positions outside the cache: vLLM does not check them (its CUDA kernel reads out of bounds). Here
+the eager entry checks ``0 <= positions < max_position`` on the data, one ``aminmax`` and a read of
+two numbers back. On CUDA that read is a device sync, so it is skipped while a CUDA graph is being
+captured (it would break the capture) and can be switched off with :data:`CHECK_POSITIONS`. Where
+no check runs (switched off, in a capture, under ``torch.compile``, which traces without data), no
+backend reads outside the cache: a token at such a position gets NaN in the rotated dims of each of
+its heads (the other tokens are exact).
+"""
+
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from ... import checks as check
+from ...opdef import OpDef
+
+OP = "rotary_embedding"
+_POSITION_DTYPES = (torch.int32, torch.int64)
+
+#: Check ``0 <= positions < max_position`` on the data in eager calls (see the module docstring).
+#: On CUDA each call then waits for the GPU once; an engine that trusts its positions may set this
+#: to ``False`` (an out-of-range position then gives NaN for its token, see the module docstring).
+CHECK_POSITIONS = True
+
+
+def _validate_heads(arg: str, x: Tensor, head_size: int) -> None:
+    """``x`` is ``(T, H*head_size)`` or ``(T, H, head_size)`` with H >= 1, last dim contiguous."""
+    check.require(x.dim() in (2, 3), OP, arg,
+                  lambda: f"must be 2-D (num_tokens, num_heads * head_size) or 3-D (num_tokens, num_heads, head_size), got shape {tuple(x.shape)}")
+    check.last_dim_contiguous(OP, arg, x)
+    if x.dim() == 3:
+        check.require(x.shape[2] == head_size, OP, arg,
+                      lambda: f"must have a last dimension of head_size={head_size}, got shape {tuple(x.shape)}")
+        check.require(x.shape[1] >= 1, OP, arg, lambda: f"must have at least one head, got shape {tuple(x.shape)}")
+    else:
+        check.require(x.shape[1] % head_size == 0, OP, arg,
+                      lambda: f"must have a width that is a multiple of head_size={head_size}, got shape {tuple(x.shape)}")
+        check.require(x.shape[1] >= head_size, OP, arg,
+                      lambda: f"must have at least one head of head_size={head_size}, got shape {tuple(x.shape)}")
+
+
+def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
+                   cos_sin_cache: Tensor, is_neox: bool) -> None:
+    check.tensor(OP, "positions", positions)
+    check.tensor(OP, "query", query)
+    check.tensor(OP, "cos_sin_cache", cos_sin_cache)
+    if positions.dtype not in _POSITION_DTYPES:
+        check.fail(OP, "positions", f"must be an int32 or int64 tensor, got {positions.dtype}", TypeError)
+    check.require(positions.dim() == 1, OP, "positions", lambda: f"must be 1-D (num_tokens,), got shape {tuple(positions.shape)}")
+    check.floating(OP, "query", query)
+    if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 1:
+        check.fail(OP, "head_size", f"must be a positive int, got {head_size!r}")
+    _validate_heads("query", query, head_size)
+    check.require(positions.shape[0] == query.shape[0], OP, "positions",
+                  lambda: f"must have one position per token of 'query' ({query.shape[0]}), got shape {tuple(positions.shape)}")
+    check.same_device(OP, "positions", positions, "query", query)
+    if key is not None:
+        check.tensor(OP, "key", key)
+        if key.dtype != query.dtype:
+            check.fail(OP, "key", f"must have the dtype of 'query' ({query.dtype}), got {key.dtype}", TypeError)
+        _validate_heads("key", key, head_size)
+        check.require(key.shape[0] == query.shape[0], OP, "key",
+                      lambda: f"must have one row per token of 'query' ({query.shape[0]}), got shape {tuple(key.shape)}")
+        check.same_device(OP, "key", key, "query", query)
+        if key is query:
+            check.fail(OP, "key", "must not be the same tensor as 'query' (both are rotated in place)")
+    if cos_sin_cache.dtype not in (torch.float32, query.dtype):
+        check.fail(OP, "cos_sin_cache", f"must be float32 or the dtype of 'query' ({query.dtype}), got {cos_sin_cache.dtype}", TypeError)
+    check.require(cos_sin_cache.dim() == 2, OP, "cos_sin_cache",
+                  lambda: f"must be 2-D (max_position, rot_dim), got shape {tuple(cos_sin_cache.shape)}")
+    rot_dim = cos_sin_cache.shape[1]
+    check.require(rot_dim % 2 == 0, OP, "cos_sin_cache",
+                  lambda: f"must have an even rot_dim (its second dimension: cos then sin halves), got {rot_dim}")
+    check.require(rot_dim >= 2, OP, "cos_sin_cache", lambda: f"must have a rot_dim (second dimension) of at least 2, got {rot_dim}")
+    check.require(rot_dim <= head_size, OP, "cos_sin_cache",
+                  lambda: f"must have a rot_dim (second dimension) of at most head_size={head_size}, got {rot_dim}")
+    check.last_dim_contiguous(OP, "cos_sin_cache", cos_sin_cache)
+    check.same_device(OP, "cos_sin_cache", cos_sin_cache, "query", query)
+    check.no_overlap(OP, (("positions", positions, False), ("query", query, True), ("key", key, True),
+                          ("cos_sin_cache", cos_sin_cache, False)))
+
+
+def _check_positions_in_cache(positions: Tensor, max_position: int, num_tokens: int) -> None:
+    """``0 <= positions < max_position`` on the data: one reduction and one read back (a sync on CUDA)."""
+    if not CHECK_POSITIONS or num_tokens == 0:
+        return
+    if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # a read back would break the capture; the kernel reads nothing outside the cache
+    lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+    if lo < 0 or hi >= max_position:
+        check.fail(OP, "positions", f"must lie in [0, {max_position}) (the rows of 'cos_sin_cache'), got values from {lo} to {hi}")
+
+
+# The eager validator first tests the common valid call in as few tensor attribute reads as it can;
+# anything else goes through the full checks, which name the argument at fault. The positions are
+# checked on the data in eager calls only (the fake function sees no data). Memory, proven from the
+# data pointers for the common layouts: rows at least as far apart as they are wide; key's bytes
+# apart from query's, or, with one row stride, its columns between query's (modulo that stride: the
+# slices of a fused qkv tensor); positions and cache apart from both.
+
+
+def validate(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int, cos_sin_cache: Tensor,
+             is_neox: bool) -> None:
+    try:
+        qd, qs, ps, cs, dev = query.dtype, query.shape, positions.shape, cos_sin_cache.shape, query.device
+        pd, cd, qst, cst = positions.dtype, cos_sin_cache.dtype, query.stride(), cos_sin_cache.stride()
+        if (pd in _POSITION_DTYPES and qd in check.FLOATING and cd in (torch.float32, qd)
+                and len(qs) == 2 and len(ps) == 1 and len(cs) == 2 and type(head_size) is int and head_size > 0
+                and qs[1] and qs[1] % head_size == 0 and ps[0] == qs[0] and 0 < cs[1] <= head_size and not cs[1] & 1
+                and qst[1] == 1 and cst[1] == 1 and positions.device == dev and cos_sin_cache.device == dev):
+            t, r, isz = qs[0] - 1, qst[0], qd.itemsize
+            if key is None:
+                ok = t < 1 or r >= qs[1]
+                if ok and t >= 0:
+                    q, p, c = query.data_ptr(), positions.data_ptr(), cos_sin_cache.data_ptr()
+                    qe = q + t * r * isz + qs[1] * isz
+                    pe = p + (t * positions.stride()[0] + 1) * pd.itemsize
+                    ce = c + ((cs[0] - 1) * cst[0] + cs[1]) * cd.itemsize
+                    ok = not (p < qe and q < pe or c < qe and q < ce)
+            else:
+                ks, kst = key.shape, key.stride()
+                ok = (key.dtype == qd and len(ks) == 2 and ks[0] == qs[0] and ks[1] and ks[1] % head_size == 0
+                      and kst[1] == 1 and key.device == dev and key is not query
+                      and (t < 1 or r >= qs[1] and kst[0] >= ks[1]))
+                if ok and t >= 0:
+                    q, k, qw, kw = query.data_ptr(), key.data_ptr(), qs[1] * isz, ks[1] * isz
+                    qe, ke = q + t * r * isz + qw, k + t * kst[0] * isz + kw
+                    p, c = positions.data_ptr(), cos_sin_cache.data_ptr()
+                    pe = p + (t * positions.stride()[0] + 1) * pd.itemsize
+                    ce = c + ((cs[0] - 1) * cst[0] + cs[1]) * cd.itemsize
+                    # spans apart, or one row stride with key's columns between query's modulo it
+                    ok = ((not (q < ke and k < qe) or kst[0] == r and t > 0 and qw <= (k - q) % (r * isz) <= r * isz - kw)
+                          and not (p < qe and q < pe or p < ke and k < pe or c < qe and q < ce or c < ke and k < ce))
+            if ok:
+                _check_positions_in_cache(positions, cs[0], ps[0])
+                return
+    except (AttributeError, IndexError, RuntimeError, TypeError):  # not tensors, 0-d: the full checks say what
+        pass
+    _validate_full(positions, query, key, head_size, cos_sin_cache, is_neox)
+    _check_positions_in_cache(positions, cos_sin_cache.shape[0], positions.numel())
+
+
+def _fake(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int, cos_sin_cache: Tensor,
+          is_neox: bool) -> None:
+    _validate_full(positions, query, key, head_size, cos_sin_cache, is_neox)
+
+
+# ----------------------------------------------------------------------------------------------
+# Typed wrapper: what IDEs show, and what docs/ops.md is generated from.
+
+
+def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
+                     cos_sin_cache: Tensor, is_neox: bool) -> None:
+    """``x1, x2 = x1 * cos[p] - x2 * sin[p], x2 * cos[p] + x1 * sin[p]`` for every head of ``query`` and ``key``, in place
+
+    Rotary position embedding (RoFormer) with vLLM's semantics (``_custom_ops.rotary_embedding``,
+    ``RotaryEmbedding.forward_native``). For token ``t`` at position ``p = positions[t]``, with
+    ``r = cos_sin_cache.shape[1]`` (the rotary dim), ``cos = cos_sin_cache[p, :r/2]`` and
+    ``sin = cos_sin_cache[p, r/2:]``, each head ``x`` of the token is rotated pair by pair, ``i < r/2``:
+    ``(x1, x2) = (x[i], x[i + r/2])`` if ``is_neox`` (GPT-NeoX, Llama), else ``(x[2i], x[2i+1])`` (GPT-J).
+    Dims ``r..head_size`` of each head (partial rotary) are neither read nor written. Computed in fp32
+    (fp64 for fp64 input) and rounded once.
+
+    Args:
+        positions: ``(T,)`` int32 or int64, each in ``[0, max_position)``: checked in eager calls (see
+            ``torch_kernels.families.rope.ops.CHECK_POSITIONS`` for the cost on CUDA); where unchecked (under
+            ``torch.compile``, in a CUDA graph capture), a token outside the cache gets NaN in its
+            rotated dims, on every backend and route.
+        query: ``(T, Hq * head_size)`` or ``(T, Hq, head_size)``, fp16/bf16/fp32/fp64, last dimension
+            contiguous (rows and heads may be strided, e.g. slices of a fused qkv tensor). Rotated in place.
+        key: ``(T, Hk * head_size)`` or ``(T, Hk, head_size)`` with the dtype of ``query``, or ``None``.
+            Rotated in place. ``query`` and ``key`` may be disjoint column slices of one tensor, but
+            no element of either may share memory with another element or argument (``ValueError``).
+        head_size: dims per head.
+        cos_sin_cache: ``(max_position, r)``, float32 or the dtype of ``query``, ``r`` even and at most
+            ``head_size``; each row holds ``r/2`` cosines then ``r/2`` sines.
+        is_neox: neox (halves) pairing if True, GPT-J (interleaved) pairing if False.
+
+    Not differentiable: requesting a gradient through it raises.
+    """
+    torch.ops.deepinfer.rotary_embedding.default(positions, query, key, head_size, cos_sin_cache, is_neox)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sample arguments for opcheck, the self-check and the tests: awkward shapes, never zeros.
+
+
+def make_cos_sin_cache(max_position: int, rot_dim: int, base: float = 10000.0, device=None, dtype=torch.float32) -> Tensor:
+    """vLLM's ``RotaryEmbedding._compute_cos_sin_cache``: ``(max_position, rot_dim)``, row ``p`` holding
+    ``cos(p * theta_i)`` then ``sin(p * theta_i)``, ``theta_i = base^(-2i/rot_dim)``, computed in fp64."""
+    inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device=device, dtype=dtype)
+
+
+def make_args(num_tokens: int, num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_neox: bool,
+              layout: str = "2d", device=None, dtype=torch.float32, cache_dtype=torch.float32,
+              positions_dtype=torch.int64, max_position: int = 37) -> tuple:
+    """Random arguments. ``num_k_heads=0``: no key. ``layout``: ``"2d"`` contiguous ``(T, H*head_size)``;
+    ``"qkv"`` query and key as column slices of one fused ``(T, (Hq + 2*Hk)*head_size)`` tensor
+    (strided rows, as vLLM passes them); ``"3d"`` the same as ``(T, H, head_size)`` views."""
+    positions = torch.randint(0, max_position, (num_tokens,), device=device, dtype=positions_dtype)
+    cache = make_cos_sin_cache(max_position, rot_dim, device=device, dtype=cache_dtype)
+    if layout == "2d":
+        query = torch.randn(num_tokens, num_q_heads * head_size, device=device, dtype=dtype)
+        key = torch.randn(num_tokens, num_k_heads * head_size, device=device, dtype=dtype) if num_k_heads else None
+    else:
+        qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_k_heads) * head_size, device=device, dtype=dtype)
+        query, key = qkv[:, :num_q_heads * head_size], qkv[:, num_q_heads * head_size:(num_q_heads + num_k_heads) * head_size]
+        if layout == "3d":
+            query, key = query.unflatten(1, (num_q_heads, head_size)), key.unflatten(1, (num_k_heads, head_size))
+        if not num_k_heads:
+            key = None
+    return positions, query, key, head_size, cache, is_neox
+
+
+#: (tokens, q heads, k heads, head_size, rot_dim, is_neox, layout, positions dtype, cache in the q/k
+#: dtype): one token, GPT-J, partial rotary with a non-power-of-two half, zero tokens, strided rows of
+#: a fused qkv tensor, 3-D head views. No sample without key: the shared harness compares every
+#: mutated argument, and a ``None`` one has nothing to compare (tests/test_rope.py covers it).
+SAMPLE_CASES = (
+    (1, 1, 1, 64, 64, True, "2d", torch.int64, False),
+    (3, 4, 2, 128, 128, False, "2d", torch.int32, True),
+    (5, 3, 1, 96, 48, True, "qkv", torch.int64, False),
+    (4, 2, 1, 80, 80, False, "2d", torch.int64, True),
+    (0, 4, 2, 64, 32, True, "2d", torch.int64, False),
+    (6, 5, 3, 32, 16, False, "3d", torch.int32, False),
+    (2, 3, 1, 40, 24, False, "qkv", torch.int64, False),
+)
+
+
+def _samples(device, dtype) -> Iterator[tuple]:
+    for t, hq, hk, hs, rd, neox, layout, pdt, cache_in_dtype in SAMPLE_CASES:
+        yield make_args(t, hq, hk, hs, rd, neox, layout, device, dtype, dtype if cache_in_dtype else torch.float32, pdt)
+
+
+def _tokens(n: int, device) -> tuple:
+    return make_args(n, 4, 2, 16, 16, True, "2d", device, max_position=32), (0, 1, 2)
+
+
+OPS = (
+    OpDef("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
+          "Tensor cos_sin_cache, bool is_neox) -> ()",
+          validate, _fake, rotary_embedding, _samples, _tokens, data_arg=1,
+          no_grad_reason="it rotates query and key in place; differentiate through the torch reference "
+                         "(reference.py) on copies instead"),
+)

@@ -1,0 +1,232 @@
+"""TileLang rotary embedding: ``x1, x2 = x1 cos - x2 sin, x2 cos + x1 sin`` for every head of query
+and key, in place (vLLM's ``rotary_embedding``; the reference is ``families/rope/reference.py``).
+
+Shapes: ``positions (T,)`` int32/int64, any stride; ``query (T, Hq*hs)`` or ``(T, Hq, hs)`` and ``key``
+the same with ``Hk`` heads (or ``None``), last dimension contiguous, token and head strides free;
+``cos_sin_cache (max_position, rot_dim)``, ``rot_dim/2`` cosines then ``rot_dim/2`` sines per row.
+
+One kernel per (heads, head size, rot_dim, pairing, dtypes, 2-D rows or 3-D heads, aligned views);
+the token count and every stride are runtime values, so a batch-size change never compiles again. Each thread owns ``VEC`` consecutive
+pairs (one lane of a head) of one token: it loads its cosines and sines once, then rotates that lane
+in ``ITER`` heads of the token's combined head list (query heads, then key heads), all loads of a
+token issued before the first store. Only the first ``rot_dim`` dims of a head are read or written.
+Accesses are 16-byte vectors: the two half-rows ``x[i]``, ``x[rot_dim/2 + i]`` (neox) or one row
+``x[2i : 2i + 2]`` per pair (GPT-J, pairs split in registers). A call whose strides or data
+pointers are not multiples of the vector (a view at an odd offset) runs a second kernel of the same
+shape that moves value by value: every valid call is taken, none compiles per batch size.
+A position outside the cache reads nothing and rotates by NaN, as the Triton kernel does.
+"""
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
+
+import tilelang.language as T
+import torch
+from torch import Tensor
+
+from ...backends import tilelang_jit as _jit
+
+_NAME = "rotary_embedding"
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_POSITION_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
+
+
+@dataclass(frozen=True)
+class RopeConfig(_jit.LaunchConfig):
+    """How a rotary-embedding kernel is launched; :meth:`for_shape` is what the launcher uses."""
+
+    # (thread, head) tasks a block aims at: 4008 GB/s at 16384x(32+8)x128, 512: 3716 (docs/design/rope.md).
+    block_threads: int = 256
+
+
+def _vec(rot_dim: int, is_neox: bool, dtype: str) -> int:
+    """Pairs per thread: one 16-byte access per half-row (neox) or per pair row (GPT-J, two values a
+    pair), down to what divides ``rot_dim/2``."""
+    widest = _jit.lanes(dtype) // (1 if is_neox else 2)
+    half = rot_dim // 2
+    return min(widest, half & -half)
+
+
+def _layout(num_heads: int, rot_dim: int, vec: int, block_threads: int = RopeConfig.block_threads) -> Tuple[int, int, int, int]:
+    """(lanes per head, heads rotated side by side, iterations over the head list, tokens per block).
+
+    ``lanes * heads * tokens`` threads a block, about ``block_threads``: the head list is split
+    into ``iterations`` rounds of ``heads`` heads, the fewest rounds that fit, so that few slots idle
+    (40 heads of 8 lanes: 2 rounds of 20 heads); few heads leave room for several tokens."""
+    lanes = rot_dim // 2 // vec
+    iterations = -(-num_heads * lanes // block_threads)
+    heads = -(-num_heads // iterations)
+    tokens = max(1, block_threads // (lanes * heads))
+    return lanes, heads, iterations, tokens
+
+
+def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_neox: bool, dtype: str,
+           cache_dtype: str, positions_dtype: str, rank: int, aligned: bool, config: Optional[RopeConfig] = None):
+    config = config or RopeConfig.for_shape()
+    pdl = _jit.dependent_launch()
+    HQ, HK, HS, ROT = num_q_heads, num_k_heads, head_size, rot_dim
+    HALF = rot_dim // 2
+    MOVED = 2 * (HQ + HK) * HS * _jit.ELEMENT_BYTES[dtype] + ROT * _jit.ELEMENT_BYTES[cache_dtype]  # bytes a token
+    VEC = _vec(rot_dim, is_neox, dtype)
+    LANES, HPAR, ITER, TPAR = _layout(HQ + HK, rot_dim, VEC, config.block_threads)
+    THREADS = LANES * HPAR * TPAR
+    # A thread's pairs as loaded: neox, two segments of VEC (x1 half-row then x2 half-row);
+    # GPT-J, one segment of 2*VEC values (x1, x2 interleaved). Pair i of the thread is at
+    # (i * STEP, i * STEP + OTHER) in its 2*VEC registers; segment s starts at s * HALF in the head.
+    SEGS, SEG = (2, VEC) if is_neox else (1, 2 * VEC)
+    STEP, OTHER = (1, VEC) if is_neox else (2, 1)
+    # Aligned calls move each segment and each cos/sin row slice as one vector; the others value by
+    # value (a vector at an address off its size faults).
+    per_access = T.vectorized if aligned else T.unroll
+    Tn, P = T.dynamic("num_tokens, max_position")
+    p_s, q_st, k_st, c_s = T.dynamic("p_s, q_st, k_st, c_s", "int64")
+    # q and k as the caller passes them, (T, H*hs) rows (head stride hs) or (T, H, hs) heads (any head
+    # stride): the kernel takes either as it is, rather than the launcher making a view per call.
+    if rank == 2:
+        q_sh = k_sh = HS
+        query_type = T.StridedTensor((Tn, HQ * HS), (q_st, 1), dtype)
+        key_type = T.StridedTensor((Tn, HK * HS), (k_st, 1), dtype)
+    else:
+        q_sh, k_sh = T.dynamic("q_sh, k_sh", "int64")
+        query_type = T.StridedTensor((Tn, HQ, HS), (q_st, q_sh, 1), dtype)
+        key_type = T.StridedTensor((Tn, HK, HS), (k_st, k_sh, 1), dtype)
+
+    @T.prim_func
+    def rope(
+        positions: T.StridedTensor((Tn,), (p_s,), positions_dtype),  # read; any stride
+        query: query_type,  # rotated in place
+        key: key_type,  # rotated in place; None when HK == 0
+        cache: T.StridedTensor((P, ROT), (c_s, 1), cache_dtype),  # read; cos then sin per row
+    ):
+        if aligned:
+            # Used strides are vector multiples (launcher and host code check); a size-1 dim's stride is
+            # unused (DLPack may say 1), so the views round strides down: no used address moves.
+            T.assume(T.Or(Tn <= 1, q_st % SEG == 0))
+            T.assume(T.Or(P <= 1, c_s % VEC == 0))
+            if HK > 0:  # no key: a null tensor, no strides
+                T.assume(T.Or(Tn <= 1, k_st % SEG == 0))
+            if rank == 3 and HQ > 1:
+                T.assume(q_sh % SEG == 0)
+            if rank == 3 and HK > 1:
+                T.assume(k_sh % SEG == 0)
+        # (T, H, hs) views, strides rounded down to the vector when aligned (no used address changes)
+        q = T.view(query, shape=(Tn, HQ, HS), strides=(q_st // SEG * SEG, q_sh // SEG * SEG, 1) if aligned else
+                   (q_st, q_sh, 1))
+        k = T.view(key, shape=(Tn, HK, HS), strides=(k_st // SEG * SEG, k_sh // SEG * SEG, 1) if aligned else
+                   (k_st, k_sh, 1))
+        c = T.view(cache, strides=(c_s // VEC * VEC, 1) if aligned else (c_s, 1))
+        with T.Kernel(T.ceildiv(Tn, TPAR), threads=THREADS) as block:
+            if pdl:  # before any access: see _jit.dependent_launch
+                T.pdl_sync()
+            # the next kernel may be scheduled now: see _jit.EARLY_TRIGGER
+            if _jit.triggers_early(Tn, MOVED, config):
+                T.pdl_trigger()
+            tid = T.get_thread_binding()
+            t = block * TPAR + tid // (LANES * HPAR)
+            h0 = tid // LANES % HPAR
+            lane = tid % LANES
+            cos = T.alloc_local((VEC,), "float32")
+            sin = T.alloc_local((VEC,), "float32")
+            x = T.alloc_local((ITER, 2 * VEC), dtype)
+            if t < Tn:
+                pos = T.cast(positions[t], "int64")
+                if pos >= 0 and pos < P:
+                    for v in per_access(VEC):
+                        cos[v] = T.cast(c[pos, lane * VEC + v], "float32")
+                    for v in per_access(VEC):
+                        sin[v] = T.cast(c[pos, HALF + lane * VEC + v], "float32")
+                else:  # only without the op's data check (inside a CUDA graph capture)
+                    for v in T.unroll(VEC):
+                        cos[v] = T.float32(float("nan"))
+                        sin[v] = T.float32(float("nan"))
+                for it in T.unroll(ITER):  # every load of the token issued before the first store
+                    h = h0 + it * HPAR
+                    for s in T.unroll(SEGS):
+                        if h < HQ:
+                            for v in per_access(SEG):
+                                x[it, s * SEG + v] = q[t, h, s * HALF + lane * SEG + v]
+                        elif h < HQ + HK:
+                            for v in per_access(SEG):
+                                x[it, s * SEG + v] = k[t, h - HQ, s * HALF + lane * SEG + v]
+                for it in T.unroll(ITER):
+                    h = h0 + it * HPAR
+                    for i in T.unroll(VEC):
+                        x1 = T.cast(x[it, i * STEP], "float32")
+                        x2 = T.cast(x[it, i * STEP + OTHER], "float32")
+                        x[it, i * STEP] = T.cast(x1 * cos[i] - x2 * sin[i], dtype)
+                        x[it, i * STEP + OTHER] = T.cast(x2 * cos[i] + x1 * sin[i], dtype)
+                    for s in T.unroll(SEGS):
+                        if h < HQ:
+                            for v in per_access(SEG):
+                                q[t, h, s * HALF + lane * SEG + v] = x[it, s * SEG + v]
+                        elif h < HQ + HK:
+                            for v in per_access(SEG):
+                                k[t, h - HQ, s * HALF + lane * SEG + v] = x[it, s * SEG + v]
+
+    return rope
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher: the reference's signature. Per call after the first: an alignment test, one dict lookup
+# for the compiled host function (``_jit.entry``: no Python loop over the arguments), the call.
+
+_build.config_for = RopeConfig.for_shape  # type: ignore[attr-defined]  # what _jit.compiled builds under
+_function = _jit.host_functions(_NAME, _build)  # key of _build -> compiled host function
+_functions = _function.cache
+
+
+def _heads(x: Tensor, head_size: int) -> Tensor:
+    """A validated 2-D or 3-D query/key as a ``(T, H, head_size)`` view."""
+    return x if x.dim() == 3 else x.view(x.shape[0], -1, head_size)
+
+
+def _aligned(q: Tensor, k: Optional[Tensor], cache: Tensor, head_size: int, seg: int, vec: int) -> bool:
+    """Whether every q/k token and head stride and data pointer is a multiple of ``seg`` values, and
+    the cache's row stride and pointer of ``vec`` values (strides of dimensions of size 1 aside)."""
+    bits = head_size if q.dim() == 2 else 0  # the head stride of (T, H*hs) rows
+    for x in (q, k):
+        if x is not None:
+            shape, stride = x.shape, x.stride()
+            bits |= (stride[0] if shape[0] > 1 else 0) | x.data_ptr() // x.element_size()
+            if len(shape) == 3 and shape[1] > 1:
+                bits |= stride[1]
+    if bits % seg:
+        return False
+    return not ((cache.stride(0) if cache.shape[0] > 1 else 0) | cache.data_ptr() // cache.element_size()) % vec
+
+
+def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
+                     cos_sin_cache: Tensor, is_neox: bool) -> None:
+    num_tokens = query.shape[0]
+    if num_tokens == 0:
+        return
+    rank = query.dim()
+    if key is not None and key.dim() != rank:  # rare: one of each; both as (T, H, hs) views
+        rank, query, key = 3, _heads(query, head_size), _heads(key, head_size)
+    heads = query.shape[1] if rank == 3 else query.shape[1] // head_size
+    key_heads = 0 if key is None else key.shape[1] if rank == 3 else key.shape[1] // head_size
+    dtype, rot_dim = _DTYPES[query.dtype], cos_sin_cache.shape[1]
+    vec = _vec(rot_dim, is_neox, dtype)
+    aligned = _aligned(query, key, cos_sin_cache, head_size, vec if is_neox else 2 * vec, vec)
+    fn = _function(heads, key_heads, head_size, rot_dim, bool(is_neox), dtype, _DTYPES[cos_sin_cache.dtype],
+                   _POSITION_DTYPES[positions.dtype], rank, aligned)
+    fn(positions, query, key, cos_sin_cache)  # no key: the kernel for 0 key heads takes a null tensor
+
+
+def ci_kernels() -> Iterator[tuple]:
+    """(name, build, key) of the specialisations CI compiles for sm_90: every q/k dtype, both
+    pairings, partial rotary, fp32 and q-dtype caches, int32 and int64 positions, 2-D rows and 3-D
+    heads, no key, vectors narrower than 16 bytes, and the value-by-value kernel of misaligned calls."""
+    for q, k, hs, rot, neox, dtype, cache, pos, rank, aligned in (
+        (32, 8, 128, 128, True, "bfloat16", "float32", "int64", 2, True),  # Llama-style, the benchmark shape
+        (32, 8, 128, 128, False, "bfloat16", "float32", "int64", 2, True),
+        (32, 8, 128, 128, True, "float16", "float16", "int32", 3, True),
+        (16, 2, 128, 64, False, "float32", "float32", "int64", 2, True),  # partial GPT-J (ChatGLM)
+        (16, 16, 64, 64, True, "float32", "float32", "int32", 3, True),
+        (8, 0, 128, 128, True, "bfloat16", "bfloat16", "int64", 2, True),  # no key
+        (3, 1, 40, 24, False, "float16", "float32", "int64", 2, True),  # rot_dim 24: 4 pairs a vector
+        (37, 5, 16, 8, True, "bfloat16", "float32", "int64", 3, True),  # one 4-pair lane a head, 42 heads
+        (32, 8, 128, 128, True, "bfloat16", "float32", "int64", 2, False),
+        (3, 1, 40, 24, False, "float16", "float32", "int64", 3, False),
+    ):
+        yield _NAME, _build, (q, k, hs, rot, neox, dtype, cache, pos, rank, aligned)

@@ -1,0 +1,27 @@
+"""The sampling family's inventory: who implements which op, and how each op compiles."""
+
+from ...manifest import kernels, reference
+from ...spec import DECOMPOSE, INDUCTOR_TRITON, OPAQUE, Backend, Family, OpInfo
+
+OPS = ("top_k_renorm_probs", "top_p_renorm_probs", "top_k_top_p_sampling_from_probs")
+
+_NO_ROUTE = (
+    (DECOMPOSE, "the reference sorts the vocabulary; torch.compile of it failed in Inductor (SplitScan codegen on "
+                "the int64 cumsum)"),
+    (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton"),
+)
+
+FAMILY = Family(
+    __package__,
+    ops=tuple(OpInfo(op, OPAQUE, no_compile_route=_NO_ROUTE) for op in OPS),
+    kernels=(
+        *reference(__package__, OPS),
+        *kernels(__package__, Backend.TRITON, OPS,
+                 "one program per row: candidate buffer in one read (top_k <= 1024), else multi-pivot passes; "
+                 "bit-exact with the reference", ("float32",)),
+        # FlashInfer decides the top-p boundary in fp32 (a token within ~1e-6 of it may go either way)
+        *kernels(__package__, Backend.FLASHINFER, ("top_k_top_p_sampling_from_probs",),
+                 "top_k_renorm_probs + top_p_sampling_from_probs: same kept set, FlashInfer's random stream",
+                 ("float32",), checks=True, own_random_stream=True),
+    ),
+)

@@ -1,0 +1,294 @@
+"""The sampling family: ``top_k_renorm_probs``, ``top_p_renorm_probs``, ``top_k_top_p_sampling_from_probs``.
+
+Semantics of FlashInfer's ``flashinfer.sampling`` (top-k first, then top-p on the renormalised
+survivors; thresholds keep ties), made exact so that the torch and Triton backends return the same kept set
+and the same sample as the reference (``torch_kernels/families/sampling/reference.py``, whose docstring is the
+definition; FlashInfer's sampling keeps its own random stream: ``registry.OWN_RANDOM_STREAM``): masses are summed in 64-bit fixed point and the random numbers are Philox4x32-10 of
+``(seed, offset, row)``, so one ``(seed, offset)`` gives one result on every device and backend.
+Randomness comes only from the ``seed``/``offset`` tensors: a CUDA graph captures the op and a
+replay draws afresh after the caller updates ``offset`` in place.
+"""
+
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from ... import checks as check
+from ...opdef import OpDef
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_MAX_VOCAB = 2**31 - 1  # token ids are int32
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: the full checks name the argument at fault; the eager validators first try a cheap
+# test of the common valid call, as in norm.py.
+
+
+def _validate_probs(op: str, probs: Tensor) -> None:
+    check.tensor(op, "probs", probs)
+    if probs.dtype != torch.float32:
+        check.fail(op, "probs", f"must be float32 (cast with .float()), got {probs.dtype}", TypeError)
+    if probs.dim() != 2:
+        check.fail(op, "probs", f"must be 2-D (batch, vocab), got shape {tuple(probs.shape)}")
+    check.last_dim_contiguous(op, "probs", probs)
+    check.require(probs.shape[1] >= 1, op, "probs", "must have a vocabulary (dimension 1) of at least 1")
+    check.require(probs.shape[1] <= _MAX_VOCAB, op, "probs",
+                  lambda: f"must have a vocabulary of at most {_MAX_VOCAB}, got {probs.shape[1]}")
+
+
+def _validate_per_row(op: str, arg: str, t: Tensor, dtypes, what: str, probs: Tensor) -> None:
+    check.tensor(op, arg, t)
+    if t.dtype not in dtypes:
+        check.fail(op, arg, f"must be {what}, got {t.dtype}", TypeError)
+    check.require(t.dim() == 1 and t.shape[0] == probs.shape[0], op, arg,
+                  lambda: f"must have shape ({probs.shape[0]},), one value per row of 'probs', got {tuple(t.shape)}")
+    check.same_device(op, arg, t, "probs", probs)
+
+
+def _validate_top_k(op: str, probs: Tensor, top_k: Tensor) -> None:
+    _validate_per_row(op, "top_k", top_k, _INDEX_DTYPES, "int32 or int64", probs)
+
+
+def _validate_top_p(op: str, probs: Tensor, top_p: Tensor) -> None:
+    _validate_per_row(op, "top_p", top_p, (torch.float32,), "float32", probs)
+
+
+def _validate_scalar(op: str, arg: str, t: Tensor, probs: Tensor) -> None:
+    check.tensor(op, arg, t)
+    if t.dtype != torch.int64:
+        check.fail(op, arg, f"must be an int64 tensor, got {t.dtype}", TypeError)
+    if t.dim() > 1 or t.numel() != 1:
+        check.fail(op, arg, f"must hold one value, shape () or (1,), got {tuple(t.shape)}")
+    check.same_device(op, arg, t, "probs", probs)
+
+
+def _full_top_k_renorm(probs: Tensor, top_k: Tensor) -> None:
+    op = "top_k_renorm_probs"
+    _validate_probs(op, probs)
+    _validate_top_k(op, probs, top_k)
+
+
+def _full_top_p_renorm(probs: Tensor, top_p: Tensor) -> None:
+    op = "top_p_renorm_probs"
+    _validate_probs(op, probs)
+    _validate_top_p(op, probs, top_p)
+
+
+def _full_sampling(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> None:
+    op = "top_k_top_p_sampling_from_probs"
+    _validate_probs(op, probs)
+    _validate_top_k(op, probs, top_k)
+    _validate_top_p(op, probs, top_p)
+    _validate_scalar(op, "seed", seed, probs)
+    _validate_scalar(op, "offset", offset, probs)
+
+
+def _probs_ok(probs: Tensor) -> bool:
+    return probs.dtype == torch.float32 and probs.dim() == 2 and probs.stride(1) == 1 and 1 <= probs.shape[1] <= _MAX_VOCAB
+
+
+def validate_top_k_renorm(probs: Tensor, top_k: Tensor) -> None:
+    try:
+        if (_probs_ok(probs) and top_k.dtype in _INDEX_DTYPES and top_k.shape == probs.shape[:1]
+                and top_k.device == probs.device):
+            return
+    except (AttributeError, IndexError, RuntimeError):
+        pass
+    _full_top_k_renorm(probs, top_k)
+
+
+def validate_top_p_renorm(probs: Tensor, top_p: Tensor) -> None:
+    try:
+        if (_probs_ok(probs) and top_p.dtype == torch.float32 and top_p.shape == probs.shape[:1]
+                and top_p.device == probs.device):
+            return
+    except (AttributeError, IndexError, RuntimeError):
+        pass
+    _full_top_p_renorm(probs, top_p)
+
+
+def validate_sampling(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> None:
+    try:
+        if (_probs_ok(probs) and top_k.dtype in _INDEX_DTYPES and top_p.dtype == torch.float32
+                and top_k.shape == probs.shape[:1] and top_p.shape == probs.shape[:1]
+                and seed.dtype == torch.int64 and offset.dtype == torch.int64
+                and seed.numel() == 1 and offset.numel() == 1 and seed.dim() <= 1 and offset.dim() <= 1
+                and probs.device == top_k.device == top_p.device == seed.device == offset.device):
+            return
+    except (AttributeError, IndexError, RuntimeError):
+        pass
+    _full_sampling(probs, top_k, top_p, seed, offset)
+
+
+def _fake_top_k_renorm(probs: Tensor, top_k: Tensor) -> Tensor:
+    _full_top_k_renorm(probs, top_k)
+    return probs.new_empty(probs.shape)
+
+
+def _fake_top_p_renorm(probs: Tensor, top_p: Tensor) -> Tensor:
+    _full_top_p_renorm(probs, top_p)
+    return probs.new_empty(probs.shape)
+
+
+def _fake_sampling(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+    _full_sampling(probs, top_k, top_p, seed, offset)
+    return probs.new_empty(probs.shape[:1], dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Typed wrappers: what IDEs show, and what docs/ops.md is generated from.
+
+
+def top_k_renorm_probs(probs: Tensor, top_k: Tensor) -> Tensor:
+    """``out = where(p >= kth_largest(p, top_k), p, 0) / sum(where(p >= kth_largest(p, top_k), p, 0))`` per row
+
+    Keep the ``top_k`` largest probabilities of each row (every value equal to the k-th largest is
+    kept as well), zero the rest, renormalise to sum 1 (FlashInfer's ``top_k_renorm_probs``).
+    ``top_k <= 0`` or ``>= V`` keeps the whole row. NaN and negative probabilities count as 0, ``+inf``
+    as the largest fp32; a row with nothing positive returns zeros. The kept set is exact: every
+    backend keeps the same tokens.
+
+    Args:
+        probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.
+        top_k: ``(B,)`` int32 or int64, on the device of ``probs``.
+
+    Returns:
+        ``(B, V)`` float32, contiguous. Not differentiable.
+    """
+    return torch.ops.deepinfer.top_k_renorm_probs.default(probs, top_k)
+
+
+def top_p_renorm_probs(probs: Tensor, top_p: Tensor) -> Tensor:
+    """``out = where(mass(p > p_i) < top_p * sum(p), p, 0) / sum(kept)`` per row
+
+    Nucleus filter (FlashInfer's ``top_p_renorm_probs``): keep the smallest set of largest
+    probabilities whose mass reaches ``top_p`` of the row's mass (the token that crosses the
+    threshold is kept, ties with it too, and the largest value always), zero the rest, renormalise.
+    Masses are compared exactly in 64-bit fixed point (``torch_kernels/families/sampling/reference.py``), so
+    every backend keeps the same tokens. ``top_p >= 1`` keeps every token with mass.
+
+    Args:
+        probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.
+        top_p: ``(B,)`` float32, on the device of ``probs``.
+
+    Returns:
+        ``(B, V)`` float32, contiguous. Not differentiable.
+    """
+    return torch.ops.deepinfer.top_p_renorm_probs.default(probs, top_p)
+
+
+def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+    """``ids[b] ~ top_p_renorm(top_k_renorm(probs[b], top_k[b]), top_p[b])``, drawn with Philox(seed, offset, b)
+
+    One token id per row from the row's top-k survivors (ties kept), then nucleus-filtered with
+    ``top_p`` on their renormalised mass (FlashInfer's ``filter_apply_order="top_k_first"``). A token
+    outside the kept set is never returned. The draw is the inverse CDF, in token order, of the kept
+    mass at a 31-bit uniform from Philox4x32-10 with counter ``(row, offset, 0)`` and key ``seed``:
+    deterministic for a given ``(seed, offset)`` and identical on every device and on the torch and
+    Triton backends; each row has its own stream. The FlashInfer backend (served only when selected,
+    ``DEEPINFER_OPS_BACKEND=flashinfer``) draws from the same kept set with FlashInfer's own random
+    stream and decides the top-p boundary in fp32; its first call says so on stderr. Advance ``offset`` (in place, e.g. ``offset += 1``) between steps: the op
+    reads ``seed`` and ``offset`` on the device, so it can be captured in a CUDA graph and replayed.
+
+    Args:
+        probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.
+        top_k: ``(B,)`` int32 or int64; ``<= 0`` or ``>= V`` disables top-k for that row.
+        top_p: ``(B,)`` float32; ``>= 1`` disables top-p for that row, ``<= 0`` keeps only the largest value.
+        seed: int64 tensor of one element (shape ``()`` or ``(1,)``), on the device of ``probs``.
+        offset: int64 tensor of one element, on the device of ``probs``.
+
+    Returns:
+        ``(B,)`` int32 token ids. A row with no positive probability returns 0.
+    """
+    return torch.ops.deepinfer.top_k_top_p_sampling_from_probs.default(probs, top_k, top_p, seed, offset)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sample arguments: the family takes float32 probabilities only, so the samples are float32 whatever
+# dtype is asked for. Shapes: one token of a one-word vocabulary, a few rows of 1000 (a full top-k,
+# a disabled one, the whole row), zero rows, strided rows of an odd vocabulary, ties.
+
+
+def _probs(rows: int, vocab: int, device, stride=None, scale: float = 3.0) -> Tensor:
+    logits = torch.randn(rows, stride or vocab, device=device) * scale
+    return torch.softmax(logits, -1)[:, :vocab]
+
+
+def _scalar(value: int, device, shape=()) -> Tensor:
+    return torch.full(shape, value, dtype=torch.int64, device=device)
+
+
+def _sample_inputs(device):
+    """(probs, top_k, top_p) per sample shape."""
+    ties = torch.softmax(torch.randint(0, 4, (2, 129), device=device).float(), -1)  # four distinct values a row
+    yield (_probs(1, 1, device), torch.tensor([1], device=device), torch.tensor([0.5], device=device))
+    yield (_probs(3, 1000, device), torch.tensor([5, 0, 1000], dtype=torch.int32, device=device),
+           torch.tensor([0.9, 0.3, 1.0], device=device))
+    yield (_probs(0, 64, device), torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, device=device))
+    yield (_probs(4, 301, device, stride=384), torch.tensor([-1, 1, 17, 301], device=device),
+           torch.tensor([0.5, 0.99, 0.0, 0.75], device=device))
+    yield (ties, torch.tensor([3, 40], dtype=torch.int32, device=device), torch.tensor([0.6, 0.95], device=device))
+
+
+def _samples_top_k_renorm(device, dtype) -> Iterator[tuple]:
+    for probs, top_k, _ in _sample_inputs(device):
+        yield probs, top_k
+
+
+def _samples_top_p_renorm(device, dtype) -> Iterator[tuple]:
+    for probs, _, top_p in _sample_inputs(device):
+        yield probs, top_p
+
+
+def _samples_sampling(device, dtype) -> Iterator[tuple]:
+    for i, (probs, top_k, top_p) in enumerate(_sample_inputs(device)):
+        shape = () if i % 2 else (1,)
+        yield probs, top_k, top_p, _scalar(1234 + i, device, shape), _scalar(7 * i, device, shape)
+
+
+def _tokens_args(n: int, device):
+    probs = _probs(n, 64, device)
+    return probs, torch.full((n,), 8, dtype=torch.int32, device=device), torch.full((n,), 0.8, device=device)
+
+
+def _tokens_top_k_renorm(n: int, device) -> tuple:
+    probs, top_k, _ = _tokens_args(n, device)
+    return (probs, top_k), (0, 1)
+
+
+def _tokens_top_p_renorm(n: int, device) -> tuple:
+    probs, _, top_p = _tokens_args(n, device)
+    return (probs, top_p), (0, 1)
+
+
+def _tokens_sampling(n: int, device) -> tuple:
+    probs, top_k, top_p = _tokens_args(n, device)
+    return (probs, top_k, top_p, _scalar(42, device), _scalar(n, device)), (0, 1, 2)
+
+
+def compare_samples(got: list, want: list, dtype) -> None:
+    """Sampled ids: identical to the reference's (the semantics are exact, see the module docstring)."""
+    assert len(got) == len(want) == 1, f"{len(got)} outputs, expected 1"
+    (ids,), (ids_ref,) = got, want
+    assert ids.dtype == torch.int32 and ids.shape == ids_ref.shape, f"{ids.dtype} {tuple(ids.shape)}"
+    if not torch.equal(ids.cpu(), ids_ref.cpu()):
+        rows = (ids.cpu() != ids_ref.cpu()).nonzero().flatten().tolist()
+        raise AssertionError(f"sampled ids differ from the reference in rows {rows[:10]}: "
+                             f"{ids.cpu()[rows[:10]].tolist()} vs {ids_ref.cpu()[rows[:10]].tolist()}")
+
+
+_NO_GRAD = "top-k/top-p filtering and sampling are not differentiable (data-dependent thresholds, integer ids)"
+
+OPS = (
+    OpDef("top_k_renorm_probs(Tensor probs, Tensor top_k) -> Tensor",
+          validate_top_k_renorm, _fake_top_k_renorm, top_k_renorm_probs, _samples_top_k_renorm, _tokens_top_k_renorm,
+          no_grad_reason=_NO_GRAD),
+    OpDef("top_p_renorm_probs(Tensor probs, Tensor top_p) -> Tensor",
+          validate_top_p_renorm, _fake_top_p_renorm, top_p_renorm_probs, _samples_top_p_renorm, _tokens_top_p_renorm,
+          no_grad_reason=_NO_GRAD),
+    OpDef("top_k_top_p_sampling_from_probs(Tensor probs, Tensor top_k, Tensor top_p, Tensor seed, Tensor offset) -> Tensor",
+          validate_sampling, _fake_sampling, top_k_top_p_sampling_from_probs, _samples_sampling, _tokens_sampling,
+          no_grad_reason=_NO_GRAD, compare=compare_samples),
+)

@@ -1,1 +1,0 @@
-"""Implementations: ``torch/`` is the reference; the other folders are the backends, imported lazily."""

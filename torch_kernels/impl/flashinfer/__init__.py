@@ -1,1 +1,0 @@
-"""FlashInfer backend: our ops mapped onto FlashInfer's API, one module per op family."""
