@@ -475,10 +475,11 @@ def test_a_new_selection_notifies_the_layers_above(monkeypatch, cuda_platform):
     """configure and set_platform call back what registered (the C++ entry's clear), after resetting
     every slot; dispatch imports none of them."""
     from torch_kernels import fast_path
+    from torch_kernels.dispatch import slots  # the list lives where _reset reads it
 
-    assert fast_path.clear in dispatch._on_new_selection
+    assert fast_path.clear in slots._on_new_selection
     seen = []
-    monkeypatch.setattr(dispatch, "_on_new_selection", [])
+    monkeypatch.setattr(slots, "_on_new_selection", [])
     dispatch.on_new_selection(lambda: seen.append(dispatch.slot("rmsnorm").impls))
     dispatch.slot("rmsnorm").call(*_args())
     dispatch.configure(backend="triton")
