@@ -186,7 +186,7 @@ def test_strict_never_imports_the_default_backend():
             dispatch.slot("rmsnorm").call(torch.randn(2, 8, device="cuda" if torch.cuda.is_available() else "cpu"), torch.randn(8), 1e-6)
         except torch_kernels.KernelUnavailableError as e:
             print("raised:", e)
-        print("triton imported:", "torch_kernels.impl.triton.norm" in sys.modules)
+        print("triton imported:", "torch_kernels.families.norm.triton" in sys.modules)
     """, {"DEEPINFER_OPS_BACKEND": "tilelang", "DEEPINFER_OPS_STRICT": "1"})
     assert r.returncode == 0, r.stderr
     assert "raised: deepinfer::rmsnorm" in r.stdout and "triton imported: False" in r.stdout
@@ -535,7 +535,7 @@ def test_first_calls_from_many_threads_select_and_load_once(device, monkeypatch)
         results[i] = dispatch.slot("rmsnorm").call(*inputs[i])
 
     _together(n, call)
-    assert loads.count(f"torch_kernels.impl.{backend}.norm:rmsnorm") == 1
+    assert loads.count(registry.BY_OP["rmsnorm"][Backend(backend)].target) == 1
     for i in range(n):
         assert_close(results[i], _expected(*inputs[i]))
 
@@ -628,5 +628,5 @@ def test_inventory_imports_and_lists_without_torch():
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == "cpu"
-    assert "rmsnorm torch torch_kernels.impl.torch.norm:rmsnorm" in lines
+    assert "rmsnorm torch torch_kernels.families.norm.reference:rmsnorm" in lines
     assert len(lines) == 1 + len(registry.KERNELS)
