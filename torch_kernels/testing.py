@@ -3,7 +3,7 @@ and ``assert_close`` live with the op definitions (``opdef.py``), which compare 
 
 import torch
 
-from . import ops, registry
+from . import dispatch, ops, registry
 from .library import mutated_args  # noqa: F401  (the tests and the self-check use it from here)
 from .opdef import TOLERANCES, assert_close  # noqa: F401  (likewise)
 from .spec import Backend
@@ -39,17 +39,14 @@ def clone_keep_strides(t):
 def as_dispatched(spec):
     """``spec``'s implementation as the dispatcher runs it: calls it refuses (dtype, per-call check)
     go to the torch reference, as they would go down the backend chain."""
-    fn = spec.load()
+    impl = dispatch.Implementation(spec, ops.BY_NAME[spec.op].data_arg)
+    impl.load()
     if not spec.restricted:
-        return fn
-    check = spec.load_check()
-    dtypes = {getattr(torch, d) for d in spec.dtypes}
-    data_arg = ops.BY_NAME[spec.op].data_arg
-    reference = registry.BY_OP[spec.op][Backend.TORCH].load()
+        return impl.fn
+    fn, reference = impl.fn, registry.BY_OP[spec.op][Backend.TORCH].load()
 
     def dispatched(*args):
-        refused = (dtypes and args[data_arg].dtype not in dtypes) or (check is not None and check(*args))
-        return (reference if refused else fn)(*args)
+        return (reference if impl.refuses(args) is not None else fn)(*args)
     return dispatched
 
 

@@ -11,12 +11,13 @@ from .settings import AUTO, ENV_BACKEND, ENV_STRICT, KernelUnavailableError, _lo
 from .trace import _device_type, _trace, append_line
 
 
-class _Impl:
-    """One backend's implementation of one op, loaded on first use."""
+class Implementation:
+    """One backend's implementation of one op, loaded on first use; :meth:`refuses` is the one test of
+    whether it takes a call (the chains, the compiled route, the test kit and the benchmarks ask it)."""
 
     __slots__ = ("op", "spec", "fn", "check", "dtypes", "data_arg", "notice", "run", "started")
 
-    def __init__(self, spec: KernelSpec, data_arg: int, notice: Optional[str]) -> None:
+    def __init__(self, spec: KernelSpec, data_arg: int, notice: Optional[str] = None) -> None:
         self.op, self.spec, self.data_arg, self.notice = spec.op, spec, data_arg, notice
         self.fn: Optional[Callable[..., Any]] = None
         self.check: Optional[Callable[..., Optional[str]]] = None
@@ -73,7 +74,7 @@ class OpSlot:
 
     def __init__(self, op: str, data_arg: int = 0) -> None:
         self.op, self.data_arg = op, data_arg
-        self.impls: List[_Impl] = []
+        self.impls: List[Implementation] = []
         self.under_auto = False  # resolved under DEEPINFER_OPS_BACKEND=auto
         self.call: Callable[..., Any] = self._resolve_and_call
 
@@ -87,7 +88,7 @@ class OpSlot:
                 sel = selection()
                 chain, notice = plan(self.op)
                 self.under_auto = sel.auto  # before impls: sole_server reads it once impls are set
-                self.impls = [_Impl(k, self.data_arg, notice if i == 0 else None) for i, k in enumerate(chain)]
+                self.impls = [Implementation(k, self.data_arg, notice if i == 0 else None) for i, k in enumerate(chain)]
                 auto = self._auto() if sel.auto and chain else None
                 if auto is not None:
                     self.call = auto
@@ -138,7 +139,7 @@ class OpSlot:
         return out
 
 
-def _chain_call(op: str, impls: List[_Impl]) -> Callable[..., Any]:
+def _chain_call(op: str, impls: List[Implementation]) -> Callable[..., Any]:
     """The per-call path through ``impls`` in order: the first that takes the call runs it. Backends
     after the first one that refuses nothing are never reached, and are dropped."""
     unrestricted = [n for n, i in enumerate(impls) if not i.spec.restricted]
