@@ -34,10 +34,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import harness  # noqa: E402
-from benchmarks.cases import flashinfer_sampling, kept_set  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402  (imports the package: registers the ops)
 from torch_kernels.families.sampling import reference as reference  # noqa: E402
 from torch_kernels.families.sampling import triton as triton_sampling  # noqa: E402
+from torch_kernels.families.sampling.ops import flashinfer_peers, kept_set  # noqa: E402
 from torch_kernels.testing import assert_close  # noqa: E402
 
 try:
@@ -73,10 +73,10 @@ def cases():
 
 
 def _flashinfer(op, args) -> dict:
-    """FlashInfer's peers of a case (``benchmarks.cases.flashinfer_sampling``): {name: callable, or a string saying
+    """FlashInfer's peers of a case (``families/sampling/ops.py:flashinfer_peers``): {name: callable, or a string saying
     why there is none}."""
     return {name: peer if isinstance(peer, str) else (lambda fn=peer.fn: fn(*args))
-            for name, peer in flashinfer_sampling(op, args).items()}
+            for name, peer in flashinfer_peers(op, args).items()}
 
 
 def torch_sort_multinomial(probs, top_k, top_p):

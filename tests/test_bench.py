@@ -1,8 +1,10 @@
 """``python -m torch_kernels bench`` (torch_kernels/bench/suite.py) on CPU (``--cpu``, so also on a
 GPU machine): the small CPU set writes its JSON, markdown and plots, and judges no goal; without
 matplotlib, the tables alone; --ops/--backends/--shapes narrow it; a backend picked up from the
-inventory is timed, and one that refuses a call is reported with its reason."""
+inventory is timed, and one that refuses a call is reported with its reason; every op's definition
+carries the bench case the suite runs, and an op without one is reported, not run."""
 
+import dataclasses
 import json
 import sys
 import types
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_kernels import registry
+from torch_kernels import ops, registry
 from torch_kernels.bench import cases, suite
 from torch_kernels.spec import Backend, Capability, KernelSpec, Platform
 
@@ -95,8 +97,11 @@ def test_narrowing(tmp_path):
                      "--no-plots", "--out", str(tmp_path)])
     rows = _load(tmp_path)["rows"]
     profile = cases.PROFILES["cpu"]
-    assert profile.quick_tokens[-1] > profile.rows_cap  # the batch rows are the token count, capped
-    assert rc == 0 and [r["shape"] for r in rows] == [f"{min(t, profile.rows_cap)}x{profile.vocab}" for t in profile.quick_tokens]
+    from torch_kernels.families.sampling.ops import BENCH_SIZES
+
+    vocab, rows_cap = BENCH_SIZES["cpu"]
+    assert profile.quick_tokens[-1] > rows_cap  # the batch rows are the token count, capped
+    assert rc == 0 and [r["shape"] for r in rows] == [f"{min(t, rows_cap)}x{vocab}" for t in profile.quick_tokens]
 
 
 def test_budget_and_bad_options(tmp_path):
@@ -183,9 +188,42 @@ def test_host_goal_is_judged_on_the_measurement_with_a_backend_selected():
              "device_us": 1.5, "vs best peer": 1.0, "bytes": 16384} for k, us in (("op", 14.0), ("F.rms_norm", 9.0))]
     host = {"op": 7.5, "F.rms_norm": 9.0, "backend": "tilelang", "cpp_entry": "loaded"}
     by_rows = [g for g in suite.goals(rows) if g["goal"].startswith("host")]
-    by_goal = [g for g in suite.goals(rows, host) if g["goal"].startswith("host")]
+    by_goal = [g for g in suite.goals(rows, {"rmsnorm": host}) if g["goal"].startswith("host")]
     assert [g["met"] for g in by_rows] == [False] and [g["met"] for g in by_goal] == [True]
     assert by_goal[0]["worst"] == 9.0 / 7.5 and "tilelang selected, C++ entry loaded" in by_goal[0]["at"]
+    assert by_rows[0]["goal"] == "host µs at 1x4096 bf16 <= F.rms_norm's"
+
+
+@pytest.mark.parametrize("opdef", ops.ALL, ids=lambda d: d.name)
+def test_every_op_has_a_bench_case_whose_arguments_validate(opdef):
+    """The suite runs an op from its definition's bench case: at every shape of the CPU profile its
+    arguments pass the op's own validation, their rows are the shape's, and a call moves some bytes."""
+    case, profile = opdef.bench, cases.PROFILES["cpu"]
+    assert case is not None, f"{opdef.name}: no bench case in its definition"
+    shapes = suite.op_shapes(opdef.name, profile.tokens, profile.hidden, {}, profile)
+    assert shapes and len({label for _, _, label in shapes}) == len(shapes)
+    for rows, hidden, label in shapes:
+        args = cases.build(opdef.name, rows, hidden, profile, "cpu", torch.float32)
+        opdef.validate(*args)
+        assert args[opdef.data_arg].shape[0] == rows, (label, tuple(args[opdef.data_arg].shape))
+        assert cases.nbytes(opdef.name, args) > 0, label
+    assert {p.name for p in case.peers} <= set(suite.KEYS)
+    if case.host_goal is not None:
+        assert case.host_goal.peer in {p.name for p in case.peers}
+
+
+def test_an_op_without_a_bench_case_is_reported_not_run(tmp_path, monkeypatch, capsys):
+    without = dataclasses.replace(ops.BY_NAME["rmsnorm"], bench=None)
+    monkeypatch.setitem(ops.BY_NAME, "rmsnorm", without)
+    with pytest.raises(cases.NotBenchmarked, match="rmsnorm: not benchmarked"):
+        cases.build("rmsnorm", 2, 64, cases.PROFILES["cpu"], "cpu", torch.float32)
+    rc = suite.main(["--cpu", "--ops", "rmsnorm,silu_and_mul", "--backends", "op", "--shapes", "2", "--no-plots",
+                     "--out", str(tmp_path)])
+    result = _load(tmp_path)
+    assert rc == 0 and result["not_benchmarked"] == ["rmsnorm"] and not result["failures"]
+    assert {r["op"] for r in result["rows"]} == {"silu_and_mul"}
+    assert "Not benchmarked (no bench case in its definition): rmsnorm" in (tmp_path / "cpu.md").read_text()
+    assert f"[bench] rmsnorm: {cases.NOT_BENCHMARKED}" in capsys.readouterr().err
 
 
 def test_compile_peer_is_first_called_at_the_largest_token_count():

@@ -1,5 +1,6 @@
-"""What every family builds its ops from: the :class:`OpDef` record, and the comparison against the
-reference that an op's ``compare`` (and the tests, through ``testing``) uses.
+"""What every family builds its ops from: the :class:`OpDef` record with its benchmark case
+(:class:`BenchCase`, :class:`Peer`, :class:`HostGoal`), and the comparison against the reference that
+an op's ``compare`` (and the tests, through ``testing``) uses.
 
 Here, not in ``ops/__init__.py``, so that a family imports it without importing the package that
 imports the families; and not in ``testing.py``, which imports the ops."""
@@ -7,11 +8,68 @@ imports the families; and not in ``testing.py``, which imports the ops."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple, Union
 
 import torch
 
 NAMESPACE = "deepinfer"
+
+
+def _same(x):
+    return x
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another implementation an op is timed against: ``fn(*prepare(args))`` is timed; ``prepare`` runs
+    once, outside the timed region; ``adapt`` maps its outputs to the reference's conventions for the
+    check; ``compare(got, want, dtype)``, where given, replaces the op's own comparison. ``name`` is
+    the row's label (and, for a peer of :attr:`BenchCase.peers`, its ``--backends`` key)."""
+
+    name: str
+    fn: Callable
+    prepare: Callable[[tuple], tuple] = _same
+    adapt: Callable[[list], list] = _same
+    compare: Optional[Callable[[list, list, torch.dtype], None]] = None
+
+
+@dataclass(frozen=True)
+class HostGoal:
+    """A goal on host µs per eager call on CUDA: the op at ``(tokens, hidden)`` in ``dtype``, with
+    ``backend`` selected, no slower than the peer of :attr:`BenchCase.peers` named ``peer``."""
+
+    tokens: int
+    hidden: Optional[int]
+    dtype: str  # a torch dtype's name, as the results write it ("bfloat16")
+    peer: str
+    backend: str
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """How ``python -m torch_kernels bench`` and ``tune`` run an op. ``profile`` is a shape set's name:
+    ``"gpu"`` (a CUDA GPU) or ``"cpu"`` (a smoke run of seconds); the family keys its own sizes by it."""
+
+    # shape(tokens, hidden, profile) -> (rows, hidden, label); hidden is None for an op without one
+    shape: Callable[[int, Optional[int], str], Tuple[int, Optional[int], str]]
+    # args(rows, hidden, profile, device, dtype): fresh random arguments (never zeros); dtype is the
+    # data dtype asked for, which an op whose kernels take one dtype only may ignore
+    args: Callable[..., tuple]
+    nbytes: Callable[[tuple], int]  # bytes one call on args reads and writes at the least (each tensor once)
+    takes_hidden: bool = False  # swept over the profile's hidden sizes (or those --shapes gives)
+    # own_hidden(given, profile): the hidden sizes of an op with its own (given: those --shapes names
+    # with a token count, maybe none); None with takes_hidden False: an op without a hidden size
+    own_hidden: Optional[Callable[[Tuple[int, ...], str], Tuple[int, ...]]] = None
+    memory_bound: bool = False  # time is bytes over bandwidth: the "0.95 of copy" goal applies
+    # flashinfer(args): FlashInfer's own API for the call, or a string saying why there is none
+    flashinfer: Optional[Callable[[tuple], Union[Peer, str]]] = None
+    peers: Tuple[Peer, ...] = ()  # other peers, timed at every shape
+    # compare(got, want, dtype, args): the check at benchmark shapes where OpDef.compare is not enough;
+    # raises AssertionError, or returns None or a note (the row's check reads "ok (note)")
+    compare: Optional[Callable[[list, list, torch.dtype, tuple], Optional[str]]] = None
+    cpu_default: bool = False  # in the CPU profile's default set
+    axis: str = "tokens"  # what a shape's rows count (the plots' x axis)
+    host_goal: Optional[HostGoal] = None
 
 
 @dataclass(frozen=True)
@@ -31,6 +89,7 @@ class OpDef:
     # compare(got, want, dtype): a backend's outputs against the reference's (as
     # testing.outputs_of returns them); raises AssertionError. None: assert_close per output.
     compare: Optional[Callable[..., None]] = None
+    bench: Optional[BenchCase] = None  # the benchmark's shapes, bytes and peers; None: not benchmarked
 
     @property
     def name(self) -> str:

@@ -1,5 +1,7 @@
 """``python -m torch_kernels bench``: every op x every usable backend x the peers over the shape set,
-in one run, written as JSON, a markdown table and one PNG plot per op.
+in one run, written as JSON, a markdown table and one PNG plot per op. What an op is run on (shapes,
+arguments, bytes, peers, goals) comes from its definition's bench case (``OpDef.bench``); an op
+without one is listed as not benchmarked.
 
 Implementations timed for each (op, shape), by key (``--backends`` narrows to some):
 
@@ -10,11 +12,12 @@ Implementations timed for each (op, shape), by key (``--backends`` narrows to so
 * the peers: ``torch``, the reference in eager mode; ``compile``, ``torch.compile`` of the reference,
   compiled with the token dimension dynamic (:func:`_tokens_dynamic`: one graph per hidden size serves
   every token count; Dynamo adds one for a single token), skipped where the inventory records that
-  Inductor fails on it; ``F.rms_norm`` (for ``rmsnorm``); ``flashinfer-api``, FlashInfer's own function
-  (``cases.flashinfer_api``).
+  Inductor fails on it; the peers the bench case names (``BenchCase.peers``, as ``F.rms_norm`` for
+  ``rmsnorm``); ``flashinfer-api``, FlashInfer's own function (``BenchCase.flashinfer``).
 
-Each implementation is first checked against the reference at the shape (the op's own comparison;
-sampled ids from another random stream must lie in the reference's kept set). Then, on CUDA:
+Each implementation is first checked against the reference at the shape (the op's own comparison, or
+its bench case's: ``BenchCase.compare``, as near-tied router rows left out, or sampled ids from another
+random stream in the reference's kept set). Then, on CUDA:
 
 * device µs by CUDA-graph replay: a graph of n back-to-back calls (n up to 100, a replay of about 1 ms),
   the median of 5 replays over n; every implementation of a shape captured first, then timed in 3
@@ -24,14 +27,14 @@ sampled ids from another random stream must lie in the reference's kept set). Th
   be captured (a host sync) is timed by CUDA events around 20 eager calls instead (``timing`` says so);
 * host µs per eager call at 1 and 32 tokens (``--host-tokens``): the best of 3 interleaved rounds of
   about 5 ms each (1 to 200 calls, then one synchronise);
-* GB/s from ``cases.nbytes`` (each tensor read or written once), and its ratio to a device-to-device
+* GB/s from the bench case's ``nbytes`` (each tensor read or written once), and its ratio to a device-to-device
   copy measured at the start of the same run; ``vs best peer``: the fastest peer's device time over
   this one's (above 1: faster than every peer).
 
 Everything runs under ``torch.inference_mode()``, as a serving engine does. Without a GPU the same
-command runs a small CPU set (4 ops, tiny shapes, one thread, wall-clock time; torch.compile and
-interpreted Triton only when named in ``--backends``), so that CI exercises it; it judges no goal (they
-are set for a CUDA GPU).
+command runs a small CPU set (the ops whose bench case sets ``cpu_default``, tiny shapes, one thread,
+wall-clock time; torch.compile and interpreted Triton only when named in ``--backends``), so that CI
+exercises it; it judges no goal (they are set for a CUDA GPU).
 
     python -m torch_kernels bench [--ops rmsnorm,silu_and_mul] [--backends op,triton,compile]
         [--shapes full|quick|1,32,4096x8192] [--cold-l2] [--out DIR] [--no-plots] [--budget S]
@@ -52,20 +55,22 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .. import dispatch, ops, registry, tuning
-from ..families.moe.ops import compare_routing, near_ties
 from ..spec import Backend, Platform
 from ..testing import compare_outputs, mutated_args, outputs_of
 from . import cases, default_out, harness
 
 SCHEMA = 1
-CPU_OPS = ("rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "per_token_group_quant_fp8")
-PEER_KEYS = ("torch", "compile", "F.rms_norm", "flashinfer-api")
+CPU_OPS = tuple(d.name for d in ops.ALL if d.bench is not None and d.bench.cpu_default)
+#: the peers a bench case names beside the reference, compile and FlashInfer's API: key and label alike
+OTHER_PEERS = tuple(dict.fromkeys(p.name for d in ops.ALL if d.bench is not None for p in d.bench.peers))
+PEER_KEYS = ("torch", "compile", *OTHER_PEERS, "flashinfer-api")
 KEYS = ("op", *(b.value for b in Backend if b is not Backend.TORCH), *PEER_KEYS)
-LABELS = {"op": "deepinfer op", "torch": "torch eager", "compile": "torch.compile", "F.rms_norm": "F.rms_norm",
+LABELS = {"op": "deepinfer op", "torch": "torch eager", "compile": "torch.compile", **{k: k for k in OTHER_PEERS},
           "flashinfer-api": "FlashInfer API", "flashinfer": "flashinfer backend"}
+#: how a goal names a dtype
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 FLUSH_BYTES = 256 << 20
 ROUNDS = 3  # device timing: every implementation of a shape in 3 interleaved rounds, the median kept
 HOST_ROUNDS, HOST_ROUND_US = 3, 5000.0  # host timing: best of 3 rounds of ~5 ms (1 to 200 calls)
@@ -123,6 +128,7 @@ class OpRunner:
     def __init__(self, op: str, ctx: Context, platform: Platform) -> None:
         self.op, self.ctx = op, ctx
         self.opdef = ops.BY_NAME[op]
+        self.case = cases.case(op)
         self.overload = getattr(torch.ops.deepinfer, op).default
         self.mutated = mutated_args(self.overload)
         self.reference = registry.BY_OP[op][Backend.TORCH].load()
@@ -204,9 +210,9 @@ class OpRunner:
             data_arg = self.opdef.data_arg
             out.append(Impl("compile", LABELS["compile"], "peer", self.compiled, self.compile_status,
                             lambda args: _tokens_dynamic(args, data_arg)))
-        if "F.rms_norm" in keys and self.op == "rmsnorm":
-            out.append(Impl("F.rms_norm", LABELS["F.rms_norm"], "peer",
-                            lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps)))
+        for peer in self.case.peers:
+            if peer.name in keys:
+                out.append(Impl(peer.name, LABELS[peer.name], "peer", peer.fn, None, peer.prepare, peer.adapt, peer.compare))
         if "flashinfer-api" in keys and self.ctx.cuda:
             peer = cases.flashinfer_api(self.op, args)
             if isinstance(peer, str):
@@ -218,25 +224,17 @@ class OpRunner:
 
     def verify(self, impl: Impl, got: list, want: list, args: tuple) -> str:
         """"ok", or what differs from the reference (MISMATCH for ours, "differs" for a peer)."""
-        dtype = args[self.opdef.data_arg].dtype
+        dtype, note = args[self.opdef.data_arg].dtype, None
         try:
             if impl.compare is not None:
                 impl.compare(got, want, dtype)
-            elif self.op in cases.ROUTERS:  # near ties may be ordered either way: left out, as in the tests
-                compare_routing(got, want, dtype, near_ties(self.op, args))
+            elif self.case.compare is not None:
+                note = self.case.compare(got, want, dtype, args)
             else:
                 compare_outputs(self.opdef, got, want, dtype)
-            return "ok"
+            return f"ok ({note})" if note else "ok"
         except AssertionError as e:
-            if self.op == "top_k_top_p_sampling_from_probs":
-                kept = cases.kept_set(*args[:3])
-                inside = kept.gather(1, got[0].long()[:, None]).float().mean().item()
-                if inside == 1.0:
-                    return "ok (another random stream; every id in the kept set)"
-                why = f"{inside:.1%} of the ids in the kept set"
-            else:
-                why = _first_line(e)
-            return ("MISMATCH: " if impl.role == "ours" else "differs: ") + why
+            return ("MISMATCH: " if impl.role == "ours" else "differs: ") + _first_line(e)
 
 
 def device_times(fns: Dict[str, Callable], ctx: Context) -> Dict[str, object]:
@@ -278,7 +276,7 @@ def run_case(runner: OpRunner, rows: int, hidden: Optional[int], label: str, arg
     """Check, then time, every implementation of ``runner.op`` on ``args``; one result row each."""
     op, mutated = runner.op, runner.mutated
     base = {"op": op, "shape": label, "tokens": rows, "hidden": hidden,
-            "dtype": str(args[runner.opdef.data_arg].dtype).replace("torch.", ""), "bytes": cases.nbytes(op, args),
+            "dtype": str(args[runner.opdef.data_arg].dtype).replace("torch.", ""), "bytes": runner.case.nbytes(args),
             "bucket": list(tuning.bucket_features(args[runner.opdef.data_arg]))}
     want = outputs_of(runner.reference, args, mutated)  # before any timed call mutates args
     results, live = [], []
@@ -351,18 +349,12 @@ def parse_shapes(spec: str, profile: cases.Profile) -> Tuple[Tuple[int, ...], Tu
 
 def op_shapes(op: str, tokens: Tuple[int, ...], hidden: Tuple[int, ...], explicit: Dict[int, Tuple[int, ...]],
               profile: cases.Profile):
-    """(rows, hidden, label) of each shape of ``op``, deduplicated (sampling caps the rows). Norm and
-    activations take the given hidden sizes (else ``hidden``); FP8 quant the given ones that are
-    multiples of its group (else its own, 7168); the other ops have a fixed inner shape."""
+    """(rows, hidden, label) of each shape of ``op``, deduplicated (a bench case may cap the rows). An op
+    that takes the profile's hidden sizes takes the given ones (else ``hidden``); one with its own
+    chooses among the given ones (``BenchCase.own_hidden``); the other ops have a fixed inner shape."""
     seen, out = set(), []
     for t in tokens:
-        if op in cases.HIDDEN_OPS:
-            sizes = explicit.get(t) or hidden
-        elif op == "per_token_group_quant_fp8":
-            sizes = [h for h in explicit.get(t, ()) if h % profile.quant_group == 0] or [profile.quant_hidden]
-        else:
-            sizes = [None]
-        for h in sizes:
+        for h in cases.hidden_sizes(op, explicit.get(t, ()), hidden, profile):
             shape = cases.shape_of(op, t, h, profile)
             if shape[2] not in seen:
                 seen.add(shape[2])
@@ -415,11 +407,12 @@ def _shape_key(r: dict):
     return (r["hidden"] or 0, r["tokens"])
 
 
-def goals(rows: List[dict], host_goal: Optional[dict] = None) -> List[dict]:
-    """The issue's goals, judged on the registered op's rows: memory-bound ops at least as fast as the
-    best peer from 4096 tokens and at 0.95 of copy at the largest shape; at 1-32 tokens no slower than
-    the best peer (graph replay); rmsnorm 1x4096 host µs no more than F.rms_norm's, with TileLang
-    selected (:func:`host_goal`) or else from the op's rows."""
+def goals(rows: List[dict], host_goals: Optional[Dict[str, dict]] = None) -> List[dict]:
+    """The issue's goals, judged on the registered op's rows: memory-bound ops (``BenchCase.memory_bound``)
+    at least as fast as the best peer from 4096 tokens and at 0.95 of copy at the largest shape; at 1-32
+    tokens no slower than the best peer (graph replay); an op's host goal (``BenchCase.host_goal``, as
+    rmsnorm 1x4096 host µs no more than F.rms_norm's) judged on its measurement with its backend
+    selected (``host_goals[op]``, :func:`host_goal`) or else on the op's rows."""
     out = []
     for op in dict.fromkeys(r["op"] for r in rows):
         mine = [r for r in rows if r["op"] == op and r["key"] == "op" and "device_us" in r]
@@ -431,7 +424,7 @@ def goals(rows: List[dict], host_goal: Optional[dict] = None) -> List[dict]:
             v, at = min(judged)
             out.append({"op": op, "goal": what, "worst": v, "at": at, "met": v >= threshold})
 
-        if op in cases.MEMORY_BOUND:
+        if cases.case(op).memory_bound:
             worst([r for r in mine if r["tokens"] >= GOAL_TOKENS], f">= 1.0x best peer from {GOAL_TOKENS} tokens",
                   1.0, lambda r: r.get("vs best peer"))
             if mine:
@@ -439,38 +432,46 @@ def goals(rows: List[dict], host_goal: Optional[dict] = None) -> List[dict]:
                 worst([largest], f">= {GOAL_COPY} of copy at the largest shape", GOAL_COPY, lambda r: r.get("of copy"))
         worst([r for r in mine if r["tokens"] <= 32], "<= best peer's device time at 1-32 tokens", 1.0,
               lambda r: r.get("vs best peer"))
-    host = {r["key"]: r["host_us"] for r in rows if r["op"] == "rmsnorm" and r["shape"] == "1x4096"
-            and r["dtype"] == "bfloat16" and r.get("host_us") is not None}
-    selected = ""
-    if host_goal is not None:
-        host, selected = host_goal, f" ({host_goal['backend']} selected, C++ entry {host_goal['cpp_entry']})"
-    if "op" in host and "F.rms_norm" in host:
-        ours, peer = host["op"], host["F.rms_norm"]
-        out.append({"op": "rmsnorm", "goal": "host µs at 1x4096 bf16 <= F.rms_norm's", "worst": peer / ours,
-                    "at": f"op {ours:.1f} µs{selected}, F.rms_norm {peer:.1f} µs", "met": ours <= peer})
+    host_goals = host_goals or {}
+    for op in dict.fromkeys([r["op"] for r in rows] + list(host_goals)):
+        goal = cases.case(op).host_goal
+        if goal is None:
+            continue
+        label = cases.shape_of(op, goal.tokens, goal.hidden, cases.PROFILES["gpu"])[2]
+        host = {r["key"]: r["host_us"] for r in rows if r["op"] == op and r["shape"] == label
+                and r["dtype"] == goal.dtype and r.get("host_us") is not None}
+        selected, measured = "", host_goals.get(op)
+        if measured is not None:
+            host, selected = measured, f" ({measured['backend']} selected, C++ entry {measured['cpp_entry']})"
+        if "op" in host and goal.peer in host:
+            ours, peer = host["op"], host[goal.peer]
+            out.append({"op": op, "goal": f"host µs at {label} {SHORT_DTYPE.get(goal.dtype, goal.dtype)} <= {goal.peer}'s",
+                        "worst": peer / ours, "at": f"op {ours:.1f} µs{selected}, {goal.peer} {peer:.1f} µs",
+                        "met": ours <= peer})
     return out
 
 
-def host_goal(rounds: int = 5) -> dict:
-    """The host goal's measurement (CUDA): µs per eager call of the op at 1x4096 bf16 with TileLang
-    selected, and of ``F.rms_norm``, interleaved, in inference mode (how an engine calls); restores the
-    selection."""
+def host_goal(op: str, rounds: int = 5) -> dict:
+    """The measurement of ``op``'s host goal (CUDA): µs per eager call of the op at the goal's shape
+    with its backend selected, and of its peer, interleaved, in inference mode (how an engine calls);
+    restores the selection."""
     from .. import fast_path
 
-    hidden = 4096
-    previous = dispatch.configure(backend="tilelang")
+    goal = cases.case(op).host_goal
+    peer = next(p for p in cases.case(op).peers if p.name == goal.peer)
+    previous = dispatch.configure(backend=goal.backend)
     try:
         with torch.inference_mode():
-            x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-            op = torch.ops.deepinfer.rmsnorm.default
+            rows, hidden, _ = cases.shape_of(op, goal.tokens, goal.hidden, cases.PROFILES["gpu"])
+            args = cases.build(op, rows, hidden, cases.PROFILES["gpu"], "cuda", getattr(torch, goal.dtype))
+            peer_args = peer.prepare(args)
+            fn = getattr(torch.ops.deepinfer, op).default
             for _ in range(2):
-                op(x, w, cases.EPS)  # the first call publishes the signature to the C++ entry
+                fn(*args)  # the first call publishes the signature to the C++ entry
             served = fast_path.counters()["served"]
-            times = harness.host_us_interleaved({"op": lambda: op(x, w, cases.EPS),
-                                                 "F.rms_norm": lambda: F.rms_norm(x, (hidden,), w, cases.EPS)},
+            times = harness.host_us_interleaved({"op": lambda: fn(*args), goal.peer: lambda: peer.fn(*peer_args)},
                                                 rounds=rounds, calls=5000)
-            return {**times, "backend": "tilelang", "mode": "inference_mode",
+            return {**times, "backend": goal.backend, "mode": "inference_mode",
                     "cpp_entry": fast_path.status().split(" (")[0], "served_in_cpp": fast_path.counters()["served"] > served}
     finally:
         dispatch.configure(previous)
@@ -497,6 +498,8 @@ def markdown(result: dict) -> str:
              "`vs best peer`: the fastest peer's device time over this row's (above 1: faster than every peer).", ""]
     if result.get("not_run"):
         lines += [f"Not run (budget): {', '.join(result['not_run'])}", ""]
+    if result.get("not_benchmarked"):
+        lines += [f"Not benchmarked (no bench case in its definition): {', '.join(result['not_benchmarked'])}", ""]
     if h["gpu"] is None:
         lines += [f"Goals: not judged: {GOALS_NOT_JUDGED}.", ""]
     elif result["goals"]:
@@ -566,7 +569,7 @@ def plot(result: dict, folder: Path) -> List[Path]:
             ax.set_xscale("log", base=2)
             ticks = sorted({r["tokens"] for r in sel})
             ax.set_xticks(ticks, [str(t) for t in ticks])
-            ax.set_xlabel("rows" if op in cases.SAMPLING else "tokens")
+            ax.set_xlabel(cases.case(op).axis)
             ax.set_ylabel("GB/s")
             ax.set_title(sel[0]["shape"].split("x", 1)[1] if hidden is None else f"hidden {hidden}", fontsize=9)
             ax.grid(alpha=0.3)
@@ -641,7 +644,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="full", help="full (default), quick, or a list like 1,32,4096x8192 "
                                                          "(TOKENS: every hidden size; TOKENSxHIDDEN: that one)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                        help="data dtype of norm, activation, rope, quant, merge (routers: fp32 logits, sampling: fp32)")
+                        help="data dtype of the ops' inputs (an op whose kernels take one dtype only, as fp32 "
+                             "probabilities, keeps its own)")
     parser.add_argument("--host-tokens", help="token counts at which host µs per eager call are timed "
                                               "(default: those up to 32)")
     parser.add_argument("--cold-l2", action="store_true", help="flush L2 before every timed call (CUDA)")
@@ -677,7 +681,9 @@ def run(args, platform: Platform, argv) -> int:
     if args.budget is not None:
         ctx.deadline = start + args.budget
     tokens, hidden, explicit = parse_shapes(args.shapes, profile)
-    plan = [(op, s) for op in op_names for s in op_shapes(op, tokens, hidden, explicit, profile)]
+    not_benchmarked = [op for op in op_names if not cases.benchmarked(op)]
+    plan = [(op, s) for op in op_names if op not in not_benchmarked
+            for s in op_shapes(op, tokens, hidden, explicit, profile)]
     command = " ".join(["python -m torch_kernels bench", *(sys.argv[1:] if argv is None else argv)])
     torch.manual_seed(0)
     # the compile peer: a graph per hidden size and one more for a single token (_tokens_dynamic), up to
@@ -695,13 +701,17 @@ def run(args, platform: Platform, argv) -> int:
         ctx.ceiling = _cpu_copy_gbps()
     not_run: List[str] = []
     result = {"header": header(ctx, command), "goals": [], "failures": ctx.failures, "not_run": not_run, "rows": []}
+    if not_benchmarked:
+        result["not_benchmarked"] = not_benchmarked
+        for op in not_benchmarked:
+            print(f"[bench] {op}: {cases.NOT_BENCHMARKED}", file=sys.stderr)
     result["header"].update(ops=list(op_names), keys=list(ctx.keys), shapes=args.shapes, unavailable={},
                             cuda_key_serves={op: [k.backend.value for k in dispatch.plan(op, platform)[0]]
                                              for op in op_names} if cuda else None)
     out = args.out or default_out("suite")
     progress = Progress(len(plan))
     with torch.inference_mode():
-        for op in op_names:
+        for op in dict.fromkeys(op for op, _ in plan):
             shapes = [s for o, s in plan if o == op]
             if time.monotonic() > ctx.deadline:
                 not_run.append(op)
@@ -723,9 +733,12 @@ def run(args, platform: Platform, argv) -> int:
             result["header"]["elapsed_s"] = round(time.monotonic() - start, 1)
             write(result, out, plots=False)  # a run cut short keeps what it has measured
     progress.close()
-    if cuda and "rmsnorm" in op_names and time.monotonic() < ctx.deadline:
-        result["host_goal"] = host_goal()
-        result["goals"] = goals(result["rows"], result["host_goal"])
+    with_goal = [op for op in dict.fromkeys(op for op, _ in plan) if cases.case(op).host_goal is not None]
+    if cuda and with_goal and time.monotonic() < ctx.deadline:
+        measured = {op: host_goal(op) for op in with_goal}
+        # one op's measurement under "host_goal" (the results' key); keyed by op where several carry one
+        result["host_goal"] = next(iter(measured.values())) if len(measured) == 1 else measured
+        result["goals"] = goals(result["rows"], measured)
     result["header"]["elapsed_s"] = round(time.monotonic() - start, 1)
     paths = write(result, out, plots=not args.no_plots)
     met = sum(g["met"] for g in result["goals"])

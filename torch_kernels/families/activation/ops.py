@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ... import checks as check
-from ...opdef import OpDef
+from ...opdef import BenchCase, OpDef, Peer
 
 _APPROXIMATE = ("none", "tanh")
 
@@ -165,17 +165,55 @@ def _tokens_gelu(n: int, device) -> tuple:
     return (torch.randn(n, 128, device=device), "tanh"), (0,)
 
 
+# ----------------------------------------------------------------------------------------------
+# Benchmark cases: tokens x 2d for d in the profile's hidden sizes; FlashInfer's flashinfer.activation as peer.
+
+
+def _bench_shape(tokens: int, hidden: Optional[int], profile: str):
+    return tokens, hidden, f"{tokens}x2*{hidden}"
+
+
+def _bench_args(rows: int, hidden: int, profile: str, device, dtype) -> tuple:
+    return (torch.randn(rows, 2 * hidden, device=device, dtype=dtype) * 2,)
+
+
+def _bench_args_gelu(rows: int, hidden: int, profile: str, device, dtype) -> tuple:
+    return _bench_args(rows, hidden, profile, device, dtype) + ("none",)
+
+
+def _bench_nbytes(args: tuple) -> int:
+    return args[0].numel() * args[0].element_size() * 3 // 2  # read (T, 2d), write (T, d)
+
+
+def _flashinfer(op: str):
+    def peer(args: tuple):
+        try:
+            import flashinfer.activation
+        except Exception as e:  # noqa: BLE001  (reported in the results)
+            return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+        name = "gelu_tanh_and_mul" if op == "gelu_and_mul" and args[1] == "tanh" else op
+        fn = getattr(flashinfer.activation, name)
+        return Peer(f"flashinfer.activation.{name}", lambda x, *_: fn(x))
+    return peer
+
+
+def _bench(op: str, args=_bench_args, cpu_default: bool = False) -> BenchCase:
+    return BenchCase(_bench_shape, args, _bench_nbytes, takes_hidden=True, memory_bound=True,
+                     flashinfer=_flashinfer(op), cpu_default=cpu_default)
+
+
 _NO_GRAD = "it is an inference kernel; differentiate the formula in its docstring instead"
 
 
-def _act_op(name: str, wrapper) -> OpDef:
+def _act_op(name: str, wrapper, cpu_default: bool = False) -> OpDef:
     return OpDef(f"{name}(Tensor input) -> Tensor", _validator(name), _fake(name), wrapper, _samples, _tokens,
-                 no_grad_reason=_NO_GRAD)
+                 no_grad_reason=_NO_GRAD, bench=_bench(name, cpu_default=cpu_default))
 
 
 OPS = (
-    _act_op("silu_and_mul", silu_and_mul),
+    _act_op("silu_and_mul", silu_and_mul, cpu_default=True),
     OpDef('gelu_and_mul(Tensor input, str approximate="none") -> Tensor', _validate_gelu, _fake_gelu,
-          gelu_and_mul, _samples_gelu, _tokens_gelu, no_grad_reason=_NO_GRAD),
+          gelu_and_mul, _samples_gelu, _tokens_gelu, no_grad_reason=_NO_GRAD,
+          bench=_bench("gelu_and_mul", _bench_args_gelu)),
     _act_op("gelu_tanh_and_mul", gelu_tanh_and_mul),
 )

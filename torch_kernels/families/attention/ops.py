@@ -12,13 +12,14 @@ result is ``v_a`` with LSE ``-inf``. One deliberate difference: vLLM multiplies 
 values by a zero weight, so NaN or Inf values there poison the result; here they are never read into it.
 """
 
-from typing import Iterator, Tuple
+import math
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ... import checks as check
-from ...opdef import OpDef, assert_close
+from ...opdef import BenchCase, OpDef, Peer, assert_close
 
 _OP = "merge_attn_states"
 V_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -138,9 +139,60 @@ def _compare(got: list, want: list, dtype) -> None:
     assert_close(got[1], want[1], torch.float32, msg="lse")
 
 
+# ----------------------------------------------------------------------------------------------
+# Benchmark case: tokens x heads x head size; FlashInfer's flashinfer.cascade.merge_state as peer.
+
+#: per profile: (heads, head size); gpu: Llama-3-8B's query heads
+BENCH_SIZES = {"gpu": (32, 128), "cpu": (4, 64)}
+LOG2E = 1.0 / math.log(2.0)
+
+
+def merge_inputs(tokens: int, heads: int, head_size: int, device, dtype=torch.bfloat16) -> tuple:
+    """``(v_a, lse_a, v_b, lse_b)``: random partial results and natural-log LSEs around 3."""
+    v_a = torch.randn(tokens, heads, head_size, device=device, dtype=dtype)
+    v_b = torch.randn(tokens, heads, head_size, device=device, dtype=dtype)
+    lse_a = torch.randn(tokens, heads, device=device) * 2 + 3
+    lse_b = torch.randn(tokens, heads, device=device) * 2 + 3
+    return v_a, lse_a, v_b, lse_b
+
+
+def _bench_shape(tokens: int, hidden: Optional[int], profile: str):
+    heads, head_size = BENCH_SIZES[profile]
+    return tokens, None, f"{tokens}x{heads}x{head_size}"
+
+
+def _bench_args(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    return merge_inputs(rows, *BENCH_SIZES[profile], device, dtype)
+
+
+def _bench_nbytes(args: tuple) -> int:
+    v_a, lse_a = args[0], args[1]
+    return 3 * v_a.numel() * v_a.element_size() + 3 * lse_a.numel() * 4  # read two v and two LSEs, write one of each
+
+
+def _compare_base2_merge(got: list, want: list, dtype) -> None:
+    """FlashInfer's merge: ``v`` at its dtype's tolerance; the LSE at fp16's only, as FlashInfer's
+    ``exp2``/``log2`` are approximate instructions (tests/test_attention.py checks the same)."""
+    assert_close(got[0], want[0], dtype, msg="v")
+    assert_close(got[1], want[1], torch.float16, msg="lse")
+
+
+def _flashinfer(args: tuple):
+    try:
+        import flashinfer.cascade
+    except Exception as e:  # noqa: BLE001  (reported in the results)
+        return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+    # its LSEs are base 2: converted once outside the timed call (an engine built on FlashInfer keeps
+    # base-2 LSEs throughout), and its output LSE back for the check
+    return Peer("flashinfer.cascade.merge_state (base-2 LSE)", flashinfer.cascade.merge_state,
+                prepare=lambda a: (a[0], (a[1] * LOG2E).contiguous(), a[2], (a[3] * LOG2E).contiguous()),
+                adapt=lambda outs: [outs[0], outs[1] / LOG2E], compare=_compare_base2_merge)
+
+
 OPS = (
     OpDef("merge_attn_states(Tensor v_a, Tensor lse_a, Tensor v_b, Tensor lse_b) -> (Tensor, Tensor)",
           _validate, _fake, merge_attn_states, _samples, _tokens,
           no_grad_reason="it is an inference kernel; differentiate the formula in its docstring instead",
-          compare=_compare),
+          compare=_compare,
+          bench=BenchCase(_bench_shape, _bench_args, _bench_nbytes, memory_bound=True, flashinfer=_flashinfer)),
 )

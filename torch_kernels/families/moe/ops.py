@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ... import checks as check
-from ...opdef import OpDef, assert_close
+from ...opdef import BenchCase, OpDef, assert_close
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -318,15 +318,58 @@ def _tokens_grouped_topk(n: int, device) -> tuple:
     return (torch.randn(n, 64, device=device), 4, True, 8, 2, "sigmoid", torch.randn(64, device=device) * 0.1, 2.5), (0,)
 
 
+# ----------------------------------------------------------------------------------------------
+# Benchmark cases: tokens x experts of fp32 logits (DeepSeek-V3's router runs in fp32), whatever the
+# data dtype asked for. Rounds of selection over each row: no copy-bandwidth goal.
+
+#: per profile: (experts, topk, groups, groups kept); gpu: DeepSeek-V3 (grouped_topk: sigmoid + bias, x2.5)
+BENCH_SIZES = {"gpu": (256, 8, 8, 4), "cpu": (64, 4, 8, 2)}
+
+
+def _bench_shape(tokens: int, hidden: Optional[int], profile: str):
+    experts, topk, _, _ = BENCH_SIZES[profile]
+    return tokens, None, f"{tokens}x{experts} top{topk}"
+
+
+def _bench_args_topk_softmax(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    experts, topk, _, _ = BENCH_SIZES[profile]
+    return torch.randn(rows, experts, device=device, dtype=torch.float32) * 2, topk, True
+
+
+def _bench_args_grouped_topk(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    experts, topk, groups, kept = BENCH_SIZES[profile]
+    return grouped_topk_args(rows, experts, None, topk, True, groups, kept, "sigmoid", torch.float32, 2.5,
+                             device=device, dtype=torch.float32)
+
+
+def _bench_nbytes(args: tuple) -> int:
+    x, bias = args[0], args[6] if len(args) > 6 else None
+    # the logits, fp32 weights + int32 ids, the bias
+    return (x.numel() * x.element_size() + x.shape[0] * args[1] * 8
+            + (0 if bias is None else bias.numel() * bias.element_size()))
+
+
+def _bench_compare(op: str):
+    def compare(got: list, want: list, dtype, args: tuple) -> None:
+        compare_routing(got, want, dtype, near_ties(op, args))  # near ties may be ordered either way, as in the tests
+    return compare
+
+
+def _bench(op: str, args) -> BenchCase:
+    return BenchCase(_bench_shape, args, _bench_nbytes, compare=_bench_compare(op),
+                     flashinfer=lambda args: "not timed: FlashInfer's routers (fused_moe) build a JIT module for "
+                                             "several minutes")
+
+
 _NO_GRAD = "routing is not differentiable (integer ids; the weights are gathered probabilities)"
 
 OPS = (
     OpDef("topk_softmax(Tensor gating_output, int topk, bool renormalize=False) -> (Tensor, Tensor)",
           validate_topk_softmax, _fake_topk_softmax, topk_softmax, _samples_topk_softmax, _tokens_topk_softmax,
-          no_grad_reason=_NO_GRAD, compare=compare_routing),
+          no_grad_reason=_NO_GRAD, compare=compare_routing, bench=_bench("topk_softmax", _bench_args_topk_softmax)),
     OpDef("grouped_topk(Tensor gating_output, int topk, bool renormalize, int num_expert_group, int topk_group, "
           "str scoring_func=\"softmax\", Tensor? e_score_correction_bias=None, float routed_scaling_factor=1.0) "
           "-> (Tensor, Tensor)",
           validate_grouped_topk, _fake_grouped_topk, grouped_topk, _samples_grouped_topk, _tokens_grouped_topk,
-          no_grad_reason=_NO_GRAD, compare=compare_routing),
+          no_grad_reason=_NO_GRAD, compare=compare_routing, bench=_bench("grouped_topk", _bench_args_grouped_topk)),
 )

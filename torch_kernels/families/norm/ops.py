@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ... import checks as check
-from ...opdef import OpDef
+from ...opdef import BenchCase, HostGoal, OpDef, Peer
 
 _DEFAULT_EPS = 1e-6
 
@@ -248,21 +248,76 @@ def _tokens_fused(n: int, device) -> tuple:
     return (torch.randn(n, 64, device=device), torch.randn(n, 64, device=device), torch.randn(64, device=device), 1e-6), (0, 1)
 
 
-def _norm_op(name: str, wrapper, gemma: bool) -> OpDef:
+# ----------------------------------------------------------------------------------------------
+# Benchmark cases: tokens x the profile's hidden sizes, eps 1e-6; FlashInfer's flashinfer.norm as peer.
+
+BENCH_EPS = 1e-6
+
+
+def _size(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _bench_shape(tokens: int, hidden: Optional[int], profile: str):
+    return tokens, hidden, f"{tokens}x{hidden}"
+
+
+def _bench_args_norm(rows: int, hidden: int, profile: str, device, dtype) -> tuple:
+    return (torch.randn(rows, hidden, device=device, dtype=dtype), torch.randn(hidden, device=device, dtype=dtype),
+            BENCH_EPS)
+
+
+def _bench_args_fused(rows: int, hidden: int, profile: str, device, dtype) -> tuple:
+    return (torch.randn(rows, hidden, device=device, dtype=dtype), torch.randn(rows, hidden, device=device, dtype=dtype),
+            torch.randn(hidden, device=device, dtype=dtype), BENCH_EPS)
+
+
+def _flashinfer(op: str):
+    def peer(args: tuple):
+        try:
+            import flashinfer.norm
+        except Exception as e:  # noqa: BLE001  (reported in the results)
+            return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+        return Peer(f"flashinfer.norm.{op}", getattr(flashinfer.norm, op))
+    return peer
+
+
+#: torch's own fused RMSNorm; its normalized shape bound once, outside the timed call
+F_RMS_NORM = Peer("F.rms_norm", torch.nn.functional.rms_norm,
+                  prepare=lambda args: (args[0], (args[0].shape[-1],), args[1], args[2]))
+
+
+def _bench_norm(op: str, cpu_default: bool = False, **extra) -> BenchCase:
+    # read x, write the output, read w
+    return BenchCase(_bench_shape, _bench_args_norm, lambda args: 2 * _size(args[0]) + _size(args[1]),
+                     takes_hidden=True, memory_bound=True, flashinfer=_flashinfer(op), cpu_default=cpu_default, **extra)
+
+
+def _bench_fused(op: str, cpu_default: bool = False) -> BenchCase:
+    # read x and r, write both, read w
+    return BenchCase(_bench_shape, _bench_args_fused, lambda args: 4 * _size(args[0]) + _size(args[2]),
+                     takes_hidden=True, memory_bound=True, flashinfer=_flashinfer(op), cpu_default=cpu_default)
+
+
+def _norm_op(name: str, wrapper, gemma: bool, bench: BenchCase) -> OpDef:
     return OpDef(f"{name}(Tensor input, Tensor weight, float eps={_DEFAULT_EPS}) -> Tensor",
                  _validator_norm(name), _fake_norm(name), wrapper, _samples_norm, _tokens_norm,
-                 backward=_rms_backward(gemma), setup_context=_setup_context)
+                 backward=_rms_backward(gemma), setup_context=_setup_context, bench=bench)
 
 
-def _fused_op(name: str, wrapper) -> OpDef:
+def _fused_op(name: str, wrapper, bench: BenchCase) -> OpDef:
     return OpDef(f"{name}(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps={_DEFAULT_EPS}) -> ()",
                  _validator_fused(name), _fake_fused(name), wrapper, _samples_fused, _tokens_fused,
-                 no_grad_reason="it overwrites input and residual in place; use rmsnorm(input + residual, weight) to differentiate")
+                 no_grad_reason="it overwrites input and residual in place; use rmsnorm(input + residual, weight) to differentiate",
+                 bench=bench)
 
 
 OPS = (
-    _norm_op("rmsnorm", rmsnorm, gemma=False),
-    _fused_op("fused_add_rmsnorm", fused_add_rmsnorm),
-    _norm_op("gemma_rmsnorm", gemma_rmsnorm, gemma=True),
-    _fused_op("gemma_fused_add_rmsnorm", gemma_fused_add_rmsnorm),
+    # the host goal: an engine's decode step calls rmsnorm at one token, where F.rms_norm is the bar
+    _norm_op("rmsnorm", rmsnorm, gemma=False,
+             bench=_bench_norm("rmsnorm", cpu_default=True, peers=(F_RMS_NORM,),
+                               host_goal=HostGoal(1, 4096, "bfloat16", F_RMS_NORM.name, "tilelang"))),
+    _fused_op("fused_add_rmsnorm", fused_add_rmsnorm, bench=_bench_fused("fused_add_rmsnorm", cpu_default=True)),
+    _norm_op("gemma_rmsnorm", gemma_rmsnorm, gemma=True, bench=_bench_norm("gemma_rmsnorm")),
+    _fused_op("gemma_fused_add_rmsnorm", gemma_fused_add_rmsnorm, bench=_bench_fused("gemma_fused_add_rmsnorm")),
 )

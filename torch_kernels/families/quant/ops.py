@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ... import checks as check
-from ...opdef import OpDef
+from ...opdef import BenchCase, OpDef
 
 OP = "per_token_group_quant_fp8"
 _DEFAULT_EPS = 1e-10
@@ -173,9 +173,39 @@ def _tokens(n: int, device) -> tuple:
     return (torch.randn(n, 256, device=device), 128, 1e-10, True, False), (0,)
 
 
+# ----------------------------------------------------------------------------------------------
+# Benchmark case: tokens x its own hidden size (or the multiples of the group --shapes gives), group 128.
+
+#: per profile: (hidden size, group size); gpu: DeepSeek-V3's hidden size and block
+BENCH_SIZES = {"gpu": (7168, 128), "cpu": (512, 128)}
+
+
+def _bench_hidden(given: Tuple[int, ...], profile: str) -> Tuple[int, ...]:
+    hidden, group = BENCH_SIZES[profile]
+    return tuple(h for h in given if h % group == 0) or (hidden,)
+
+
+def _bench_shape(tokens: int, hidden: Optional[int], profile: str):
+    default, group = BENCH_SIZES[profile]
+    hidden = hidden or default
+    return tokens, hidden, f"{tokens}x{hidden} g{group}"
+
+
+def _bench_args(rows: int, hidden: int, profile: str, device, dtype) -> tuple:
+    return torch.randn(rows, hidden, device=device, dtype=dtype) * 4, BENCH_SIZES[profile][1], _DEFAULT_EPS, False, False
+
+
+def _bench_nbytes(args: tuple) -> int:
+    x = args[0]
+    return x.numel() * x.element_size() + x.numel() + x.numel() // args[1] * 4  # read x, write fp8 q and fp32 scales
+
+
 OPS = (
     OpDef(f"{OP}(Tensor input, int group_size, float eps={_DEFAULT_EPS}, bool column_major_scales=False, "
           "bool scale_ue8m0=False) -> (Tensor, Tensor)",
           _validate, _fake, per_token_group_quant_fp8, _samples, _tokens,
-          no_grad_reason="quantisation to float8 has no useful gradient (round and clamp)", compare=compare),
+          no_grad_reason="quantisation to float8 has no useful gradient (round and clamp)", compare=compare,
+          bench=BenchCase(_bench_shape, _bench_args, _bench_nbytes, own_hidden=_bench_hidden, memory_bound=True,
+                          flashinfer=lambda args: "FlashInfer 0.7.4 has no per-token-group FP8 quantisation",
+                          cpu_default=True)),
 )

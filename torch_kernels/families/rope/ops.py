@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ... import checks as check
-from ...opdef import OpDef
+from ...opdef import BenchCase, OpDef, Peer
 
 OP = "rotary_embedding"
 _POSITION_DTYPES = (torch.int32, torch.int64)
@@ -244,10 +244,47 @@ def _tokens(n: int, device) -> tuple:
     return make_args(n, 4, 2, 16, 16, True, "2d", device, max_position=32), (0, 1, 2)
 
 
+# ----------------------------------------------------------------------------------------------
+# Benchmark case: tokens x (query + key heads) x head size, neox, full rotary, an fp32 cache.
+
+#: per profile: (query heads, key heads, head size, cached positions); gpu: Llama-3-8B's attention
+BENCH_SIZES = {"gpu": (32, 8, 128, 8192), "cpu": (4, 2, 64, 256)}
+
+
+def _bench_shape(tokens: int, hidden: Optional[int], profile: str):
+    hq, hk, hs, _ = BENCH_SIZES[profile]
+    return tokens, None, f"{tokens}x({hq}+{hk})x{hs}"
+
+
+def _bench_args(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    hq, hk, hs, max_pos = BENCH_SIZES[profile]
+    return make_args(rows, hq, hk, hs, hs, True, "2d", device, dtype, torch.float32, torch.int64, max_pos)
+
+
+def _bench_nbytes(args: tuple) -> int:
+    positions, q, k, head_size, cache, _ = args
+    rot = cache.shape[1]
+    size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
+    # query and key read and written (their rotated dims), the positions, one cache row a token
+    return (2 * (size(q) + size(k)) * rot // head_size + size(positions)
+            + positions.numel() * rot * cache.element_size())
+
+
+def _flashinfer(args: tuple):
+    try:
+        import flashinfer.rope
+    except Exception as e:  # noqa: BLE001  (reported in the results)
+        return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+    return Peer("flashinfer.rope.apply_rope_with_cos_sin_cache_inplace",
+                lambda p, q, k, hs, cache, neox: flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(
+                    p, q, k, hs, cache, is_neox=neox))
+
+
 OPS = (
     OpDef("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
           "Tensor cos_sin_cache, bool is_neox) -> ()",
           validate, _fake, rotary_embedding, _samples, _tokens, data_arg=1,
           no_grad_reason="it rotates query and key in place; differentiate through the torch reference "
-                         "(reference.py) on copies instead"),
+                         "(reference.py) on copies instead",
+          bench=BenchCase(_bench_shape, _bench_args, _bench_nbytes, memory_bound=True, flashinfer=_flashinfer)),
 )

@@ -9,13 +9,13 @@ Randomness comes only from the ``seed``/``offset`` tensors: a CUDA graph capture
 replay draws afresh after the caller updates ``offset`` in place.
 """
 
-from typing import Iterator
+from typing import Dict, Iterator, Optional, Union
 
 import torch
 from torch import Tensor
 
 from ... import checks as check
-from ...opdef import OpDef
+from ...opdef import BenchCase, OpDef, Peer
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_VOCAB = 2**31 - 1  # token ids are int32
@@ -279,16 +279,125 @@ def compare_samples(got: list, want: list, dtype) -> None:
                              f"{ids.cpu()[rows[:10]].tolist()} vs {ids_ref.cpu()[rows[:10]].tolist()}")
 
 
+# ----------------------------------------------------------------------------------------------
+# Benchmark cases: batch rows (the token count, capped) x the vocabulary of fp32 probabilities (the
+# family's only dtype), top_k 50, top_p 0.9. Rounds of selection over each row: no copy-bandwidth goal.
+
+#: per profile: (vocabulary, batch rows at most); gpu: Llama-3's vocabulary, a decode batch of 64
+BENCH_SIZES = {"gpu": (128256, 64), "cpu": (1024, 8)}
+BENCH_TOP_K, BENCH_TOP_P = 50, 0.9
+
+
+def _bench_shape(tokens: int, hidden: Optional[int], profile: str):
+    vocab, rows_cap = BENCH_SIZES[profile]
+    rows = min(tokens, rows_cap)
+    return rows, None, f"{rows}x{vocab}"
+
+
+def _bench_inputs(rows: int, profile: str, device):
+    probs = torch.softmax(torch.randn(rows, BENCH_SIZES[profile][0], device=device, dtype=torch.float32) * 3, -1)
+    return (probs, torch.full((rows,), BENCH_TOP_K, dtype=torch.int32, device=device),
+            torch.full((rows,), BENCH_TOP_P, device=device))
+
+
+def _bench_args_top_k_renorm(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    probs, top_k, _ = _bench_inputs(rows, profile, device)
+    return probs, top_k
+
+
+def _bench_args_top_p_renorm(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    probs, _, top_p = _bench_inputs(rows, profile, device)
+    return probs, top_p
+
+
+def _bench_args_sampling(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    return _bench_inputs(rows, profile, device) + (torch.tensor(1234, device=device), torch.tensor(0, device=device))
+
+
+def _bench_nbytes(reads: int):
+    # one read of the probabilities (the renormalisers also write them): a floor
+    return lambda args: args[0].numel() * args[0].element_size() * reads
+
+
+def kept_set(probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """``(B, V)`` bool: the tokens the reference's top-k then top-p filter keeps (where any correct
+    sampler's ids must fall, whatever its random stream)."""
+    from . import reference
+
+    bits = reference.value_bits(probs)
+    q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(probs.shape[1]))
+    return reference.kept_mask(bits, q, top_k, top_p)[0]
+
+
+def _bench_compare_samples(got: list, want: list, dtype, args: tuple) -> Optional[str]:
+    """The reference's ids, or, from another random stream, ids all in the reference's kept set."""
+    try:
+        compare_samples(got, want, dtype)
+        return None
+    except AssertionError:
+        inside = kept_set(*args[:3]).gather(1, got[0].long()[:, None]).float().mean().item()
+        if inside < 1.0:
+            raise AssertionError(f"{inside:.1%} of the ids in the kept set") from None
+        return "another random stream; every id in the kept set"
+
+
+def flashinfer_peers(op: str, args: tuple) -> Dict[str, Union[Peer, str]]:
+    """FlashInfer's sampling peers of a call: ``{name: Peer, or a string saying why there is none}``.
+    Only its sampling JIT module is used: with per-row ``top_k`` tensors its default ``top_k_first``
+    order is ``top_k_renorm_probs`` then ``top_p_sampling_from_probs``, both in that module, and is our
+    semantics (top-p over the renormalised top-k survivors); ``joint`` (one kernel) is another filter,
+    timed for reference. Seed and offset are passed as ints where the API takes them (graph capture
+    then reads no generator state)."""
+    try:
+        import inspect
+
+        import flashinfer.sampling as fs
+    except Exception as e:  # noqa: BLE001
+        return {"flashinfer": f"not importable: {type(e).__name__}: {e}"[:200]}
+    if op == "top_k_renorm_probs":
+        return {"flashinfer": Peer("flashinfer.sampling.top_k_renorm_probs", fs.top_k_renorm_probs)}
+    if op == "top_p_renorm_probs":
+        return {"flashinfer": Peer("flashinfer.sampling.top_p_renorm_probs", fs.top_p_renorm_probs)}
+    probs, k, p, seed, offset = args
+    rng = {}
+    if "seed" in inspect.signature(fs.top_p_sampling_from_probs).parameters:
+        rng = dict(seed=int(seed), offset=int(offset))
+    if int(k.max()) <= 0:  # top-k off: FlashInfer's top-p sampling alone
+        return {"flashinfer": Peer("flashinfer.sampling.top_p_sampling_from_probs",
+                                   lambda probs, k, p, *_: fs.top_p_sampling_from_probs(probs, p, **rng))}
+    return {"flashinfer": Peer("flashinfer.sampling.top_k_top_p_sampling_from_probs (top_k_first)",
+                               lambda probs, k, p, *_: fs.top_k_top_p_sampling_from_probs(
+                                   probs, k, p, filter_apply_order="top_k_first", **rng)),
+            "flashinfer joint (other filter)": Peer(
+                "flashinfer.sampling.top_k_top_p_sampling_from_probs (joint)",
+                lambda probs, k, p, *_: fs.top_k_top_p_sampling_from_probs(probs, k, p, filter_apply_order="joint", **rng))}
+
+
+def _flashinfer(op: str):
+    def peer(args: tuple):
+        try:
+            import flashinfer  # noqa: F401
+        except Exception as e:  # noqa: BLE001  (reported in the results)
+            return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+        return flashinfer_peers(op, args)["flashinfer"]
+    return peer
+
+
+def _bench(op: str, args, reads: int, compare=None) -> BenchCase:
+    return BenchCase(_bench_shape, args, _bench_nbytes(reads), flashinfer=_flashinfer(op), compare=compare, axis="rows")
+
+
 _NO_GRAD = "top-k/top-p filtering and sampling are not differentiable (data-dependent thresholds, integer ids)"
 
 OPS = (
     OpDef("top_k_renorm_probs(Tensor probs, Tensor top_k) -> Tensor",
           validate_top_k_renorm, _fake_top_k_renorm, top_k_renorm_probs, _samples_top_k_renorm, _tokens_top_k_renorm,
-          no_grad_reason=_NO_GRAD),
+          no_grad_reason=_NO_GRAD, bench=_bench("top_k_renorm_probs", _bench_args_top_k_renorm, 2)),
     OpDef("top_p_renorm_probs(Tensor probs, Tensor top_p) -> Tensor",
           validate_top_p_renorm, _fake_top_p_renorm, top_p_renorm_probs, _samples_top_p_renorm, _tokens_top_p_renorm,
-          no_grad_reason=_NO_GRAD),
+          no_grad_reason=_NO_GRAD, bench=_bench("top_p_renorm_probs", _bench_args_top_p_renorm, 2)),
     OpDef("top_k_top_p_sampling_from_probs(Tensor probs, Tensor top_k, Tensor top_p, Tensor seed, Tensor offset) -> Tensor",
           validate_sampling, _fake_sampling, top_k_top_p_sampling_from_probs, _samples_sampling, _tokens_sampling,
-          no_grad_reason=_NO_GRAD, compare=compare_samples),
+          no_grad_reason=_NO_GRAD, compare=compare_samples,
+          bench=_bench("top_k_top_p_sampling_from_probs", _bench_args_sampling, 1, _bench_compare_samples)),
 )
