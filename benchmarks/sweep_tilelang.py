@@ -39,7 +39,9 @@ from torch_kernels.families.norm import reference as ref_norm  # noqa: E402
 from torch_kernels.families.rope import reference as ref_rope  # noqa: E402
 from torch_kernels.families.activation import triton as tr_act  # noqa: E402
 from torch_kernels.families.attention import triton as tr_merge  # noqa: E402
+from torch_kernels.families.attention.ops import merge_inputs  # noqa: E402
 from torch_kernels.families.norm import triton as tr_norm  # noqa: E402
+from torch_kernels.families.norm.ops import BENCH_EPS as EPS  # noqa: E402
 from torch_kernels.families.rope import triton as tr_rope  # noqa: E402
 
 ROUNDS = 5  # interleaved timing rounds, the median kept
@@ -98,9 +100,9 @@ def norm_rows(ceiling: float) -> list:
         nbytes = cases.nbytes(op, args)
         if fused:
             want_x, want_r = x.clone(), r.clone()
-            getattr(ref_norm, op)(want_x, want_r, w, cases.EPS)
+            getattr(ref_norm, op)(want_x, want_r, w, EPS)
         else:
-            want = getattr(ref_norm, op)(x, w, cases.EPS)
+            want = getattr(ref_norm, op)(x, w, EPS)
         impls = {label: fns[(n, op, label)] for label in NORM_VARIANTS}
         impls["triton backend"] = getattr(tr_norm, op)
         impls["flashinfer api"] = getattr(flashinfer.norm, op)
@@ -113,12 +115,12 @@ def norm_rows(ceiling: float) -> list:
             out = torch.empty_like(x)
             kernel = label.startswith("tilelang")  # a compiled host function: outputs are arguments
             if fused:
-                call = lambda fn=fn: fn(xx, rr, w, cases.EPS)  # noqa: E731
+                call = lambda fn=fn: fn(xx, rr, w, EPS)  # noqa: E731
                 call()
                 torch.testing.assert_close(xx, want_x, atol=2e-2, rtol=2e-2)
                 torch.testing.assert_close(rr, want_r, atol=2e-2, rtol=2e-2)
             else:
-                call = (lambda fn=fn: fn(xx, w, out, cases.EPS)) if kernel else (lambda fn=fn: fn(xx, w, cases.EPS))
+                call = (lambda fn=fn: fn(xx, w, out, EPS)) if kernel else (lambda fn=fn: fn(xx, w, EPS))
                 got = call()
                 torch.testing.assert_close(out if kernel else got, want, atol=2e-2, rtol=2e-2)
             calls[label] = call
@@ -134,7 +136,7 @@ def merge_rows(ceiling: float) -> list:
     fns = _compile_all(prims)
     rows = []
     for tokens in MERGE_TOKENS:
-        args = cases.merge_inputs(tokens, heads, head_size, "cuda")
+        args = merge_inputs(tokens, heads, head_size, "cuda")
         want = ref_merge.merge_attn_states(*args)
         nbytes = cases.nbytes("merge_attn_states", args)
         peer = cases.flashinfer_api("merge_attn_states", args)
