@@ -134,10 +134,10 @@ def test_backend_from_inventory_timed_or_refused(tmp_path, monkeypatch):
     got = {(r["shape"], r["key"]): r for r in _load(tmp_path)["rows"]}
     assert got["2x128", "triton"]["check"] == "ok" and got["2x128", "triton"]["device_us"] > 0
     assert got["2x512", "triton"]["status"] == "refused: rows wider than 256" and "device_us" not in got["2x512", "triton"]
-    assert got["2x128", "tilelang"]["status"] == "refused: dtype bfloat16 is not one of float16"
+    assert got["2x128", "tilelang"]["status"] == "refused: dtype torch.bfloat16 is not one of float16"
     assert got["2x128", "op"]["serves"] == "torch"  # the CPU key serves the reference
     md = (tmp_path / "cpu.md").read_text()
-    assert "not timed: tilelang, refused: dtype bfloat16 is not one of float16 (2 shapes" in md
+    assert "not timed: tilelang, refused: dtype torch.bfloat16 is not one of float16 (2 shapes" in md
 
 
 def test_command_line(tmp_path, capsys):

@@ -114,14 +114,6 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
 
 
-def _refusal(spec, check, args: tuple, data_arg: int) -> Optional[str]:
-    """Why ``spec`` cannot take ``args`` (its dtype list, then its check), or None; as the dispatcher."""
-    dtype = str(args[data_arg].dtype).replace("torch.", "")
-    if spec.dtypes and dtype not in spec.dtypes:
-        return f"dtype {dtype} is not one of {', '.join(spec.dtypes)}"
-    return check(*args) if check is not None else None
-
-
 class OpRunner:
     """The implementations of one op, loaded once; ``impls(args)`` says which take a call."""
 
@@ -133,7 +125,7 @@ class OpRunner:
         self.mutated = mutated_args(self.overload)
         self.reference = registry.BY_OP[op][Backend.TORCH].load()
         self.unavailable: Dict[str, str] = {}
-        self.backends = []  # (spec, label, fn or None, check, status)
+        self.backends = []  # (dispatch.Implementation, label, status)
         interpret = not ctx.cuda and os.environ.get("TRITON_INTERPRET") == "1"
         for spec in registry.implementations(op):
             key = spec.backend.value
@@ -145,11 +137,14 @@ class OpRunner:
                 self.unavailable[key] = why
                 continue
             label = LABELS.get(key, key) + (" (interpreted)" if interpreted else "")
+            impl = dispatch.Implementation(spec, self.opdef.data_arg)
             try:
-                self.backends.append((spec, label, spec.load(), spec.load_check(), None))
+                impl.load()
+                self.backends.append((impl, label, None))
             except Exception as e:  # noqa: BLE001  (reported on every shape)
-                self.backends.append((spec, label, None, None, f"failed to load: {_first_line(e)}"))
-        self.chain = dispatch.plan(op, platform)[0] if ctx.cuda else []
+                self.backends.append((impl, label, f"failed to load: {_first_line(e)}"))
+        chain = dispatch.plan(op, platform)[0] if ctx.cuda else []
+        self.chain = [dispatch.Implementation(spec, self.opdef.data_arg) for spec in chain]
         self.compile_status = None
         no_compile = registry.REFERENCE_NOT_COMPILABLE.get(op)
         if no_compile:
@@ -167,10 +162,10 @@ class OpRunner:
         chain, table = self.chain, dispatch.tuned_table() if dispatch.selection().auto else None
         chosen = tuning.winner(table, self.op, args[self.opdef.data_arg]) if table else None
         if chosen:  # auto: the bucket's winner first, then the platform default's order
-            chain = sorted(chain, key=lambda spec: spec.backend.value != chosen[0])
-        for spec in chain:
-            if _refusal(spec, spec.load_check(), args, self.opdef.data_arg) is None:
-                return spec.backend.value
+            chain = sorted(chain, key=lambda impl: impl.spec.backend.value != chosen[0])
+        for impl in chain:
+            if impl.refuses(args) is None:
+                return impl.spec.backend.value
         return "none"
 
     def warm_compile(self, shapes) -> None:
@@ -199,11 +194,11 @@ class OpRunner:
         keys, out = self.ctx.keys, []
         if "op" in keys:
             out.append(Impl("op", LABELS["op"], "ours", self.overload))
-        for spec, label, fn, check, status in self.backends:
+        for impl, label, status in self.backends:
             if status is None:
-                why = _refusal(spec, check, args, self.opdef.data_arg)
+                why = impl.refuses(args)
                 status = None if why is None else f"refused: {why}"
-            out.append(Impl(spec.backend.value, label, "ours", fn, status))
+            out.append(Impl(impl.spec.backend.value, label, "ours", impl.fn, status))
         if "torch" in keys:
             out.append(Impl("torch", LABELS["torch"], "peer", self.reference))
         if "compile" in keys and self.compile_status != "off":
