@@ -1,6 +1,8 @@
 """Numerics of the norm family: the reference against an independent fp64 formula, and every
 backend against the reference, over dtypes and awkward shapes (Triton in its interpreter on CPU)."""
 
+import os
+
 import pytest
 import torch
 
@@ -60,13 +62,14 @@ def test_reference_matches_fp64_formula(op, shape, stride, dtype):
         assert_close(xi, _formula(total, w, 1e-6, gemma).to(dtype))
 
 
-def _check_backends(op, device, dtype, shape, stride, scale=1.0, poison=None):
+def _check_backends(op, device, dtype, shape, stride, scale=1.0, poison=None, backends=None):
+    """Each backend of ``op`` on ``device`` (or each ``(name, fn)`` of ``backends``) against the reference."""
     w = torch.randn(shape[-1], dtype=dtype, device=device)
     reference = registry.BY_OP[op][Backend.TORCH].load()
     x = _rows(shape, stride, dtype, device, scale)
     if poison is not None and x.numel():
         x.view(-1, shape[-1])[0, 0] = poison
-    for name, fn in _backends(op, device):
+    for name, fn in backends or _backends(op, device):
         if op in NORM:
             x_before = x.clone()
             assert_close(fn(x, w, 1e-5), reference(x, w, 1e-5), msg=f"backend {name}")
@@ -107,17 +110,66 @@ def test_backends_large_values_and_nonfinite(op, device):
         _check_backends(op, device, torch.float32, (3, 700), None, poison=poison)
 
 
+def _triton_here(device):
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
+    from torch_kernels.families.norm import triton as triton_norm
+    return triton_norm
+
+
+def _triton_with(op, device, config):
+    """The Triton entry point of ``op`` launched with ``config(n)`` for rows of ``n``."""
+    fn = getattr(_triton_here(device), op)
+    return lambda x, *args: fn(x, *args, config=config(x.shape[-1]))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", NORM + FUSED)
-def test_triton_large_batch_routes_match_reference(op, device, monkeypatch):
+def test_triton_large_batch_routes_match_reference(op, device):
     """The Triton backend's routes from 4096 tokens (the fused ops in chunks, rmsnorm reading its row
     twice) at every token count: a row in one chunk, a masked last chunk, several chunks, strided rows."""
-    from torch_kernels.families.norm import triton as triton_norm
-    monkeypatch.setattr(triton_norm, "_FUSED_CHUNKED_MIN_TOKENS", 1)
-    monkeypatch.setattr(triton_norm, "_RELOAD_MIN_TOKENS", 1)
+    triton_norm = _triton_here(device)
+    many = _triton_with(op, device, lambda n: triton_norm.TritonNormConfig.for_shape(4096, n, op in FUSED))
     for dtype in (torch.bfloat16, torch.float32):
         for shape, stride in (((3, 1000), None), ((2, 5120), None), ((5, 96), 160)):
-            _check_backends(op, device, dtype, shape, stride)
+            _check_backends(op, device, dtype, shape, stride, backends=[("triton, 4096-token route", many)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", NORM + FUSED)
+def test_triton_other_configs_match_reference(op, device):
+    """Launches other than the heuristic's: small chunks (several, a masked last one), a row padded
+    past its width in one pass, read twice or not, other warp counts."""
+    triton_norm = _triton_here(device)
+    Config = triton_norm.TritonNormConfig
+    configs = {"two passes of 64, 2 warps": lambda n: Config(64, False, False, 2),
+               "two passes of 512, 1 warp": lambda n: Config(512, False, False, 1),
+               # the next power of two >= 2n
+               "one pass padded twice over, read twice, 8 warps": lambda n: Config(1 << (2 * n - 1).bit_length(),
+                                                                                   True, True, 8)}
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape, stride in (((3, 1000), None), ((5, 96), 160), ((2, 3, 257), None)):
+            _check_backends(op, device, dtype, shape, stride,
+                            backends=[(name, _triton_with(op, device, c)) for name, c in configs.items()])
+
+
+def test_triton_heuristic_picks_the_measured_launches():
+    """One pass with the row padded up to 16384 wide, ~one warp per 512 values; two passes of 4096
+    beyond; from 4096 tokens (eager) rmsnorm reads its row twice and the fused ops go in chunks of
+    4096 over 16 warps; traced, the token count is unknown: the few-token launch."""
+    Config = _triton_here("cpu").TritonNormConfig
+    for fused in (False, True):
+        assert Config.for_shape(1, 1, fused) == Config(1, True, False, 1)
+        assert Config.for_shape(7, 1000, fused) == Config(1024, True, False, 2)
+        assert Config.for_shape(1, 4096, fused) == Config(4096, True, False, 8)
+        assert Config.for_shape(4095, 8192, fused) == Config(8192, True, False, 16)
+        assert Config.for_shape(1, 16384, fused) == Config(16384, True, False, 16)
+        assert Config.for_shape(1, 16385, fused) == Config(4096, False, False, 8)
+        assert Config.for_shape(None, 8192, fused) == Config(8192, True, False, 16)
+    assert Config.for_shape(4096, 4096, False) == Config(4096, True, True, 8)
+    assert Config.for_shape(16384, 65536, False) == Config(4096, False, False, 8)
+    assert Config.for_shape(4096, 1000, True) == Config(4096, False, False, 16)
+    assert Config.for_shape(16384, 65536, True) == Config(4096, False, False, 16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
