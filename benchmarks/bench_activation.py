@@ -9,6 +9,7 @@ import argparse
 import itertools
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -82,22 +83,21 @@ def bench_sweep(ceiling: float) -> list:
         out = torch.empty_like(want)
         seen = set()
         for tile, per_thread, flat in itertools.product((512, 1024, 2048, 4096, 8192), (4, 8, 16), (True, False)):
-            block_m, block_n, _ = triton_activation.tile(d, tile=tile)
-            warps = min(max(block_m * block_n // (32 * per_thread), 1), 16)
-            if (block_m, block_n, warps, flat) in seen:
+            config = replace(triton_activation.TritonActivationConfig.for_shape(d, tile, per_thread), flat=flat)
+            if config in seen:
                 continue
-            seen.add((block_m, block_n, warps, flat))
+            seen.add(config)
             out.zero_()
-            fn = lambda: triton_activation.launch(x, out, "silu", block_m, block_n, warps, flat)  # noqa: E731
+            fn = lambda: triton_activation.launch(x, out, "silu", config)  # noqa: E731
             fn()
-            assert_close(out, want, msg=f"sweep tile {tile} warps {warps} flat {flat}")
+            assert_close(out, want, msg=f"sweep {config}")
             us = harness.graph_us(fn)
             gbps = _bytes(t, d) / us / 1e3
-            rows.append({"shape": f"{t}x2*{d}", "BLOCK_M x BLOCK_N": f"{block_m}x{block_n}", "warps": warps,
-                         "per thread": block_m * block_n // (32 * warps), "grid": "flat" if flat else "2-D",
-                         "us": us, "GB/s": gbps, "of copy": gbps / ceiling,
-                         "default": (block_m, block_n, warps) == triton_activation.tile(d)
-                         and flat == triton_activation._FLAT})
+            tile_size = config.block_m * config.block_n
+            rows.append({"shape": f"{t}x2*{d}", "BLOCK_M x BLOCK_N": f"{config.block_m}x{config.block_n}",
+                         "warps": config.num_warps, "per thread": tile_size // (32 * config.num_warps),
+                         "grid": "flat" if config.flat else "2-D", "us": us, "GB/s": gbps, "of copy": gbps / ceiling,
+                         "default": config == triton_activation.TritonActivationConfig.for_shape(d)})
     return rows
 
 

@@ -4,6 +4,7 @@ backend against the reference, over dtypes and awkward shapes (Triton in its int
 import inspect
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -151,20 +152,50 @@ def test_triton_program_orders_and_split_launches(flat, device, monkeypatch):
     """Both program orders, with the default tiles and with launches split where the grid would
     pass CUDA's limits (shrunk here to 3 programs on axis 0, 2 on axis 1)."""
     triton_activation = _triton_here(device)
+    Config = triton_activation.TritonActivationConfig
     for act, op, approximate in [("silu", "silu_and_mul", None), ("gelu", "gelu_and_mul", "none"),
                                  ("gelu_tanh", "gelu_tanh_and_mul", None)]:
         x = _rows((7, 600), 640, torch.float32, device)
         want = _reference(op)(*_args(op, approximate, x))
         out = torch.full_like(want, float("nan"))
-        triton_activation.launch(x, out, act, *triton_activation.tile(300), flat=flat)
+        triton_activation.launch(x, out, act, replace(Config.for_shape(300), flat=flat))
         assert_close(out, want, msg=f"{act} default tiles")
         with monkeypatch.context() as m:
             m.setattr(triton_activation, "_MAX_GRID_0", 3)
             m.setattr(triton_activation, "_MAX_GRID_1", 2)
             for block_m, block_n in [(1, 32), (2, 64), (4, 16)]:
                 out = torch.full_like(want, float("nan"))
-                triton_activation.launch(x, out, act, block_m, block_n, 1, flat=flat)
+                triton_activation.launch(x, out, act, Config(block_m, block_n, 1, flat))
                 assert_close(out, want, msg=f"{act} split launches, tile {block_m}x{block_n}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op,approximate", CASES, ids=CASE_IDS)
+def test_triton_other_configs_match_reference(op, approximate, device):
+    """The entry points under launches other than the heuristic's: tiles of several rows, a row in
+    several column blocks, other warp counts, the 2-D grid; fp32 and bf16, strided rows."""
+    triton_activation = _triton_here(device)
+    Config = triton_activation.TritonActivationConfig
+    fn = getattr(triton_activation, op)
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape, stride in (((7, 600), 640), ((5, 128), None)):
+            x = _rows(shape, stride, dtype, device)
+            want = _reference(op)(*_args(op, approximate, x))
+            for config in (Config(4, 16, 1), Config(1, 32, 2, flat=False), Config(8, 128, 4), Config(2, 64, 1)):
+                assert_close(fn(*_args(op, approximate, x), config=config), want, msg=f"{dtype} {config}")
+
+
+def test_triton_heuristic_picks_the_measured_tiles():
+    """1024 outputs a program over 4 warps (8 a thread): the row up to 1024 columns, several rows of a
+    shorter one; one warp at least, so shorter tiles keep 32 threads."""
+    Config = _triton_here("cpu").TritonActivationConfig
+    assert Config.for_shape(14336) == Config(1, 1024, 4, True)
+    assert Config.for_shape(1024) == Config(1, 1024, 4, True)
+    assert Config.for_shape(1000) == Config(1, 1024, 4, True)
+    assert Config.for_shape(300) == Config(2, 512, 4, True)
+    assert Config.for_shape(64) == Config(16, 64, 4, True)
+    assert Config.for_shape(1) == Config(1024, 1, 4, True)
+    assert Config.for_shape(14336, tile=2048, per_thread=16) == Config(1, 2048, 4, True)  # the sweep's
 
 
 @pytest.mark.gpu

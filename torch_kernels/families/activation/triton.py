@@ -5,14 +5,20 @@ program reading one ``BLOCK_M x BLOCK_N`` tile of the gate and the tile ``d`` co
 (the up half), computing in fp32 and writing one tile of the output. Programs are numbered column
 block fastest (one flat grid axis, one scalar division per program), so that consecutive programs
 stream consecutive memory as Inductor's flat pointwise grid does; ``FLAT=False`` launches the 2-D
-grid instead (rows on axis 0), kept for the GPU sweep to compare. Arguments arrive validated
-(``ops.py``): last dim contiguous and even, dtype fp16/bf16/fp32.
+grid instead (rows on axis 0), kept for the GPU sweep to compare. The launch is a
+:class:`TritonActivationConfig`; :meth:`TritonActivationConfig.for_shape` picks it. Arguments arrive
+validated (``ops.py``): last dim contiguous and even, dtype fp16/bf16/fp32.
 
 ``wrap``: ``None`` in eager calls; ``torch.library.wrap_triton`` when ``torch.compile`` traces the
 op's ``inductor_triton`` route (``torch_kernels/library.py``). Traced, the row count is symbolic, so
 no launch choice reads it: one launch (checked at run time to fit the grid), rows masked unless a
 program holds one row, and an empty grid skipped by Triton's launcher instead of an early return.
+``config``: the launch, default ``TritonActivationConfig.for_shape`` (the sweep and tests pass others).
 """
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -28,8 +34,28 @@ _ELEMENTS_PER_THREAD = 8
 # CUDA grid limits: axis 0 takes 2^31 - 1 programs, axis 1 only 65535; larger launches are split.
 _MAX_GRID_0 = 2**31 - 1
 _MAX_GRID_1 = 65535
-# Program order: flat, column block fastest, as Inductor's pointwise grid (`--sweep` times the 2-D grid).
-_FLAT = True
+
+
+@dataclass(frozen=True)
+class TritonActivationConfig:
+    """How the gated-activation kernel is launched; :meth:`for_shape` is what the launchers use."""
+
+    block_m: int  # rows per program: 1 unless rows are shorter than the tile
+    block_n: int  # output columns per program
+    num_warps: int
+    # Program order: flat, column block fastest, as Inductor's pointwise grid (`--sweep` times the 2-D grid).
+    flat: bool = True
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def for_shape(cls, d: int, tile: int = _TILE, per_thread: int = _ELEMENTS_PER_THREAD) -> "TritonActivationConfig":
+        """The launchers' configuration for output rows of ``d`` elements: ``block_n`` the row up to
+        ``tile`` elements, ``block_m`` rows filling the tile when the row is shorter, one warp per
+        ``32 * per_thread`` elements of the tile (1 to 16); the sweep passes other ``tile`` and
+        ``per_thread``."""
+        block_n = min(triton.next_power_of_2(d), tile)
+        block_m = max(1, tile // block_n)
+        return cls(block_m, block_n, min(max(block_m * block_n // (32 * per_thread), 1), 16))
 
 
 @triton.jit
@@ -94,23 +120,13 @@ def _act_and_mul_kernel(
         tl.store(out_ptrs, (_activate(g, ACT) * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def tile(d: int, block_n: int = 0, tile: int = _TILE):
-    """``(BLOCK_M, BLOCK_N, num_warps)`` for output rows of ``d`` elements: ``BLOCK_N`` the row up to
-    ``tile`` elements, ``BLOCK_M`` rows filling the tile when the row is shorter, one warp per
-    ``32 * _ELEMENTS_PER_THREAD`` elements of the tile (1 to 16)."""
-    block_n = block_n or min(triton.next_power_of_2(d), tile)
-    block_m = max(1, tile // block_n)
-    num_warps = min(max(block_m * block_n // (32 * _ELEMENTS_PER_THREAD), 1), 16)
-    return block_m, block_n, num_warps
-
-
-def launch(x: Tensor, out: Tensor, act: str, block_m: int, block_n: int, num_warps: int, flat: bool = _FLAT,
-           wrap=None) -> None:
+def launch(x: Tensor, out: Tensor, act: str, config: TritonActivationConfig, wrap=None) -> None:
     """``out = act(x[:, :d]) * x[:, d:]`` for 2-D row views ``x`` (T, 2d) and ``out`` (T, d)."""
     T, d = out.shape[0], int(out.shape[1])
     if wrap is None and T == 0:
         return
-    if flat:
+    block_m, block_n = config.block_m, config.block_n
+    if config.flat:
         cols_per_launch = _MAX_GRID_0 * block_n
         rows_per_launch = _MAX_GRID_0 // triton.cdiv(min(d, cols_per_launch), block_n) * block_m
     else:
@@ -122,12 +138,13 @@ def launch(x: Tensor, out: Tensor, act: str, block_m: int, block_n: int, num_war
         for r0 in range(0, T, rows_per_launch):
             for c0 in range(0, d, cols_per_launch):
                 xs, os_ = x[r0:r0 + rows_per_launch, c0:], out[r0:r0 + rows_per_launch, c0:]
-                _launch_one(xs, os_, xs.shape[0], min(cols_per_launch, d - c0), d, act, block_m, block_n, num_warps, flat)
+                _launch_one(xs, os_, xs.shape[0], min(cols_per_launch, d - c0), d, act, config)
         return
-    _launch_one(x, out, T, d, d, act, block_m, block_n, num_warps, flat, wrap)
+    _launch_one(x, out, T, d, d, act, config, wrap)
 
 
-def _launch_one(x, out, n_rows, n_cols, up_offset, act, block_m, block_n, num_warps, flat, wrap=None):
+def _launch_one(x, out, n_rows, n_cols, up_offset, act, config, wrap=None):
+    block_m, block_n, flat = config.block_m, config.block_n, config.flat
     row_blocks, col_blocks = triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n)
     # traced, n_rows is symbolic: masked rows unless every program holds one row
     even_rows = block_m == 1 or (wrap is None and n_rows % block_m == 0)
@@ -135,24 +152,24 @@ def _launch_one(x, out, n_rows, n_cols, up_offset, act, block_m, block_n, num_wa
         (row_blocks * col_blocks,) if flat else (row_blocks, col_blocks)](
         x, x.stride(0), out, out.stride(0), n_rows, n_cols, up_offset, col_blocks,
         ACT=act, BLOCK_M=block_m, BLOCK_N=block_n, EVEN=even_rows and n_cols % block_n == 0,
-        FLAT=flat, num_warps=num_warps,
+        FLAT=flat, num_warps=config.num_warps,
     )
 
 
-def act_and_mul(input: Tensor, act: str, wrap=None) -> Tensor:
+def act_and_mul(input: Tensor, act: str, wrap=None, config: Optional[TritonActivationConfig] = None) -> Tensor:
     d = int(input.shape[-1]) // 2
     out = torch.empty((*input.shape[:-1], d), dtype=input.dtype, device=input.device)
-    launch(rows(input), out.view(-1, d), act, *tile(d), wrap=wrap)
+    launch(rows(input), out.view(-1, d), act, config or TritonActivationConfig.for_shape(d), wrap=wrap)
     return out
 
 
-def silu_and_mul(input: Tensor, *, wrap=None) -> Tensor:
-    return act_and_mul(input, "silu", wrap)
+def silu_and_mul(input: Tensor, *, wrap=None, config=None) -> Tensor:
+    return act_and_mul(input, "silu", wrap, config)
 
 
-def gelu_and_mul(input: Tensor, approximate: str = "none", *, wrap=None) -> Tensor:
-    return act_and_mul(input, "gelu_tanh" if approximate == "tanh" else "gelu", wrap)
+def gelu_and_mul(input: Tensor, approximate: str = "none", *, wrap=None, config=None) -> Tensor:
+    return act_and_mul(input, "gelu_tanh" if approximate == "tanh" else "gelu", wrap, config)
 
 
-def gelu_tanh_and_mul(input: Tensor, *, wrap=None) -> Tensor:
-    return act_and_mul(input, "gelu_tanh", wrap)
+def gelu_tanh_and_mul(input: Tensor, *, wrap=None, config=None) -> Tensor:
+    return act_and_mul(input, "gelu_tanh", wrap, config)
