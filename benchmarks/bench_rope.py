@@ -14,6 +14,7 @@ import argparse
 import itertools
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -126,18 +127,20 @@ def sweep(ceiling: float) -> list:
         args = _args(is_neox, "2d", tokens)
         want = _copy(args)
         reference.rotary_embedding(*want)
+        heuristic = triton_rope.TritonRopeConfig.for_shape(tokens, HQ + HK, HEAD // 2)
         for hpp, bh, nw in itertools.product((8, 16, HQ + HK), (4, 8, 16, 32), (1, 2, 4, 8)):
             if bh > hpp:
                 continue
             got = _copy(args)
-            fn = lambda: triton_rope.launch(*got, heads_per_program=hpp, block_h=bh, num_warps=nw)  # noqa: E731
+            config = replace(heuristic, heads_per_program=hpp, block_h=bh, num_warps=nw)
+            fn = lambda: triton_rope.launch(*got, config)  # noqa: E731
             fn()
             assert_close(got[1], want[1], msg=f"sweep {pairing} {hpp} {bh} {nw}")
             us = harness.graph_us(fn)
             rows.append({"tokens": tokens, "pairing": pairing, "heads/program": hpp, "BLOCK_H": bh, "warps": nw, "us": us,
                          "GB/s": _bytes(args) / us / 1e3, "of copy": _bytes(args) / us / 1e3 / ceiling})
-        hpp, bh, _, nw = triton_rope.config(tokens, HQ + HK, HEAD // 2)
-        print(f"heuristic at {tokens} tokens ({pairing}): heads/program {hpp}, BLOCK_H {bh}, warps {nw}")
+        print(f"heuristic at {tokens} tokens ({pairing}): heads/program {heuristic.heads_per_program}, "
+              f"BLOCK_H {heuristic.block_h}, warps {heuristic.num_warps}")
     return rows
 
 

@@ -183,6 +183,51 @@ def test_rotary_embedding_triton_out_of_cache_position_reads_nothing_and_gives_n
         assert_close(g[[0, 3]], want)
 
 
+def _triton_here(device):
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
+    from torch_kernels.families.rope import triton as triton_rope
+    return triton_rope
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rotary_embedding_triton_other_configs_match_reference(dtype, device):
+    """The entry point under launches other than the heuristic's: a head per tile, chunks of several
+    tiles that split query and key heads, one chunk of every head, more warps; both pairings,
+    partial rotary, no key, the fused qkv layout."""
+    triton_rope = _triton_here(device)
+    Config = triton_rope.TritonRopeConfig
+    for case in ((3, 4, 2, 128, 128, False, "2d"), (5, 3, 1, 96, 48, True, "qkv"), (2, 3, 0, 64, 32, True, "qkv"),
+                 (3, 37, 5, 16, 8, True, "3d")):
+        args = _args(case, device, dtype)
+        want, _ = _copy(args)
+        REFERENCE(*want)
+        block_d = 1 << (args[4].shape[1] // 2 - 1).bit_length()  # pairs a tile: the next power of two >= rot_dim/2
+        for config in (Config(1, 1, block_d, 1), Config(3, 1, block_d, 2), Config(4, 2, block_d, 1),
+                       Config(64, 8, block_d, 4)):
+            got, _ = _copy(args)
+            assert triton_rope.rotary_embedding(*got, config=config) is None
+            assert_close(got[1], want[1], msg=f"{_ids(case)}: query, {config}")
+            if got[2] is not None:
+                assert_close(got[2], want[2], msg=f"{_ids(case)}: key, {config}")
+
+
+def test_rotary_embedding_triton_heuristic_picks_the_measured_launch():
+    """Tiles of 1024 pairs over 4 warps; from 1024 tokens one chunk of every head (cos/sin loaded once
+    a token), fewer tokens split the heads in chunks of whole tiles until there are 1024 programs;
+    traced (tokens unknown), one tile a program."""
+    Config = _triton_here("cpu").TritonRopeConfig
+    assert Config.for_shape(8192, 40, 64) == Config(48, 16, 64, 4)  # 32 + 8 heads of 128: 3 tiles of 16
+    assert Config.for_shape(1024, 40, 64) == Config(48, 16, 64, 4)
+    assert Config.for_shape(1023, 40, 64) == Config(32, 16, 64, 4)  # 2 chunks
+    assert Config.for_shape(1, 40, 64) == Config(16, 16, 64, 4)
+    assert Config.for_shape(None, 40, 64) == Config(16, 16, 64, 4)
+    assert Config.for_shape(32, 3, 8) == Config(4, 4, 8, 1)
+    assert Config.for_shape(4096, 160, 32) == Config(160, 32, 32, 4)
+    assert Config.for_shape(512, 160, 32) == Config(96, 32, 32, 4)  # 5 tiles in 2 chunks
+
+
 def test_rotary_embedding_inplace_op_refuses_autograd():
     positions, q, k, hs, cache, neox = _args(CASES[0], "cpu", torch.float32)
     q.requires_grad_()

@@ -4,7 +4,8 @@ A program loads its token's position and the ``rot_dim/2`` cosines and sines onc
 every head of its chunk, ``BLOCK_H`` heads at a time, out of the combined head list (query heads,
 then key heads): with many tokens a chunk is every head of the token, so each cache row is read once
 and one launch serves query and key. Only the first ``rot_dim`` dims of each head are read and
-written; the pass-through dims of a partial rotary are never touched. Arguments arrive validated
+written; the pass-through dims of a partial rotary are never touched. The launch is a
+:class:`TritonRopeConfig`; :meth:`TritonRopeConfig.for_shape` picks it. Arguments arrive validated
 (``ops.py``): last dimension contiguous (rows and heads may be strided), q/k fp16,
 bf16 or fp32, cache fp32 or the q/k dtype, ``rot_dim`` even and at most ``head_size``.
 
@@ -12,8 +13,11 @@ bf16 or fp32, cache fp32 or the q/k dtype, ``rot_dim`` even and at most ``head_s
 op's ``inductor_triton`` route (``torch_kernels/library.py``). Traced, the token count is symbolic,
 so the launch cannot choose its chunks by it: every program takes one tile of heads (the small-batch
 choice; with many tokens it loads each token's cos/sin once per tile rather than once).
+``config``: the launch, default ``TritonRopeConfig.for_shape`` (the sweep and tests pass others).
 """
 
+import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import triton
@@ -26,6 +30,38 @@ _TILE_PAIRS = 1024
 # Below this many (token, chunk) programs the heads of a token are split over several programs so
 # that a small batch still spreads over the GPU's SMs (132 on the H200: about 8 programs each).
 _MIN_PROGRAMS = 1024
+
+
+@dataclass(frozen=True)
+class TritonRopeConfig:
+    """How the rotary kernel is launched; :meth:`for_shape` is what the launcher uses."""
+
+    heads_per_program: int  # size of a chunk of the combined head list (query heads, then key heads)
+    block_h: int  # heads per tile
+    block_d: int  # pairs per head per tile: at least rot_dim/2 (the kernel rotates one tile of pairs a head)
+    num_warps: int
+
+    @classmethod
+    def for_shape(cls, num_tokens: Optional[int], num_heads: int, rot_half: int) -> "TritonRopeConfig":
+        """The launcher's configuration for ``num_tokens`` tokens (``None``: not known, traced) of
+        ``num_heads`` heads (query and key) with ``rot_half`` pairs each."""
+        # Many tokens: one chunk of every head, so cos/sin are loaded once per token. Few tokens: chunks
+        # of whole tiles, as many as it takes to reach _MIN_PROGRAMS programs; traced, one tile each.
+        if num_tokens is None:
+            return cls._pick(num_heads, rot_half, num_heads)
+        if num_tokens < _MIN_PROGRAMS:
+            return cls._pick(num_heads, rot_half, -(-_MIN_PROGRAMS // max(num_tokens, 1)))
+        return cls._pick(num_heads, rot_half, 1)
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def _pick(cls, num_heads: int, rot_half: int, chunks: int) -> "TritonRopeConfig":
+        """Heads in up to ``chunks`` chunks of whole tiles."""
+        block_d = triton.next_power_of_2(rot_half)
+        block_h = min(triton.next_power_of_2(num_heads), max(1, _TILE_PAIRS // block_d))
+        tiles = triton.cdiv(num_heads, block_h)
+        heads_per_program = block_h * triton.cdiv(tiles, min(tiles, chunks))
+        return cls(heads_per_program, block_h, block_d, max(1, min(8, block_h * block_d // 256)))
 
 
 @triton.jit
@@ -109,32 +145,17 @@ def _heads(x: Tensor, head_size: int):
     return int(x.shape[1]) // head_size, x.stride(0), head_size
 
 
-def config(num_tokens: Optional[int], num_heads: int, rot_half: int):
-    """(heads_per_program, BLOCK_H, BLOCK_D, num_warps) for a launch; ``num_tokens`` ``None`` when
-    it is not known (traced)."""
-    block_d = triton.next_power_of_2(rot_half)
-    block_h = min(triton.next_power_of_2(num_heads), max(1, _TILE_PAIRS // block_d))
-    # Many tokens: one chunk of every head, so cos/sin are loaded once per token. Few tokens: chunks
-    # of whole tiles, as many as it takes to reach _MIN_PROGRAMS programs.
-    tiles = triton.cdiv(num_heads, block_h)
-    chunks = tiles if num_tokens is None else min(tiles, max(1, triton.cdiv(_MIN_PROGRAMS, max(num_tokens, 1))))
-    heads_per_program = block_h * triton.cdiv(tiles, chunks)
-    num_warps = max(1, min(8, block_h * block_d // 256))
-    return heads_per_program, block_h, block_d, num_warps
-
-
 def launch(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int, cos_sin_cache: Tensor,
-           is_neox: bool, heads_per_program: Optional[int] = None, block_h: Optional[int] = None,
-           num_warps: Optional[int] = None, wrap=None) -> None:
-    """The launcher; the optional arguments override the heuristic (for the benchmark's sweep)."""
+           is_neox: bool, config: Optional[TritonRopeConfig] = None, wrap=None) -> None:
     num_tokens = query.shape[0]
     if wrap is None and num_tokens == 0:
         return
     rot_half = int(cos_sin_cache.shape[1]) // 2
     hq, q_tok, q_head = _heads(query, head_size)
     hk, k_tok, k_head = _heads(key, head_size) if key is not None else (0, 0, 0)
-    hpp, bh, bd, nw = config(num_tokens if wrap is None else None, hq + hk, rot_half)
-    hpp, bh, nw = heads_per_program or hpp, block_h or bh, num_warps or nw
+    if config is None:
+        config = TritonRopeConfig.for_shape(num_tokens if wrap is None else None, hq + hk, rot_half)
+    hpp = config.heads_per_program
     grid = (num_tokens, triton.cdiv(hq + hk, hpp))
     (_rope_kernel if wrap is None else wrap(_rope_kernel))[grid](
         positions, positions.stride(0),
@@ -142,11 +163,11 @@ def launch(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: i
         key if key is not None else query, k_tok, k_head,
         cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0],
         hq, hk, hpp, rot_half,
-        BLOCK_H=bh, BLOCK_D=bd, IS_NEOX=bool(is_neox), HAS_KEY=key is not None,
-        num_warps=nw,
+        BLOCK_H=config.block_h, BLOCK_D=config.block_d, IS_NEOX=bool(is_neox), HAS_KEY=key is not None,
+        num_warps=config.num_warps,
     )
 
 
 def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
-                     cos_sin_cache: Tensor, is_neox: bool, *, wrap=None) -> None:
-    launch(positions, query, key, head_size, cos_sin_cache, is_neox, wrap=wrap)
+                     cos_sin_cache: Tensor, is_neox: bool, *, wrap=None, config=None) -> None:
+    launch(positions, query, key, head_size, cos_sin_cache, is_neox, config, wrap=wrap)
