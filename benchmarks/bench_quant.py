@@ -12,6 +12,7 @@ Peers: torch.compile of the reference (3383 GB/s at 8192x7168 g128 on an H200). 
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -72,18 +73,18 @@ def sweep(ceiling: float) -> list:
 
     def run(tile, warps, cm, exact, emulate=False):
         q, s = reference.empty_outputs(x, g, cm)
+        config = replace(triton_quant.TritonQuantConfig.for_shape(t, h // g, g, tile), num_warps=warps)
 
         def fn():
-            triton_quant.launch(x, q, s, g, EPS, False, tile=tile, num_warps=warps, exact_div=exact,
-                               emulate_cast=emulate)
+            triton_quant.launch(x, q, s, g, EPS, False, config, exact_div=exact, emulate_cast=emulate)
         fn()
         compare([q, s], list(reference.per_token_group_quant_fp8(x, g, EPS, cm, False)))
         us = harness.graph_us(fn)
         gbps = _bytes(t, h, g) / us / 1e3
-        bm, bg, _ = triton_quant._config(t, h // g, g, tile)
         return {"layout": "colmajor" if cm else "rowmajor", "division": "div_rn" if exact else "x*(1/s)",
                 "fp8 rounding": "fp32 emulation" if emulate else "cvt",
-                "tile": tile, "BLOCK_M x BLOCK_G": f"{bm}x{bg}", "warps": warps, "us": us, "GB/s": gbps,
+                "tile": tile, "BLOCK_M x BLOCK_G": f"{config.block_m}x{config.block_g}", "warps": warps, "us": us,
+                "GB/s": gbps,
                 "of copy": gbps / ceiling}
 
     rows = [run(tile, warps, False, False) for tile in SWEEP_TILES for warps in SWEEP_WARPS

@@ -245,6 +245,39 @@ def test_triton_division_paths(op, device):
                 assert differ <= x.numel() // 1000, f"{what}: {differ} of {x.numel()} values one step off"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_other_configs_match_reference(op, dtype, device):
+    """The entry point under launches other than the heuristic's: one (row, group) a program, rows
+    past the token count (masked), several groups a program, other warp counts; both scale layouts."""
+    if triton is None or device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs on CPU only in its interpreter")
+    from torch_kernels.families.quant import triton as tq
+    Config = tq.TritonQuantConfig
+    for shape, group, column_major, ue8m0 in (((5, 512), 64, True, True), ((3, 1024), 128, False, False)):
+        x = _rows(shape, None, dtype, device)
+        want = list(_reference()(x, group, 1e-10, column_major, ue8m0))
+        for config in (Config(1, 1, 1), Config(8, 1, 2), Config(2, 2, 1), Config(4, 4, 4)):
+            got = tq.per_token_group_quant_fp8(x, group, 1e-10, column_major, ue8m0, config=config)
+            compare(list(got), want)
+
+
+def test_triton_heuristic_picks_the_measured_blocks(op):
+    """4096 values a program over 4 warps (1024 a warp): the most groups that divide the row, then
+    rows, no more rows than the batch's power of two (traced: the batch is unknown)."""
+    if triton is None:
+        pytest.skip("needs Triton")
+    from torch_kernels.families.quant.triton import TritonQuantConfig as Config
+    assert Config.for_shape(8192, 56, 128) == Config(4, 8, 4)  # 7168 in groups of 128
+    assert Config.for_shape(3, 56, 128) == Config(4, 8, 4)
+    assert Config.for_shape(2, 56, 128) == Config(2, 8, 2)
+    assert Config.for_shape(1, 56, 128) == Config(1, 8, 1)
+    assert Config.for_shape(None, 56, 128) == Config(4, 8, 4)
+    assert Config.for_shape(8192, 7, 64) == Config(64, 1, 4)
+    assert Config.for_shape(1, 1, 8192) == Config(1, 1, 8)
+    assert Config.for_shape(8192, 56, 128, tile=8192) == Config(8, 8, 8)  # the sweep's
+
+
 if triton is not None:
     @triton.jit
     def _round_kernel(x_ptr, q_ptr, n, BLOCK: tl.constexpr, EMULATE: tl.constexpr):

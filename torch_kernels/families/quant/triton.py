@@ -1,5 +1,6 @@
 """Triton ``per_token_group_quant_fp8``: one pass, each program a ``BLOCK_M x BLOCK_G`` block of
 (row, group) pairs, loaded as a ``[BLOCK_M, BLOCK_G, GROUP]`` tile and reduced along its last axis.
+The launch is a :class:`TritonQuantConfig`; :meth:`TritonQuantConfig.for_shape` picks it.
 
 Arguments arrive validated (``ops.py``): fp16/bf16/fp32 input, last dim contiguous
 (rows may be strided), ``group_size`` a power of two dividing the hidden size.
@@ -16,10 +17,13 @@ Numerics against the reference (``families/quant/reference.py``; why each: ``doc
 ``wrap``: ``None`` in eager calls; ``torch.library.wrap_triton`` when ``torch.compile`` traces the
 op's ``inductor_triton`` route (``torch_kernels/library.py``). Traced, the token count is symbolic:
 ``BLOCK_M`` then comes from the tile alone (not shrunk to a small batch), and an empty grid is
-skipped by Triton's launcher instead of an early return.
+skipped by Triton's launcher instead of an early return. ``config``: the launch, default
+``TritonQuantConfig.for_shape`` (the sweep and tests pass others).
 """
 
+import functools
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import triton
@@ -39,6 +43,35 @@ _EXACT_DIV_EPS = 2.0 ** -100
 # The interpreter takes tl.max plus a NaN-carrying sum: a custom combine there is a Python loop per
 # element (0.5 s for one 4096-value program); same result as the GPU's max.NaN.f32 combine.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class TritonQuantConfig:
+    """How the quantisation kernel is launched; :meth:`for_shape` is what the launcher uses."""
+
+    block_m: int  # rows per program
+    block_g: int  # groups per program: a power of two dividing the group count (no column mask)
+    num_warps: int
+
+    @classmethod
+    def for_shape(cls, tokens: Optional[int], groups: int, group_size: int, tile: int = _TILE) -> "TritonQuantConfig":
+        """The launcher's configuration for ``tokens`` rows (``None``: not known, traced) of ``groups``
+        groups: about ``tile`` elements a program; ``block_g`` the largest power of two dividing the
+        group count that fits; ``block_m`` no larger than the token count needs; one warp per
+        ``_ELEMENTS_PER_WARP`` elements (1 to 16). The sweep passes other ``tile``."""
+        full = cls._pick(groups, group_size, tile, None)
+        if tokens is None or tokens >= full.block_m:
+            return full
+        return cls._pick(groups, group_size, tile, tokens)
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def _pick(cls, groups: int, group_size: int, tile: int, tokens: Optional[int]) -> "TritonQuantConfig":
+        block_g = min(groups & -groups, max(tile // group_size, 1))
+        block_m = max(tile // (block_g * group_size), 1)
+        if tokens is not None:
+            block_m = min(block_m, triton.next_power_of_2(tokens))
+        return cls(block_m, block_g, min(max(block_m * block_g * group_size // _ELEMENTS_PER_WARP, 1), 16))
 
 
 @triton.jit
@@ -136,27 +169,17 @@ def _per_token_group_quant_fp8(
     tl.store(s_ptr + s_offsets, scale, mask=row_ok[:, None])
 
 
-def _config(tokens: Optional[int], groups: int, group_size: int, tile: int = _TILE):
-    """(BLOCK_M, BLOCK_G, num_warps): about ``tile`` elements a program; BLOCK_G the largest power of
-    two dividing the group count (so no column is masked) that fits; BLOCK_M no larger than the
-    token count needs (``tokens`` ``None``: not known, traced)."""
-    block_g = min(groups & -groups, max(tile // group_size, 1))
-    block_m = max(tile // (block_g * group_size), 1)
-    if tokens is not None:
-        block_m = min(block_m, triton.next_power_of_2(tokens))
-    num_warps = min(max(block_m * block_g * group_size // _ELEMENTS_PER_WARP, 1), 16)
-    return block_m, block_g, num_warps
-
-
 def launch(x: Tensor, q: Tensor, s: Tensor, group_size: int, eps: float, scale_ue8m0: bool,
-           tile: int = _TILE, num_warps=None, exact_div=None, emulate_cast=None, wrap=None) -> None:
-    """``x (T, H)``, ``q (T, H)`` contiguous, ``s (T, G)`` with any strides. ``tile``, ``num_warps``,
-    ``exact_div`` and ``emulate_cast`` override the heuristics (the benchmark's sweep, the tests)."""
+           config: Optional[TritonQuantConfig] = None, exact_div=None, emulate_cast=None, wrap=None) -> None:
+    """``x (T, H)``, ``q (T, H)`` contiguous, ``s (T, G)`` with any strides. ``exact_div`` and
+    ``emulate_cast`` override the numerics' choices (the benchmark's sweep, the tests)."""
     T, H = x.shape[0], int(x.shape[1])
     if wrap is None and T == 0:
         return
     groups = H // group_size
-    block_m, block_g, warps = _config(T if wrap is None else None, groups, group_size, tile)
+    if config is None:
+        config = TritonQuantConfig.for_shape(T if wrap is None else None, groups, group_size)
+    block_m, block_g = config.block_m, config.block_g
     num_group_blocks = groups // block_g
     grid = (triton.cdiv(T, block_m) * num_group_blocks,)
     (_per_token_group_quant_fp8 if wrap is None else wrap(_per_token_group_quant_fp8))[grid](
@@ -164,17 +187,17 @@ def launch(x: Tensor, q: Tensor, s: Tensor, group_size: int, eps: float, scale_u
         GROUP=group_size, BLOCK_M=block_m, BLOCK_G=block_g, UE8M0=scale_ue8m0,
         EXACT_DIV=eps < _EXACT_DIV_EPS if exact_div is None else exact_div, NUMPY_MAX=_INTERPRETED,
         EMULATE_CAST=_INTERPRETED if emulate_cast is None else emulate_cast,
-        num_warps=num_warps or warps,
+        num_warps=config.num_warps,
     )
 
 
 def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10,
-                              column_major_scales: bool = False, scale_ue8m0: bool = False, *, wrap=None):
+                              column_major_scales: bool = False, scale_ue8m0: bool = False, *, wrap=None, config=None):
     q, s = empty_outputs(input, group_size, column_major_scales)
     H = int(input.shape[-1])
     x = input if input.dim() == 2 else input.reshape(-1, H)  # a view unless the leading dims do not collapse
     if wrap is None and x.shape[0] == 0:
         return q, s
     # The (T, G) views share the outputs' storage: leading dims are contiguous in both layouts.
-    launch(x, q.view(-1, H), s.view(-1, H // group_size), group_size, eps, scale_ue8m0, wrap=wrap)
+    launch(x, q.view(-1, H), s.view(-1, H // group_size), group_size, eps, scale_ue8m0, config, wrap=wrap)
     return q, s
