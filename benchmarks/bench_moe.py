@@ -89,22 +89,21 @@ def sweep() -> list:
     for name, op, args in cases():
         x = args[0]
         groups = args[3] if op == "grouped_topk" else 1
-        vec = max(1, 16 // x.element_size())
-        g, gs = triton_moe._geometry(x.shape[1], groups, vec)
-        auto = triton_moe._config(triton_moe.triton.next_power_of_2(g), triton_moe.triton.next_power_of_2(gs), vec)
+        auto = triton_moe.TritonMoeConfig.for_shape(x.shape[1], groups, x.element_size())
         route = (lambda a: (a[0], a[1], a[2], 1, 1, True, None, 1.0)) if op == "topk_softmax" else \
             (lambda a: (a[0], a[1], a[2], a[3], a[4], a[5] == "softmax", a[6], a[7]))
         want = getattr(reference, op)(*args)
         skip = near_ties(op, args)
         for block_r, warps in itertools.product((1, 2, 4, 8, 16, 32), (1, 2, 4, 8)):
-            fn = lambda: triton_moe._route(*route(args), block_r=block_r, num_warps=warps)  # noqa: E731
+            config = triton_moe.TritonMoeConfig(block_r, warps)
+            fn = lambda: triton_moe._route(*route(args), config=config)  # noqa: E731
             try:
                 compare_routing(list(fn()), list(want), x.dtype, skip)
                 us = harness.graph_us(fn)
             except Exception as e:  # noqa: BLE001  (out of resources: reported)
                 us = repr(e)[:60]
             rows.append({"case": name, "tokens/program": block_r, "warps": warps, "us": us,
-                         "heuristic": "<-" if (block_r, warps) == auto else ""})
+                         "heuristic": "<-" if config == auto else ""})
     return rows
 
 

@@ -9,8 +9,8 @@ expert index holding it (ties to the lower index); the winner's rank drops to ``
 every real key (``-inf`` included). Groups are chosen the same way. As in the reference, a NaN or
 infinite score counts as 0 (vLLM's clamp, on the scores and on the recomputed weights), a
 renormalised row of zeros stays zero, and a NaN key (from a NaN bias) ranks as ``+inf``: weights are
-finite and the ids distinct, valid expert indices. Design notes and measurements:
-``docs/design/moe.md``.
+finite and the ids distinct, valid expert indices. The launch is a :class:`TritonMoeConfig`;
+:meth:`TritonMoeConfig.for_shape` picks it. Design notes and measurements: ``docs/design/moe.md``.
 
 Arguments arrive validated (``ops.py``): logits ``(T, E)`` with a contiguous last
 dimension, fp16/bf16/fp32; bias ``(E,)`` contiguous. Rows up to ``MAX_TILE`` padded experts: wider
@@ -19,9 +19,12 @@ ones are refused (``topk_softmax_refuses``/``grouped_topk_refuses``) and served 
 ``wrap``: ``None`` in eager calls; ``torch.library.wrap_triton`` when ``torch.compile`` traces the
 op's ``inductor_triton`` route (``torch_kernels/library.py``). Traced, the token count is symbolic:
 ``BLOCK_R`` then comes from the tile alone (not shrunk to a small batch), and an empty grid is
-skipped by Triton's launcher instead of an early return.
+skipped by Triton's launcher instead of an early return. ``config``: the launch, default
+``TritonMoeConfig.for_shape`` (the sweep and tests pass others).
 """
 
+import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -147,22 +150,39 @@ def _route_rows(
     tl.store(ids_ptr + out, ids, mask=out_ok)
 
 
-def _config(block_g: int, block_gs: int, vec: int):
-    """(tokens per program, warps) for a ``(block_g, block_gs)`` tile of a token's experts whose
-    loads are ``vec`` elements wide.
+@dataclass(frozen=True)
+class TritonMoeConfig:
+    """How the router kernel is launched; :meth:`for_shape` is what the launchers use."""
 
-    ``BLOCK_R`` = (tokens a warp covers) x 4 warps keeps every reduction within a warp; about 16
-    logits a thread keeps registers near 56, so an 8192-token batch is resident in one wave; tiles
-    needing over 32 a thread route 2048 logits a program across warps. Register budgets, not a sweep
-    (``benchmarks/bench_moe.py --sweep``; docs/design/moe.md)."""
-    tile = block_g * block_gs
-    num_warps = 4
-    block_r = 32 // min(32, max(1, block_gs // vec)) * num_warps
-    per_thread = tile * block_r // (32 * num_warps)
-    if per_thread <= 32:
-        return block_r * max(1, 16 // per_thread), num_warps
-    block_r = max(1, 2048 // tile)
-    return block_r, min(16, max(4, block_r * tile // 1024))
+    block_r: int  # tokens per program, at most: an eager launch takes no more than the batch's power of two
+    num_warps: int
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def for_shape(cls, experts: int, groups: int, element_size: int) -> "TritonMoeConfig":
+        """The launchers' configuration for rows of ``experts`` logits of ``element_size`` bytes in
+        ``groups`` expert groups (1: ``topk_softmax``).
+
+        ``block_r`` = (tokens a warp covers) x 4 warps keeps every reduction within a warp; about 16
+        logits a thread keeps registers near 56, so an 8192-token batch is resident in one wave; tiles
+        needing over 32 a thread route 2048 logits a program across warps. Register budgets, not a sweep
+        (``benchmarks/bench_moe.py --sweep``; docs/design/moe.md)."""
+        vec = _vec(element_size)
+        g, gs = _geometry(experts, groups, vec)
+        block_gs = triton.next_power_of_2(gs)
+        tile = triton.next_power_of_2(g) * block_gs
+        num_warps = 4
+        block_r = 32 // min(32, max(1, block_gs // vec)) * num_warps
+        per_thread = tile * block_r // (32 * num_warps)
+        if per_thread <= 32:
+            return cls(block_r * max(1, 16 // per_thread), num_warps)
+        block_r = max(1, 2048 // tile)
+        return cls(block_r, min(16, max(4, block_r * tile // 1024)))
+
+
+def _vec(element_size: int) -> int:
+    """Elements of one 16-byte load."""
+    return max(1, 16 // element_size)
 
 
 def _geometry(experts: int, groups: int, vec: int):
@@ -175,21 +195,19 @@ def _geometry(experts: int, groups: int, vec: int):
 
 
 def _route(x: Tensor, topk: int, renormalize: bool, groups: int, topk_group: int, softmax: bool,
-           bias: Optional[Tensor], scale: float, block_r: Optional[int] = None, num_warps: Optional[int] = None,
-           wrap=None):
-    """``block_r``/``num_warps`` override the heuristic (for the benchmark's sweep)."""
+           bias: Optional[Tensor], scale: float, wrap=None, config: Optional[TritonMoeConfig] = None):
     tokens, experts = x.shape[0], int(x.shape[1])
     weights = torch.empty((tokens, topk), dtype=torch.float32, device=x.device)
     ids = torch.empty((tokens, topk), dtype=torch.int32, device=x.device)
     if wrap is None and tokens == 0:
         return weights, ids
-    vec = max(1, 16 // x.element_size())  # 16-byte loads
-    g, gs = _geometry(experts, groups, vec)
+    g, gs = _geometry(experts, groups, _vec(x.element_size()))
     block_g, block_gs = triton.next_power_of_2(g), triton.next_power_of_2(gs)
     if block_g * block_gs > MAX_TILE:  # the op's KernelSpec.check sends these to the next backend
         raise ValueError(f"triton MoE router: {experts} experts ({block_g}x{block_gs} padded) exceed {MAX_TILE}")
-    auto_r, auto_warps = _config(block_g, block_gs, vec)
-    block_r = block_r or auto_r
+    if config is None:
+        config = TritonMoeConfig.for_shape(experts, groups, x.element_size())
+    block_r = config.block_r
     if wrap is None:
         block_r = min(block_r, triton.next_power_of_2(tokens))
     grid = (triton.cdiv(tokens, block_r),)
@@ -198,25 +216,25 @@ def _route(x: Tensor, topk: int, renormalize: bool, groups: int, topk_group: int
         tokens, experts, g, gs, topk, topk_group, float(scale),
         BLOCK_R=block_r, BLOCK_G=block_g, BLOCK_GS=block_gs, BLOCK_K=triton.next_power_of_2(topk),
         SOFTMAX=softmax, HAS_BIAS=bias is not None, GROUPED=groups > 1, RENORMALIZE=bool(renormalize),
-        num_warps=num_warps or auto_warps,
+        num_warps=config.num_warps,
     )
     return weights, ids
 
 
-def topk_softmax(gating_output: Tensor, topk: int, renormalize: bool = False, *, wrap=None):
-    return _route(gating_output, topk, renormalize, 1, 1, True, None, 1.0, wrap=wrap)
+def topk_softmax(gating_output: Tensor, topk: int, renormalize: bool = False, *, wrap=None, config=None):
+    return _route(gating_output, topk, renormalize, 1, 1, True, None, 1.0, wrap, config)
 
 
 def grouped_topk(gating_output: Tensor, topk: int, renormalize: bool, num_expert_group: int, topk_group: int,
                  scoring_func: str = "softmax", e_score_correction_bias: Optional[Tensor] = None,
-                 routed_scaling_factor: float = 1.0, *, wrap=None):
+                 routed_scaling_factor: float = 1.0, *, wrap=None, config=None):
     return _route(gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func == "softmax",
-                  e_score_correction_bias, routed_scaling_factor, wrap=wrap)
+                  e_score_correction_bias, routed_scaling_factor, wrap, config)
 
 
 def _tile(x: Tensor, groups: int) -> int:
     """Padded experts a token's tile holds."""
-    g, gs = _geometry(x.shape[1], groups, max(1, 16 // x.element_size()))
+    g, gs = _geometry(x.shape[1], groups, _vec(x.element_size()))
     return triton.next_power_of_2(g) * triton.next_power_of_2(gs)
 
 
