@@ -4,6 +4,7 @@ awkward shapes and layouts (Triton in its interpreter on CPU)."""
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -187,17 +188,55 @@ def test_triton_program_orders_and_split_launches(flat, device, monkeypatch):
     lse_a[2, 2] = lse_b[2, 2] = -INF
     want_v, want_lse = _reference()(v_a, lse_a, v_b, lse_b)
 
-    def run(*tiles):
+    Config = triton_attention.TritonMergeConfig
+
+    def run(config):
         out, out_lse = torch.full_like(want_v, float("nan")), torch.full_like(want_lse, float("nan"))
-        triton_attention.launch(v_a, lse_a, v_b, lse_b, out, out_lse, *tiles, flat=flat)
-        assert_close(out, want_v, msg=f"v, tiles {tiles}")
-        assert_close(out_lse, want_lse, msg=f"lse, tiles {tiles}")
-    run(*triton_attention.tile(H, D))
+        triton_attention.launch(v_a, lse_a, v_b, lse_b, out, out_lse, replace(config, flat=flat))
+        assert_close(out, want_v, msg=f"v, {config}")
+        assert_close(out_lse, want_lse, msg=f"lse, {config}")
+    run(Config.for_shape(H, D))
     with monkeypatch.context() as m:
         m.setattr(triton_attention, "_MAX_GRID_0", 2)
         m.setattr(triton_attention, "_MAX_GRID_12", 2)
         for block_h, block_d in [(1, 16), (2, 8), (4, 64)]:
-            run(block_h, block_d, 1)
+            run(Config(block_h, block_d, 1))
+
+
+def _triton_here(device):
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
+    from torch_kernels.families.attention import triton as triton_attention
+    return triton_attention
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_other_configs_match_reference(dtype, device):
+    """The entry point under launches other than the heuristic's: heads in several blocks, a head
+    in several value blocks, other warp counts, the 3-D grid; an empty partial."""
+    triton_attention = _triton_here(device)
+    Config = triton_attention.TritonMergeConfig
+    for T, H, D in ((3, 5, 40), (4, 12, 64)):
+        args = _inputs(T, H, D, dtype, device)
+        args[1][0, 1] = -INF
+        want_v, want_lse = _reference()(*args)
+        for config in (Config(2, 16, 1), Config(4, 32, 2, flat=False), Config(8, 128, 4), Config(1, 8, 1)):
+            v, lse = triton_attention.merge_attn_states(*args, config=config)
+            assert_close(v, want_v, msg=f"v, {config}")
+            assert_close(lse, want_lse, msg=f"lse, {config}")
+
+
+def test_triton_heuristic_picks_the_measured_tiles():
+    """2048 values a program over 4 warps (16 a thread): the whole head up to 1024 values, as many
+    heads as fill the tile, no more heads than there are."""
+    Config = _triton_here("cpu").TritonMergeConfig
+    assert Config.for_shape(32, 128) == Config(16, 128, 4, True)
+    assert Config.for_shape(8, 128) == Config(8, 128, 2, True)
+    assert Config.for_shape(32, 512) == Config(4, 512, 4, True)
+    assert Config.for_shape(3, 40) == Config(4, 64, 1, True)
+    assert Config.for_shape(2, 1500) == Config(2, 1024, 4, True)
+    assert Config.for_shape(32, 128, tile=4096, per_thread=8) == Config(32, 128, 16, True)  # the sweep's
 
 
 @pytest.mark.gpu

@@ -5,15 +5,21 @@ blocks; each program merges ``BLOCK_H`` heads of one token, ``BLOCK_D`` values e
 partials in fp32 by their LSE (computed once per head and broadcast over the head's values).
 Programs are numbered head block fastest on one flat axis (token-major, so consecutive programs
 stream consecutive memory of contiguous ``v``); ``FLAT=False`` launches a (tokens, head blocks,
-head-size blocks) grid instead, kept for the GPU sweep to compare. Arguments arrive
+head-size blocks) grid instead, kept for the GPU sweep to compare. The launch is a
+:class:`TritonMergeConfig`; :meth:`TritonMergeConfig.for_shape` picks it. Arguments arrive
 validated (``ops.py``): ``v`` last dim contiguous, fp16/bf16/fp32; LSE fp32 with
 any strides. Empty partials (LSE ``-inf``, or FA2's ``+inf``) as the reference treats them.
 
 ``wrap``: ``None`` in eager calls; ``torch.library.wrap_triton`` when ``torch.compile`` traces the
 op's ``inductor_triton`` route (``torch_kernels/library.py``). Traced, the token count is symbolic:
 one launch, checked when it runs to fit the grid, and an empty grid skipped by Triton's launcher
-instead of an early return.
+instead of an early return. ``config``: the launch, default ``TritonMergeConfig.for_shape`` (the sweep
+and tests pass others).
 """
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -28,8 +34,27 @@ _MAX_BLOCK_D = 1024  # wider heads (none in use: MLA's 512 is the widest) take s
 # CUDA grid limits: axis 0 takes 2^31 - 1 programs, axes 1 and 2 only 65535; larger launches are split.
 _MAX_GRID_0 = 2**31 - 1
 _MAX_GRID_12 = 65535
-# Program order: flat, head block fastest: 0.5-5% above the 3-D grid at the chosen tile.
-_FLAT = True
+
+
+@dataclass(frozen=True)
+class TritonMergeConfig:
+    """How the merge kernel is launched; :meth:`for_shape` is what the launcher uses."""
+
+    block_h: int  # heads per program
+    block_d: int  # values of each head per program
+    num_warps: int
+    # Program order: flat, head block fastest: 0.5-5% above the 3-D grid at the chosen tile.
+    flat: bool = True
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def for_shape(cls, H: int, D: int, tile: int = _TILE, per_thread: int = _ELEMENTS_PER_THREAD) -> "TritonMergeConfig":
+        """The launcher's configuration for ``H`` heads of ``D`` values: the whole head (up to
+        ``_MAX_BLOCK_D``), as many heads as fill ``tile`` values, one warp per ``32 * per_thread``
+        values (1 to 16); the sweep passes other ``tile`` and ``per_thread``."""
+        block_d = min(triton.next_power_of_2(D), _MAX_BLOCK_D)
+        block_h = min(max(1, tile // block_d), triton.next_power_of_2(H))
+        return cls(block_h, block_d, min(max(block_h * block_d // (32 * per_thread), 1), 16))
 
 
 @triton.jit
@@ -97,21 +122,13 @@ def _merge_kernel(
         tl.store(out_ptrs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def tile(H: int, D: int, block_h: int = 0, tile: int = _TILE):
-    """``(BLOCK_H, BLOCK_D, num_warps)``: the whole head (up to ``_MAX_BLOCK_D``), as many heads as
-    fill ``tile`` values, one warp per ``32 * _ELEMENTS_PER_THREAD`` values (1 to 16)."""
-    block_d = min(triton.next_power_of_2(D), _MAX_BLOCK_D)
-    block_h = block_h or min(max(1, tile // block_d), triton.next_power_of_2(H))
-    num_warps = min(max(block_h * block_d // (32 * _ELEMENTS_PER_THREAD), 1), 16)
-    return block_h, block_d, num_warps
-
-
 def launch(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor, out: Tensor, out_lse: Tensor,
-           block_h: int, block_d: int, num_warps: int, flat: bool = _FLAT, wrap=None) -> None:
+           config: TritonMergeConfig, wrap=None) -> None:
     T, H, D = v_a.shape[0], int(v_a.shape[1]), int(v_a.shape[2])
     if H == 0 or (wrap is None and T == 0):
         return
-    if flat:
+    block_h, block_d = config.block_h, config.block_d
+    if config.flat:
         per_h, per_d = _MAX_GRID_0 * block_h, _MAX_GRID_12 * block_d
         per_t = _MAX_GRID_0 // triton.cdiv(min(H, per_h), block_h)
     else:
@@ -119,10 +136,10 @@ def launch(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor, out: Tensor, 
     if wrap is not None:  # traced: T is symbolic, so one launch, checked when it runs
         torch._check(H <= per_h and D <= per_d)
         torch._check(T <= per_t, lambda: f"{T} tokens of {H} heads exceed one launch of the traced route")
-        _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, block_h, block_d, num_warps, flat, wrap)
+        _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, config, wrap)
         return
     if T <= per_t and H <= per_h and D <= per_d:  # every realistic shape: one launch
-        _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, block_h, block_d, num_warps, flat)
+        _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, config)
         return
     # Views of each chunk; every head-size chunk rewrites its heads' LSE with the same value.
     for t0 in range(0, T, per_t):
@@ -130,13 +147,15 @@ def launch(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor, out: Tensor, 
             th = (slice(t0, t0 + per_t), slice(h0, h0 + per_h))
             for d0 in range(0, D, per_d):
                 v = (*th, slice(d0, d0 + per_d))
-                _launch_one(v_a[v], lse_a[th], v_b[v], lse_b[th], out[v], out_lse[th], block_h, block_d, num_warps, flat)
+                _launch_one(v_a[v], lse_a[th], v_b[v], lse_b[th], out[v], out_lse[th], config)
 
 
-def _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, block_h, block_d, num_warps, flat, wrap=None):
+def _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, config, wrap=None):
     T, H, D = v_a.shape[0], int(v_a.shape[1]), int(v_a.shape[2])
+    block_h, block_d, flat = config.block_h, config.block_d, config.flat
     head_blocks, d_blocks = triton.cdiv(H, block_h), triton.cdiv(D, block_d)
-    (_merge_kernel if wrap is None else wrap(_merge_kernel))[(T * head_blocks, d_blocks) if flat else (T, head_blocks, d_blocks)](
+    grid = (T * head_blocks, d_blocks) if flat else (T, head_blocks, d_blocks)
+    (_merge_kernel if wrap is None else wrap(_merge_kernel))[grid](
         v_a, v_a.stride(0), v_a.stride(1),
         lse_a, lse_a.stride(0), lse_a.stride(1),
         v_b, v_b.stride(0), v_b.stride(1),
@@ -145,12 +164,14 @@ def _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, block_h, block_d, num_warp
         out_lse, out_lse.stride(0), out_lse.stride(1),
         H, D, head_blocks,
         BLOCK_H=block_h, BLOCK_D=block_d, EVEN=H % block_h == 0 and D % block_d == 0, FLAT=flat,
-        num_warps=num_warps,
+        num_warps=config.num_warps,
     )
 
 
-def merge_attn_states(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor, *, wrap=None):
+def merge_attn_states(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor, *, wrap=None,
+                      config: Optional[TritonMergeConfig] = None):
     out = torch.empty(v_a.shape, dtype=v_a.dtype, device=v_a.device)
     out_lse = torch.empty(lse_a.shape, dtype=torch.float32, device=v_a.device)
-    launch(v_a, lse_a, v_b, lse_b, out, out_lse, *tile(int(v_a.shape[1]), int(v_a.shape[2])), wrap=wrap)
+    config = config or TritonMergeConfig.for_shape(int(v_a.shape[1]), int(v_a.shape[2]))
+    launch(v_a, lse_a, v_b, lse_b, out, out_lse, config, wrap=wrap)
     return out, out_lse
