@@ -3,14 +3,15 @@ backend that lists the ops it implements. Standard library only (see ``spec.py``
 
 A kernel lives at ``<family package>.<module>:<op>``, the module named after its backend
 (``reference``, ``triton``, ``tilelang``, ``flashinfer``); with ``checks``, ``<op>_refuses`` in that
-module turns away the calls it cannot take (a size limit, an alignment).
+module turns away the calls it cannot take (a size limit, an alignment); with ``host_calls``, ``<op>_host``
+returns the compiled host functions the C++ entry calls for that op, as its :class:`HostCall` says.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Mapping, Optional, Tuple
 
-from .spec import FRAMEWORK_PACKAGE, Backend, Capability, KernelSpec
+from .spec import FRAMEWORK_PACKAGE, Backend, Capability, HostCall, KernelSpec
 
 #: where each backend's kernels of a family live in the family's package
 MODULE = {Backend.TORCH: "reference", Backend.TRITON: "triton", Backend.TILELANG: "tilelang", Backend.FLASHINFER: "flashinfer"}
@@ -28,12 +29,18 @@ HALF = ("float16", "bfloat16")
 
 
 def kernels(package: str, backend: Backend, ops: Tuple[str, ...], description: str, dtypes: Tuple[str, ...] = FLOATS,
-            checks: bool = False, own_random_stream: bool = False) -> Tuple[KernelSpec, ...]:
+            checks: bool = False, own_random_stream: bool = False,
+            host_calls: Optional[Mapping[str, HostCall]] = None) -> Tuple[KernelSpec, ...]:
     """``backend``'s implementation of each of ``ops``, in ``package``'s module of that backend."""
     module = f"{package}.{MODULE[backend]}"
+    host_calls = host_calls or {}
+    unknown = set(host_calls) - set(ops)
+    if unknown:
+        raise ValueError(f"{package}: host_calls for ops it does not implement with {backend.value}: {sorted(unknown)}")
     return tuple(KernelSpec(op, backend, f"{module}:{op}", CAPABILITY[backend], dtypes,
                             check=f"{module}:{op}_refuses" if checks else None, description=description,
-                            own_random_stream=own_random_stream)
+                            own_random_stream=own_random_stream,
+                            host=f"{module}:{op}_host" if op in host_calls else None, host_call=host_calls.get(op))
                  for op in ops)
 
 

@@ -126,6 +126,47 @@ def _cc(cc: Tuple[int, int]) -> str:
     return f"{cc[0]}.{cc[1]}"
 
 
+#: :attr:`HostCall.roles`: rows shaped like the data argument, a vector of its last dimension, a float >= 0
+HOST_ROLES = {"r": "rows", "w": "vector", "f": "float"}
+#: :attr:`HostCall.output`: none (in place), rows like the data argument, rows of half its last dimension
+HOST_OUTPUTS = {"": "none", "r": "rows", "h": "half rows"}
+
+
+@dataclass(frozen=True)
+class HostCall:
+    """How the C++ entry calls a backend's compiled host function for one op (``fast_path.py``).
+
+    ``roles`` has one letter per schema argument: ``r`` rows shaped like the data argument (the first
+    ``r``), ``w`` a 1-D vector of its last dimension (both contiguous and 16-byte aligned), ``f`` a float
+    that must be >= 0, passed by value. ``output`` is what the entry allocates (:data:`HOST_OUTPUTS`).
+    ``order`` is the host function's arguments: every schema argument's index once, ``-1`` for the output.
+    """
+
+    roles: str
+    output: str = ""
+    order: Tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        bad = [r for r in self.roles if r not in HOST_ROLES]
+        if bad or "r" not in self.roles:
+            raise ValueError(f"HostCall: roles must be letters of {''.join(HOST_ROLES)} with at least one 'r', got {self.roles!r}")
+        if self.output not in HOST_OUTPUTS:
+            raise ValueError(f"HostCall: output must be one of {tuple(HOST_OUTPUTS)}, got {self.output!r}")
+        wanted = ([-1] if self.output else []) + list(range(len(self.roles)))
+        if not isinstance(self.order, tuple) or sorted(self.order) != wanted:
+            raise ValueError(f"HostCall: order must hold each of {wanted} once, got {self.order!r}")
+
+    @property
+    def data(self) -> int:
+        """The data argument: the first rows."""
+        return self.roles.index("r")
+
+    @property
+    def tensors(self) -> Tuple[int, ...]:
+        """The tensor arguments' indices, in schema order."""
+        return tuple(i for i, r in enumerate(self.roles) if r != "f")
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One implementation of one op by one backend.
@@ -134,7 +175,10 @@ class KernelSpec:
     dtype names the implementation accepts for the op's data tensor (empty: every dtype the op
     accepts); a call with another dtype goes to the next backend. ``check`` optionally names a
     ``"module:attr"`` callable taking the op's arguments and returning why this implementation
-    cannot take the call (size limit, alignment), or ``None``.
+    cannot take the call (size limit, alignment), or ``None``. ``host`` optionally names a ``"module:attr"``
+    callable taking the op's arguments and returning ``(one_pass, streamed, streamed_from)``: the compiled
+    host functions for calls like these and the token count from which the streamed one serves (``None``:
+    never); ``host_call`` says how the C++ entry calls them.
     """
 
     op: str
@@ -146,11 +190,16 @@ class KernelSpec:
     description: str = ""
     # samples from the reference's kept set with its own random stream: held to the kept set, not the ids
     own_random_stream: bool = False
+    host: Optional[str] = None
+    host_call: Optional[HostCall] = None
 
     def __post_init__(self) -> None:
-        for t in (self.target, self.check):
+        for t in (self.target, self.check, self.host):
             if t is not None and (":" not in t or not all(t.split(":", 1))):
                 raise ValueError(f"KernelSpec({self.op!r}, {self.backend.value!r}): target must be 'module:attr', got {t!r}")
+        if (self.host is None) != (self.host_call is None) or not isinstance(self.host_call, (HostCall, type(None))):
+            raise ValueError(f"KernelSpec({self.op!r}, {self.backend.value!r}): host and host_call (a HostCall) go "
+                             f"together, got {self.host!r} and {self.host_call!r}")
 
     @property
     def restricted(self) -> bool:
@@ -170,6 +219,9 @@ class KernelSpec:
 
     def load_check(self) -> Optional[Callable[..., Optional[str]]]:
         return None if self.check is None else _resolve(self.check)
+
+    def load_host(self) -> Optional[Callable[..., Tuple[Any, Any, Optional[int]]]]:
+        return None if self.host is None else _resolve(self.host)
 
 
 def _resolve(target: str) -> Any:

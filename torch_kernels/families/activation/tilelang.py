@@ -226,6 +226,17 @@ def host_function(input: Tensor, act: str):
     return _function(input.shape[-1] // 2, input.dtype, act)[0]
 
 
+# The C++ entry's host providers (the manifest's HostCall): one kernel for every token count, never streamed.
+def silu_and_mul_host(input: Tensor):
+    fn = host_function(input, "silu")
+    return fn, fn, None
+
+
+def gelu_tanh_and_mul_host(input: Tensor):
+    fn = host_function(input, "gelu_tanh")
+    return fn, fn, None
+
+
 def act_and_mul(input: Tensor, act: str) -> Tensor:
     d = input.shape[-1] // 2
     x = input if input.dim() == 2 else input.reshape(-1, 2 * d)

@@ -1,10 +1,13 @@
 """The norm family's inventory: who implements which op, and how each op compiles."""
 
 from ...manifest import HALF, kernels, reference
-from ...spec import OPAQUE, Backend, Family, OpInfo
+from ...spec import OPAQUE, Backend, Family, HostCall, OpInfo
 
 OPS = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm")
 _IN_PLACE = ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm")
+# how the C++ entry calls TileLang's host functions: norm(X, W, O, eps); fused(X, R, W, eps), in place
+_HOST_CALLS = {op: HostCall("rrwf", "", (0, 1, 2, 3)) if op in _IN_PLACE else HostCall("rwf", "r", (0, 1, -1, 2))
+               for op in OPS}
 
 FAMILY = Family(
     __package__,
@@ -20,7 +23,8 @@ FAMILY = Family(
         *kernels(__package__, Backend.TRITON, OPS, "one program per row; rows wider than 16384 in two passes"),
         *kernels(__package__, Backend.TILELANG, OPS,
                  "row over a power of two of threads, 16 values each in 16-byte vectors, short rows several to a "
-                 "block; rows wider than 16384 in two passes; every size and stride (misaligned rows via a copy)"),
+                 "block; rows wider than 16384 in two passes; every size and stride (misaligned rows via a copy)",
+                 host_calls=_HOST_CALLS),
         *kernels(__package__, Backend.FLASHINFER, OPS,
                  "FlashInfer's CUDA norm kernels (get_norm_module); weight in the input's dtype, rows aligned to their loads",
                  HALF, checks=True),

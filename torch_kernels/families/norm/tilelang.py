@@ -366,6 +366,23 @@ def host_functions(input: Tensor, weight: Tensor, fused: bool, gemma: bool):
     return _kernels(input.shape[-1], input.dtype, weight.dtype, fused, gemma)[:3]
 
 
+# The C++ entry's host providers (the manifest's HostCall): the twin's arguments, trailing defaults left out.
+def rmsnorm_host(input: Tensor, weight: Tensor, *_):
+    return host_functions(input, weight, fused=False, gemma=False)
+
+
+def gemma_rmsnorm_host(input: Tensor, weight: Tensor, *_):
+    return host_functions(input, weight, fused=False, gemma=True)
+
+
+def fused_add_rmsnorm_host(input: Tensor, residual: Tensor, weight: Tensor, *_):
+    return host_functions(input, weight, fused=True, gemma=False)
+
+
+def gemma_fused_add_rmsnorm_host(input: Tensor, residual: Tensor, weight: Tensor, *_):
+    return host_functions(input, weight, fused=True, gemma=True)
+
+
 def _aligned_copy(t: Tensor) -> Tensor:
     """A fresh contiguous (so 16-byte aligned, row stride ``N``) copy of ``t``."""
     return t.clone(memory_format=torch.contiguous_format)
