@@ -1,26 +1,45 @@
-"""The C++ entry of the norm and activation families (``torch_kernels/fast_path.py``, ``csrc/fast_path.cpp``).
+"""The C++ entry (``torch_kernels/fast_path.py``, ``csrc/fast_path.cpp``): it serves the ops whose TileLang
+spec in the manifests has a ``host``, from that spec's ``HostCall``, and names no op itself.
 
-CPU: the library builds and loads, its kernels sit on its six ops with the Python ones on the twins,
-gradients and errors go through it unchanged, and without it the Python kernels sit on the ops. GPU:
-the calls it serves match the reference (one-pass and streamed kernels, in place for the fused ops,
-on another stream, in a CUDA graph), the calls it does not serve reach the Python kernels, bad input
-still raises naming the op and the argument, and a new selection is asked again."""
+CPU: the HostCall is validated, the served set is read from the inventory, the sources name no op, the
+library builds and loads, its kernels sit on the served ops with the Python ones on the twins, gradients
+and errors go through it unchanged, and without it the Python kernels sit on the ops. GPU: the calls it
+serves match the reference (one-pass and streamed kernels, in place, on another stream, in a CUDA
+graph), the calls it does not serve (overlapping written arguments among them) reach the Python kernels,
+bad input still raises naming the op and the argument, and a new selection is asked again."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from torch_kernels import dispatch, fast_path, registry
-from torch_kernels.spec import Backend
+from torch_kernels import dispatch, fast_path, manifest, registry
+from torch_kernels.library import mutated_args
+from torch_kernels.ops import ALL
+from torch_kernels.spec import Backend, HostCall, KernelSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NORM = ["rmsnorm", "gemma_rmsnorm"]
-FUSED = ["fused_add_rmsnorm", "gemma_fused_add_rmsnorm"]
-ACTIVATIONS = ["silu_and_mul", "gelu_tanh_and_mul"]
+SERVED = sorted(fast_path.SERVED)
+OP_DEFS = {op.name: op for op in ALL}
+
+
+def _overload(op):
+    return getattr(torch.ops.deepinfer, op).default
+
+
+def _call_of(op) -> HostCall:
+    return fast_path.SERVED[op].host_call
+
+
+def _written(op):
+    return mutated_args(_overload(op))
+
+
+IN_PLACE = [op for op in SERVED if _written(op)]
 
 
 def _python(code, fails=False, **env):
@@ -33,9 +52,9 @@ def _python(code, fails=False, **env):
 
 _REGISTRATIONS = """
 import torch, torch_kernels
-from torch_kernels import fast_path
+from torch_kernels import fast_path, registry
 print(fast_path.status().split()[0])
-for op in fast_path.OPS:
+for op in registry.OPS:
     for ns in ("deepinfer", fast_path.TWIN_NAMESPACE):
         try:
             dump = torch._C._dispatch_dump(f"{ns}::{op}")
@@ -47,15 +66,69 @@ for op in fast_path.OPS:
 """
 
 
-def test_built_library_carries_the_cuda_and_autograd_kernels_of_the_norm_ops():
+def test_host_call_is_validated():
+    HostCall("rwf", "r", (0, 1, -1, 2))
+    HostCall("rrwf", "", (3, 2, 1, 0))
+    for roles, output, order, words in (("wf", "r", (0, -1, 1), "at least one 'r'"),
+                                        ("rx", "", (0, 1), "letters of rwf"),
+                                        ("r", "x", (0, -1), "output must be one of"),
+                                        ("rw", "r", (0, 1), "order must hold each of [-1, 0, 1] once"),
+                                        ("rw", "", (0, 1, -1), "order must hold each of [0, 1] once"),
+                                        ("rw", "", (0, 0), "order must hold"),
+                                        ("rw", "", [0, 1], "order must hold")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            HostCall(roles, output, order)
+    assert HostCall("frw", "", (0, 1, 2)).data == 1 and HostCall("frw", "", (0, 1, 2)).tensors == (1, 2)
+
+
+def test_a_host_needs_its_host_call_and_a_target():
+    spec = registry.BY_OP[SERVED[0]][fast_path.BACKEND]
+    for host, call, words in (("m:host", None, "go together"), (None, spec.host_call, "go together"),
+                              ("m:host", (0, 1), "go together"), ("nocolon", spec.host_call, "'module:attr'")):
+        with pytest.raises(ValueError, match=words):
+            KernelSpec(spec.op, spec.backend, spec.target, host=host, host_call=call)
+    with pytest.raises(ValueError, match="host_calls for ops it does not implement"):
+        manifest.kernels("pkg", Backend.TILELANG, ("a",), "", host_calls={"b": spec.host_call})
+
+
+def test_the_served_ops_are_the_tilelang_specs_with_a_host():
+    with_host = [k for k in registry.KERNELS if k.host is not None]
+    assert with_host and all(k.backend is fast_path.BACKEND for k in with_host)  # no other host is ignored
+    assert fast_path.SERVED == {k.op: k for k in with_host}
+    assert fast_path.OPS == tuple(fast_path.SERVED)
+
+
+@pytest.mark.parametrize("op", SERVED)
+def test_each_host_call_fits_its_schema(op):
+    """What ``install`` checks in C++ at import, checked here without the library."""
+    call, schema = _call_of(op), _overload(op)._schema
+    assert len(call.roles) == len(schema.arguments)
+    for role, arg in zip(call.roles, schema.arguments):
+        assert isinstance(arg.type, torch.FloatType if role == "f" else torch.TensorType), (role, arg)
+    assert len(schema.returns) == (1 if call.output else 0)
+    assert all(call.roles[i] == "r" for i in _written(op))
+
+
+def test_the_entry_names_no_op():
+    """No op list, position or kernel choice of an op in the entry's sources: everything comes from the
+    manifests."""
+    for path in (fast_path.SOURCE, fast_path.SOURCE.parent.parent / "fast_path.py"):
+        text = path.read_text()
+        named = [op for op in registry.OPS if re.search(rf"\b{op}\b", text)]
+        assert not named, f"{path.name} names {named}"
+        assert "families" not in text, f"{path.name} names a family"
+
+
+def test_built_library_carries_the_cuda_and_autograd_kernels_of_the_served_ops():
     fast_path.build()  # nothing to do when built (the README's test command builds it first)
     lines = _python(_REGISTRATIONS).splitlines()
     assert lines[0] == "loaded"
-    for op in fast_path.OPS:
+    for op in SERVED:
         for key in ("CUDA", "Autograd[alias]"):
             assert f"deepinfer {op} {key} fast_path.cpp" in lines
             assert f"deepinfer_py {op} {key} library.py" in lines
-    assert sorted(fast_path.OPS) == sorted(NORM + FUSED + ACTIVATIONS)
+    others = [op for op in registry.OPS if op not in fast_path.SERVED]
+    assert others and not any(f"deepinfer {op} CUDA fast_path.cpp" in lines for op in others)
 
 
 def test_build_failure_says_so_and_leaves_nothing(tmp_path):
@@ -147,7 +220,7 @@ def test_a_damaged_or_foreign_library_is_refused_and_the_python_kernels_serve(tm
     assert rc == 0, f"exit {rc}: {err}"
     lines = out.splitlines()
     assert lines[0] == "refused" and lines[-1] == "served", out
-    for op in fast_path.OPS:
+    for op in SERVED:
         for key in ("CUDA", "Autograd[alias]"):
             assert f"deepinfer {op} {key} library.py" in lines
     notices = [line for line in err.splitlines() if line.startswith("[deepinfer] the C++ entry refused")]
@@ -156,10 +229,11 @@ def test_a_damaged_or_foreign_library_is_refused_and_the_python_kernels_serve(tm
 
 _CALLS = """
 import torch_kernels
-from torch_kernels import registry
+from torch_kernels import fast_path, registry
 from torch_kernels.spec import Backend
-x, w = torch.randn(3, 64), torch.randn(64)
-assert torch.equal(torch.ops.deepinfer.rmsnorm(x, w, 1e-6), registry.BY_OP["rmsnorm"][Backend.TORCH].load()(x, w, 1e-6))
+op, spec = next((op, s) for op, s in fast_path.SERVED.items() if s.host_call.output)
+args = [1e-6 if r == "f" else torch.randn((3, 64) if r == "r" else (64,)) for r in spec.host_call.roles]
+assert torch.equal(getattr(torch.ops.deepinfer, op)(*args), registry.BY_OP[op][Backend.TORCH].load()(*args))
 assert not any("deepinfer_fast_path" in p for p in torch.ops.loaded_libraries)
 assert not [l for l in open("/proc/self/maps") if "deepinfer_fast_path" in l]
 print("served")
@@ -170,13 +244,13 @@ def test_a_sound_copy_with_its_record_is_loaded(tmp_path):
     library = _copy_build(tmp_path)
     rc, out, err = _run(_REGISTRATIONS, DEEPINFER_OPS_CACHE_DIR=str(tmp_path))
     assert rc == 0 and out.splitlines()[0] == "loaded" and "[deepinfer]" not in err, err
-    assert "deepinfer rmsnorm CUDA fast_path.cpp" in out.splitlines()
+    assert f"deepinfer {SERVED[0]} CUDA fast_path.cpp" in out.splitlines()
 
 
 def test_switched_off_the_python_kernels_sit_on_the_ops():
     lines = _python(_REGISTRATIONS, DEEPINFER_OPS_FAST_PATH="0").splitlines()
     assert lines[0] == "off"
-    for op in fast_path.OPS:
+    for op in SERVED:
         for key in ("CUDA", "Autograd[alias]"):
             assert f"deepinfer {op} {key} library.py" in lines
             assert f"deepinfer_py {op} {key} -" in lines
@@ -188,50 +262,110 @@ def test_gradients_and_errors_through_the_cpp_autograd_kernel():
     _python("""
 import torch, torch_kernels
 from torch_kernels import fast_path, registry
+from torch_kernels.library import mutated_args
+from torch_kernels.ops import ALL
 from torch_kernels.spec import Backend
 assert fast_path.loaded(), fast_path.status()
-x = torch.randn(3, 5, 64, dtype=torch.float64, requires_grad=True)
-w = torch.randn(64, dtype=torch.float64, requires_grad=True)
-for op in ("rmsnorm", "gemma_rmsnorm"):
-    f = getattr(torch.ops.deepinfer, op)
-    assert torch.autograd.gradcheck(lambda a, b: f(a, b, 1e-5), (x, w))
-    with torch.no_grad():
-        y = f(x, w)
-    assert not y.requires_grad
-    assert torch.equal(y, registry.BY_OP[op][Backend.TORCH].load()(x.detach(), w.detach(), 1e-6))
-for op in ("silu_and_mul", "gelu_tanh_and_mul"):
-    try:
-        getattr(torch.ops.deepinfer, op)(x)
-    except RuntimeError as e:
-        assert f"{op} does not support autograd" in str(e), e
+defs = {op.name: op for op in ALL}
+
+def args_of(op, requires_grad):
+    roles = fast_path.SERVED[op].host_call.roles
+    return [1e-5 if r == "f" else torch.randn((3, 5, 64) if r == "r" else (64,), dtype=torch.float64,
+                                               requires_grad=requires_grad) for r in roles]
+
+def results(op, args, out):
+    written = mutated_args(getattr(torch.ops.deepinfer, op).default)
+    return (out,) if fast_path.SERVED[op].host_call.output else tuple(args[i] for i in written)
+
+for op in fast_path.SERVED:
+    f, reference = getattr(torch.ops.deepinfer, op), registry.BY_OP[op][Backend.TORCH].load()
+    args = args_of(op, True)
+    if defs[op].backward is not None:
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        def of(*ts):
+            full = list(args)
+            for i, t in zip(tensors, ts):
+                full[i] = t
+            return f(*full)
+        assert torch.autograd.gradcheck(of, tuple(args[i] for i in tensors)), op
     else:
-        raise AssertionError("no error")
+        try:
+            f(*args)
+        except RuntimeError as e:
+            assert f"{op} does not support autograd" in str(e), e
+        else:
+            raise AssertionError(f"{op}: no error")
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     with torch.no_grad():
-        assert torch.equal(getattr(torch.ops.deepinfer, op)(x), registry.BY_OP[op][Backend.TORCH].load()(x))
-r = torch.randn(3, 5, 64, dtype=torch.float64)
-try:
-    torch.ops.deepinfer.fused_add_rmsnorm(x, r, w)
-except RuntimeError as e:
-    assert "fused_add_rmsnorm does not support autograd" in str(e), e
-else:
-    raise AssertionError("no error")
-try:
-    torch.ops.deepinfer.rmsnorm(x, w[:63])
-except ValueError as e:
-    assert "deepinfer::rmsnorm: argument 'weight'" in str(e), e
-else:
-    raise AssertionError("no error")
+        out = f(*args)
+    assert out is None or not out.requires_grad
+    for got, want in zip(results(op, args, out), results(op, copies, reference(*copies))):
+        assert torch.equal(got, want), op
+    roles = fast_path.SERVED[op].host_call.roles
+    bad = roles.index("w") if "w" in roles else roles.index("r")
+    args[bad] = args[bad][..., :63]
+    name = f.default._schema.arguments[bad].name
+    try:
+        f(*args)
+    except ValueError as e:
+        assert f"deepinfer::{op}: argument '{name}'" in str(e), e
+    else:
+        raise AssertionError(f"{op}: no error")
 """)
+
+
+def test_install_reads_the_schema_and_refuses_what_it_cannot_serve():
+    fast_path.build()
+    out = _python("""
+import torch, torch_kernels
+from torch_kernels import fast_path
+install = torch.ops.deepinfer_fast_path.install
+ops, twins = torch.library.Library("deepinfer", "FRAGMENT"), torch.library.Library(fast_path.TWIN_NAMESPACE, "FRAGMENT")
+for lib in (ops, twins):
+    lib.define("toy(Tensor(a!) input, Tensor weight, float eps) -> ()")
+ops.define("lonely(Tensor input) -> Tensor")
+for args, words in (((next(iter(fast_path.SERVED)), "r", "h", [0, -1]), "installed already"),
+                    (("lonely", "r", "h", [0, -1]), f"{fast_path.TWIN_NAMESPACE}::lonely is not defined"),
+                    (("no_such_op", "r", "h", [0, -1]), "deepinfer::no_such_op is not defined"),
+                    (("toy", "rw", "", [0, 1]), "one letter per schema argument (3"),
+                    (("toy", "rff", "", [0, 1, 2]), "argument 'roles': 'f' for argument 'weight'"),
+                    (("toy", "rwr", "", [0, 1, 2]), "argument 'roles': 'r' for argument 'eps'"),
+                    (("toy", "wwf", "", [0, 1, 2]), "has no 'r'"),
+                    (("toy", "rwf", "r", [0, 1, -1, 2]), "argument 'output' 'r'"),
+                    (("toy", "rwf", "", [0, 1, 1]), "argument 'call'"),
+                    (("toy", "rwf", "", [0, 1, -1]), "argument 'call'"),
+                    (("toy", "rwf", "", [0, 1]), "argument 'call'")):
+    try:
+        install(*args)
+    except RuntimeError as e:
+        assert words in str(e), (args, e)
+    else:
+        raise AssertionError(f"{args}: no error")
+assert "fast_path.cpp" not in torch._C._dispatch_dump("deepinfer::toy")  # refused: nothing registered
+install("toy", "rwf", "", [2, 1, 0])
+print(torch._C._dispatch_dump("deepinfer::toy"))
+""")
+    kernels = {line.split(":")[0]: line for line in out.splitlines() if " registered at " in line}
+    assert "fast_path.cpp" in kernels["CUDA"] and "fast_path.cpp" in kernels["Autograd[alias]"], out
 
 
 def test_publish_refuses_what_the_entry_cannot_serve():
     fast_path.build()
     _python("""
 import torch, torch_kernels
-for args, words in ((("rotary_embedding", torch.bfloat16, torch.bfloat16, 64, 0, 4096, 1, 1), "argument 'op'"),
-                    (("rmsnorm", torch.float64, torch.bfloat16, 64, 0, 4096, 1, 1), "float16, bfloat16 or float32"),
-                    (("gelu_and_mul", torch.bfloat16, torch.bfloat16, 64, 0, 0, 1, 1), "argument 'op'"),
-                    (("silu_and_mul", torch.bfloat16, torch.bfloat16, 63, 0, 0, 1, 1), "bad entry for silu_and_mul")):
+from torch_kernels import fast_path, registry
+served = {op: s.host_call for op, s in fast_path.SERVED.items()}
+other = next(op for op in registry.OPS if op not in served)
+op = next(iter(served))
+half = next(op for op, c in served.items() if c.output == "h")
+n, m = len(served[op].tensors), len(served[half].tensors)
+bf16 = torch.bfloat16
+for args, words in (((other, [bf16], 64, 0, 4096, 1, 1), "argument 'op'"),
+                    ((op, [torch.float64] + [bf16] * (n - 1), 64, 0, 4096, 1, 1), "float16, bfloat16 or float32"),
+                    ((op, [bf16] * (n + 1), 64, 0, 4096, 1, 1), "argument 'dtypes' must hold"),
+                    ((op, [bf16] * n, 0, 0, 4096, 1, 1), f"bad entry for {op}"),
+                    ((half, [bf16] * m, 63, 0, 0, 1, 1), f"bad entry for {half}")):
     try:
         torch.ops.deepinfer_fast_path.publish(*args)
     except RuntimeError as e:
@@ -241,7 +375,7 @@ for args, words in ((("rotary_embedding", torch.bfloat16, torch.bfloat16, 64, 0,
 assert torch.ops.deepinfer_fast_path.counters() == [0, 0, 0]
 import tvm_ffi  # a real TVM-FFI function handle: publishing holds a reference, clearing drops the entry
 handle = tvm_ffi.get_global_func("ffi.String").__chandle__()
-torch.ops.deepinfer_fast_path.publish("rmsnorm", torch.bfloat16, torch.float32, 64, 0, 4096, handle, handle)
+torch.ops.deepinfer_fast_path.publish(op, [bf16] + [torch.float32] * (n - 1), 64, 0, 4096, handle, handle)
 assert torch.ops.deepinfer_fast_path.counters() == [1, 0, 0]
 torch.ops.deepinfer_fast_path.clear()
 assert torch.ops.deepinfer_fast_path.counters() == [0, 0, 0]
@@ -259,190 +393,206 @@ def _reference(op):
 @pytest.fixture
 def tilelang_entry():
     assert fast_path.loaded(), f"the C++ entry is {fast_path.status()}: run python -m torch_kernels build first"
-    previous = dispatch.configure(backend="tilelang", strict=True)
+    previous = dispatch.configure(backend=fast_path.BACKEND.value, strict=True)
     yield
     dispatch.configure(previous)
 
 
-def _call(op, x, w, r=None):
-    f = getattr(torch.ops.deepinfer, op)
-    return f(x, r, w, 1e-5) if r is not None else f(x, w, 1e-5)
+def _args(op, shape, dtype, vector_dtype=None, eps=1e-5):
+    """Fresh random arguments of ``op`` by their roles: rows of ``shape``, vectors of its width, floats ``eps``."""
+    return [eps if role == "f" else
+            torch.randn(shape if role == "r" else shape[-1:], dtype=vector_dtype if role == "w" and vector_dtype else dtype,
+                        device="cuda")
+            for role in _call_of(op).roles]
 
 
-def _expect(op, x, w, r=None):
-    """The reference's result, on copies: (output,) or (input after, residual after)."""
-    if r is None:
-        return (_reference(op)(x, w, 1e-5),)
-    xe, re = x.clone(), r.clone()
-    _reference(op)(xe, re, w, 1e-5)
-    return xe, re
+def _results(op, args, out):
+    """What a call produced: its output, or (in place) the arguments it writes."""
+    return (out,) if _call_of(op).output else tuple(args[i] for i in _written(op))
 
 
-def _run_and_compare(op, x, w, r=None):
-    expected = _expect(op, x, w, r)
-    out = _call(op, x, w, r)
-    got = (out,) if r is None else (x, r)
-    for g, e in zip(got, expected):
+def _expect(op, args):
+    """The reference's results, on copies."""
+    copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    return _results(op, copies, _reference(op)(*copies))
+
+
+def _run_and_compare(op, args):
+    expected = _expect(op, args)
+    out = getattr(torch.ops.deepinfer, op)(*args)
+    for g, e in zip(_results(op, args, out), expected):
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
 
 
-def _inputs(op, shape, dtype, weight_dtype=None):
-    x = torch.randn(shape, dtype=dtype, device="cuda")
-    w = torch.randn(shape[-1], dtype=weight_dtype or dtype, device="cuda")
-    return x, w, (torch.randn_like(x) if op in FUSED else None)
+def _each_tensor(op, args, view):
+    """``args`` with ``view(tensor, role)`` in place of each tensor."""
+    return [a if role == "f" else view(a, role) for a, role in zip(args, _call_of(op).roles)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", NORM + FUSED)
+@pytest.mark.parametrize("op", SERVED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_served_calls_match_the_reference(op, dtype, tilelang_entry):
     """The first call of a signature goes to Python and publishes it; the next ones are served in C++,
-    one-pass and streamed (from 4096 tokens, the fused ops from 128 MB), with a weight in another dtype
-    too."""
-    from torch_kernels.families.norm import tilelang as norm
-    other = torch.bfloat16 if dtype == torch.float32 else torch.float32  # a weight dtype: a new signature
-    for shape, weight_dtype in (((1, 4096), None), ((7, 1000), None), ((2, 3, 5120), None), ((4100, 2048), None),
-                                ((5, 4096), other)):
+    one-pass and streamed (from the token count the host publishes), at awkward widths, with a vector in
+    another dtype too."""
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32  # a vector dtype: a new signature
+    signatures = [(4096, None), (1000, None), (5120, None), (2 * 257, None), (2048, None)]
+    if "w" in _call_of(op).roles:
+        signatures.append((4096, other))
+    for width, vector_dtype in signatures:
         before = fast_path.counters()
-        _run_and_compare(op, *_inputs(op, shape, dtype, weight_dtype))
+        args = _args(op, (3, width), dtype, vector_dtype)
+        _run_and_compare(op, args)
         published = fast_path.counters()
         assert published["passed_on"] == before["passed_on"] + 1 and published["signatures"] == before["signatures"] + 1
-        streamed_from = norm.NormConfig.for_shape(shape[-1], norm._DTYPES[dtype], op in FUSED).streamed_from
-        for tokens in (1, 3, 4096, streamed_from + 3):  # both kernels, from the C++ entry
-            _run_and_compare(op, *_inputs(op, (tokens, shape[-1]), dtype, weight_dtype))
+        streamed_from = fast_path.SERVED[op].load_host()(*args)[2]
+        shapes = [(1, width), (7, width), (2, 3, width), (4096, width)]
+        if streamed_from is not None:
+            shapes.append((streamed_from + 3, width))  # the streamed kernel, from the C++ entry
+        for shape in shapes:
+            _run_and_compare(op, _args(op, shape, dtype, vector_dtype))
         after = fast_path.counters()
-        assert after["served"] == published["served"] + 4 and after["passed_on"] == published["passed_on"], after
+        assert after["served"] == published["served"] + len(shapes) and after["passed_on"] == published["passed_on"], after
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", NORM + FUSED)
+@pytest.mark.parametrize("op", SERVED)
 def test_calls_it_does_not_serve_reach_the_python_kernels(op, tilelang_entry):
-    dtype = torch.bfloat16
-    _run_and_compare(op, *_inputs(op, (4, 768), dtype))  # publishes
-    x, w, r = _inputs(op, (4, 800), dtype)
-    cases = [(x[:, :768], w[:768], None if r is None else r[:, :768]),      # strided rows
-             (x.flatten()[1:1 + 4 * 768].view(4, 768), w[:768], None if r is None else r[:, 8:776]),  # misaligned
-             (x[:0, :768], w[:768], None if r is None else r[:0, :768])]    # no tokens
+    width, dtype = 768, torch.bfloat16
+    _run_and_compare(op, _args(op, (4, width), dtype))  # publishes
+    wide = _args(op, (4, width + 32), dtype)
+    cases = [
+        _each_tensor(op, wide, lambda a, role: a[..., :width]),  # strided rows
+        _each_tensor(op, wide, lambda a, role: a.flatten()[1:1 + 4 * width].view(4, width) if role == "r"
+                     else a[:width]),  # misaligned rows
+        _each_tensor(op, wide, lambda a, role: a[:0, :width] if role == "r" else a[:width]),  # no tokens
+    ]
     for args in cases:
         before = fast_path.counters()
-        _run_and_compare(op, *args)
-        assert fast_path.counters()["passed_on"] == before["passed_on"] + 1
+        _run_and_compare(op, args)
+        after = fast_path.counters()
+        assert after["passed_on"] == before["passed_on"] + 1 and after["served"] == before["served"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", NORM + FUSED)
+@pytest.mark.parametrize("op", IN_PLACE)
+def test_overlapping_written_arguments_go_to_python(op, tilelang_entry):
+    """A written argument sharing bytes with another tensor argument is refused in C++ and passed on: the
+    Python validation raises naming the op, before anything is written."""
+    width, dtype = 256, torch.bfloat16
+    args = _args(op, (4, width), dtype)
+    getattr(torch.ops.deepinfer, op)(*args)  # publishes
+    roles = _call_of(op).roles
+    for i in _written(op):
+        for j in _call_of(op).tensors:
+            if j == i:
+                continue
+            base = torch.randn(5, width, dtype=dtype, device="cuda")
+            bad = _args(op, (4, width), dtype)
+            bad[i] = base[:4]
+            bad[j] = base[0] if roles[j] == "w" else base[1:]  # its first row, or the rows one further
+            kept = [a.clone() if isinstance(a, torch.Tensor) else a for a in bad]
+            before = fast_path.counters()
+            with pytest.raises(ValueError, match=f"deepinfer::{op}: argument '"):
+                getattr(torch.ops.deepinfer, op)(*bad)
+            after = fast_path.counters()
+            assert after["passed_on"] == before["passed_on"] + 1 and after["served"] == before["served"]
+            assert all(torch.equal(a, k) for a, k in zip(bad, kept) if isinstance(a, torch.Tensor))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", SERVED)
 def test_bad_input_still_names_the_op_and_the_argument(op, tilelang_entry):
-    x, w, r = _inputs(op, (4, 256), torch.bfloat16)
-    _call(op, x, w, r)  # publishes the signature
-    bad = [(dict(w=w[:255]), "weight", ValueError), (dict(w=w.cpu()), "weight", ValueError),
-           (dict(eps=-1.0), "eps", ValueError)]
-    if r is not None:
-        bad += [(dict(r=r[:3]), "residual", ValueError), (dict(r=r.half()), "residual", TypeError), (dict(r=x), "residual", ValueError)]
-    for change, arg, exc in bad:
-        args = {**dict(x=x, w=w, r=r, eps=1e-5), **change}
-        f = getattr(torch.ops.deepinfer, op)
-        with pytest.raises(exc, match=f"deepinfer::{op}: argument '{arg}'"):
-            if r is None:
-                f(args["x"], args["w"], args["eps"])
-            else:
-                f(args["x"], args["r"], args["w"], args["eps"])
+    call, names = _call_of(op), [a.name for a in _overload(op)._schema.arguments]
+    args = _args(op, (4, 256), torch.bfloat16)
+    getattr(torch.ops.deepinfer, op)(*args)  # publishes the signature
+    bad = []  # (argument, value, exception)
+    for i, role in enumerate(call.roles):
+        if role == "f":
+            bad.append((i, -1.0, ValueError))
+        elif role == "w":
+            bad += [(i, args[i][:255], ValueError), (i, args[i].cpu(), ValueError)]
+        elif i != call.data:
+            bad += [(i, args[i][:3], ValueError), (i, args[i].half(), TypeError), (i, args[call.data], ValueError)]
+    if call.output == "h":
+        bad.append((call.data, torch.randn(4, 255, dtype=torch.bfloat16, device="cuda"), ValueError))
+    assert bad
+    for i, value, exc in bad:
+        changed = list(args)
+        changed[i] = value
+        with pytest.raises(exc, match=f"deepinfer::{op}: argument '{names[i]}'"):
+            getattr(torch.ops.deepinfer, op)(*changed)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", NORM + FUSED)
+@pytest.mark.parametrize("op", SERVED)
 def test_served_on_the_current_stream_and_in_a_cuda_graph(op, tilelang_entry):
-    x, w, r = _inputs(op, (64, 4096), torch.bfloat16)
-    _call(op, x, w, r)  # publishes
+    f, shape, dtype = getattr(torch.ops.deepinfer, op), (64, 4096), torch.bfloat16
+    f(*_args(op, shape, dtype))  # publishes
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        x, w, r = _inputs(op, (64, 4096), torch.bfloat16)
-        expected = _expect(op, x, w, r)
+        args = _args(op, shape, dtype)
+        expected = _expect(op, args)
         torch.cuda._sleep(10_000_000)  # delays the copies: a kernel on another stream would read them unwritten
-        x2 = x.clone()
-        r2 = None if r is None else r.clone()
-        out = _call(op, x2, w, r2)
+        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        got = _results(op, copies, f(*copies))
     torch.cuda.current_stream().wait_stream(side)
-    for g, e in zip((out,) if r is None else (x2, r2), expected):
+    for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
 
-    xs, ws, rs = _inputs(op, (64, 4096), torch.bfloat16)
+    static = _args(op, shape, dtype)
     graph = torch.cuda.CUDAGraph()
     served = fast_path.counters()["served"]
     with torch.cuda.graph(graph):
-        out = _call(op, xs, ws, rs)
+        out = f(*static)
     assert fast_path.counters()["served"] == served + 1
     for _ in range(2):  # fresh data each replay
-        xs.copy_(torch.randn_like(xs))
-        if rs is not None:
-            rs.copy_(torch.randn_like(rs))
-        expected = _expect(op, xs, ws, rs)
+        for i in _call_of(op).tensors:
+            if _call_of(op).roles[i] == "r":
+                static[i].copy_(torch.randn_like(static[i]))
+        expected = _expect(op, static)
         graph.replay()
         torch.cuda.synchronize()
-        for g, e in zip((out,) if rs is None else (xs, rs), expected):
+        for g, e in zip(_results(op, static, out), expected):
             torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
-def test_a_new_selection_is_asked_again(tilelang_entry, tmp_path):
-    x, w, _ = _inputs("rmsnorm", (8, 1024), torch.bfloat16)
-    _call("rmsnorm", x, w)
-    _call("rmsnorm", x, w)
+@pytest.mark.parametrize("op", SERVED)
+def test_a_new_selection_is_asked_again(op, tilelang_entry, tmp_path):
+    args = _args(op, (8, 1024), torch.bfloat16)
+    f = getattr(torch.ops.deepinfer, op)
+    f(*args)
+    f(*args)
     assert fast_path.counters()["signatures"] >= 1
+    other = next(b for b in registry.backends_of(op) if b not in (fast_path.BACKEND, Backend.TORCH))
     trace = tmp_path / "trace.txt"
-    dispatch.configure(backend="triton", strict=True, trace_path=str(trace))
+    dispatch.configure(backend=other.value, strict=True, trace_path=str(trace))
     assert fast_path.counters()["signatures"] == 0
     before = fast_path.counters()
     for _ in range(3):
-        _run_and_compare("rmsnorm", x, w)
+        _run_and_compare(op, _args(op, (8, 1024), torch.bfloat16))
     after = fast_path.counters()
     assert after["passed_on"] == before["passed_on"] + 3 and after["served"] == before["served"]
-    assert trace.read_text().splitlines() == ["rmsnorm|triton"]
+    assert trace.read_text().splitlines() == [f"{op}|{other.value}"]
 
 
 @pytest.mark.gpu
-def test_gradients_on_cuda_take_the_backward_formula(tilelang_entry):
-    x = torch.randn(6, 512, device="cuda", requires_grad=True)
-    w = torch.randn(512, device="cuda", requires_grad=True)
-    _call("rmsnorm", x.detach(), w.detach())  # publishes: the forward below is served in C++
+@pytest.mark.parametrize("op", [op for op in SERVED if OP_DEFS[op].backward is not None])
+def test_gradients_on_cuda_take_the_backward_formula(op, tilelang_entry):
+    f, tensors = getattr(torch.ops.deepinfer, op), _call_of(op).tensors
+    args = _args(op, (6, 512), torch.float32)
+    f(*args)  # publishes: the forward below is served in C++
+    leaves = [a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
     served = fast_path.counters()["served"]
-    torch.ops.deepinfer.rmsnorm(x, w, 1e-5).square().sum().backward()
+    f(*leaves).square().sum().backward()
     assert fast_path.counters()["served"] == served + 1
-    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    _reference("rmsnorm")(xr, wr, 1e-5).square().sum().backward()
-    torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(w.grad, wr.grad, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("op", ACTIVATIONS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_served_activations_match_the_reference(op, dtype, tilelang_entry):
-    f, reference = getattr(torch.ops.deepinfer, op), _reference(op)
-    for width in (2 * 4096, 2 * 1000):
-        before = fast_path.counters()
-        x = torch.randn(3, width, dtype=dtype, device="cuda")
-        torch.testing.assert_close(f(x), reference(x), atol=2e-2, rtol=2e-2)
-        published = fast_path.counters()
-        assert published["signatures"] == before["signatures"] + 1 and published["passed_on"] == before["passed_on"] + 1
-        for shape in ((1, width), (7, width), (2, 3, width), (4100, width)):
-            x = torch.randn(shape, dtype=dtype, device="cuda")
-            torch.testing.assert_close(f(x), reference(x), atol=2e-2, rtol=2e-2)
-        assert fast_path.counters()["served"] == published["served"] + 4
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("op", ACTIVATIONS)
-def test_activation_calls_it_does_not_serve_and_bad_input(op, tilelang_entry):
-    f, reference = getattr(torch.ops.deepinfer, op), _reference(op)
-    x = torch.randn(4, 2 * 768 + 16, dtype=torch.bfloat16, device="cuda")
-    f(x[:, :1536].contiguous())  # publishes
-    for args in (x[:, :1536], x.flatten()[1:1 + 4 * 1536].view(4, 1536), x[:0, :1536]):  # strided, misaligned, empty
-        before = fast_path.counters()["passed_on"]
-        torch.testing.assert_close(f(args), reference(args), atol=2e-2, rtol=2e-2)
-        assert fast_path.counters()["passed_on"] == before + 1
-    with pytest.raises(ValueError, match=f"deepinfer::{op}: argument 'input'"):
-        f(torch.randn(4, 1535, dtype=torch.bfloat16, device="cuda"))
+    copies = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
+    _reference(op)(*copies).square().sum().backward()
+    for i in tensors:
+        torch.testing.assert_close(leaves[i].grad, copies[i].grad, atol=1e-4, rtol=1e-4)
 
 
 class _HostFunction:
@@ -453,35 +603,35 @@ class _HostFunction:
         return self.handle
 
 
-def test_offer_reads_the_signature_with_trailing_defaults_left_out(monkeypatch):
+def test_offer_reads_the_signature_by_role_with_trailing_defaults_left_out(monkeypatch):
     """The twin's Python kernel gets the call's arguments without the trailing ones left at their
-    defaults (eps): the weight is read by position, never from the end (H200: reading
-    gelu_and_mul's approximate from args[1] raised IndexError on every default call)."""
-    from torch_kernels.families.activation import tilelang as activation
-    from torch_kernels.families.norm import tilelang as norm
-
-    published = []
+    defaults (eps): each tensor is read by its role's position, never from the end (H200: reading
+    gelu_and_mul's approximate from args[1] raised IndexError on every default call), and the
+    signature holds every tensor's dtype."""
+    published, asked = [], []
     monkeypatch.setattr(fast_path, "loaded", lambda: True)
     monkeypatch.setattr(fast_path, "_published", set())
     monkeypatch.setattr(fast_path, "_publish", lambda *entry: published.append(entry))
-    monkeypatch.setattr(norm, "host_functions", lambda x, w, fused, gemma: (_HostFunction(1), _HostFunction(2), 4096))
-    monkeypatch.setattr(activation, "host_function", lambda x, act: _HostFunction(3 if act == "silu" else 4))
-    tilelang = registry.BY_OP["rmsnorm"][Backend.TILELANG]
+    monkeypatch.setattr(fast_path, "_hosts", {})
+
+    def fake_host(spec):
+        def host(*args):
+            asked.append((spec.op, args))
+            return _HostFunction(1), _HostFunction(2), 4096 if "w" in spec.host_call.roles else None
+        return host
+    monkeypatch.setattr(KernelSpec, "load_host", lambda spec: fake_host(spec))
     x, w32 = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(64)
-    r = torch.randn_like(x)
-    fast_path.offer("rmsnorm", tilelang, (x, w32))                 # eps left at its default
-    fast_path.offer("fused_add_rmsnorm", tilelang, (x, r, w32))
-    fast_path.offer("gemma_rmsnorm", tilelang, (x, w32, 1e-5))
-    fast_path.offer("silu_and_mul", tilelang, (x,))
-    fast_path.offer("gelu_tanh_and_mul", tilelang, (x,))
-    fast_path.offer("rmsnorm", tilelang, (x, w32))                 # published already
-    fast_path.offer("rmsnorm", registry.BY_OP["rmsnorm"][Backend.TRITON], (x, x[0]))  # not TileLang's
-    fast_path.offer("rmsnorm", None, (x, x[0]))                    # no sole server
-    never = 1 << 62
-    assert published == [
-        ("rmsnorm", torch.bfloat16, torch.float32, 64, None, 4096, 1, 2),
-        ("fused_add_rmsnorm", torch.bfloat16, torch.float32, 64, None, 4096, 1, 2),
-        ("gemma_rmsnorm", torch.bfloat16, torch.float32, 64, None, 4096, 1, 2),
-        ("silu_and_mul", torch.bfloat16, torch.bfloat16, 64, None, never, 3, 3),
-        ("gelu_tanh_and_mul", torch.bfloat16, torch.bfloat16, 64, None, never, 4, 4),
-    ]
+    expected = []
+    for op in SERVED:
+        spec, roles = fast_path.SERVED[op], _call_of(op).roles
+        args = [1e-5 if r == "f" else x.clone() if r == "r" else w32 for r in roles]
+        while roles[len(args) - 1] == "f":  # trailing defaults left out
+            args.pop()
+        fast_path.offer(op, spec, tuple(args))
+        fast_path.offer(op, spec, tuple(args))  # published already
+        dtypes = tuple(torch.float32 if r == "w" else torch.bfloat16 for r in roles if r != "f")
+        expected.append((op, dtypes, 64, None, 4096 if "w" in roles else 1 << 62, 1, 2))
+        fast_path.offer(op, registry.BY_OP[op][Backend.TRITON], tuple(args))  # not the served spec
+        fast_path.offer(op, None, tuple(args))  # no sole server
+    assert published == expected
+    assert [op for op, _ in asked] == SERVED

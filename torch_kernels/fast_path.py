@@ -1,22 +1,26 @@
-"""The C++ entry of the norm and activation families (``csrc/fast_path.cpp``): eager CUDA calls
-without Python.
+"""The C++ entry (``csrc/fast_path.cpp``): eager CUDA calls of the ops it serves without Python.
 
 What it is: a small library, built once per machine by ``python -m torch_kernels build`` against the
-installed torch and TVM-FFI (TileLang's runtime), that registers the ``CUDA`` and ``Autograd`` kernels of
-the :data:`OPS` in C++. It decides nothing:
+installed torch and TVM-FFI (TileLang's runtime), that holds the ``CUDA`` and ``Autograd`` kernels of
+the ops it serves: those with a TileLang :class:`~torch_kernels.spec.KernelSpec` that has a ``host``
+(:data:`SERVED`, read from the manifests). It knows no op and decides nothing:
 
-* the first call of each signature (op, dtypes, width, device) goes on to the op's Python
-  kernels, registered on a twin op ``deepinfer_py::<op>``, which validate, select and launch exactly as
-  without it; when that call was served by TileLang, which takes every call of its dtypes, the
-  selection *publishes* the signature with TileLang's compiled host functions (:func:`offer`);
+* :func:`install` registers an op's kernels in C++ from its spec's ``host_call`` (each argument's
+  role, the output, the host function's argument order); ``library.py`` puts the op's Python kernels
+  on a twin ``deepinfer_py::<op>`` first;
+* the first call of each signature (op, dtypes of its tensors, width, device) goes on to the twin,
+  which validates, selects and launches exactly as without the entry; when that call was served by the
+  spec that takes every call of its dtypes, and it has a ``host``, the selection *publishes* the
+  signature with the compiled host functions its ``host`` returns (:func:`offer`);
 * a later call with a published signature, contiguous, 16-byte aligned and otherwise plain, is served
   in C++: allocation, torch's current stream handed to TVM-FFI, the host function called through
-  TVM-FFI's C ABI. Every other call goes to the Python kernels as before;
+  TVM-FFI's C ABI (the streamed one from the token count the ``host`` published). Every other call
+  goes to the Python kernels as before;
 * :func:`dispatch.configure <torch_kernels.dispatch.configure>` clears what was published, so a new
   selection is asked again; ``DEEPINFER_OPS_BACKEND=auto`` publishes nothing (it picks per shape).
 
-Why: host µs per eager ``rmsnorm`` 1x4096 bf16 on the H200, Python kernels over TileLang 14 (inference
-mode) and 20 (gradients enabled) against ``F.rms_norm``'s 9.2 and 10 (bench_overhead.py).
+Why: host µs per eager 1x4096 bf16 norm on the H200, Python kernels over TileLang 14 (inference mode)
+and 20 (gradients enabled) against ``F.rms_norm``'s 9.2 and 10 (bench_overhead.py).
 
 Loaded at import when built for this torch, TVM-FFI and source (:func:`library_path`); not built, or
 ``DEEPINFER_OPS_FAST_PATH=0``: the Python kernels sit on the public ops directly, as before. The build
@@ -41,26 +45,30 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
+from . import registry
 from ._files import open_regular
+from .spec import Backend, KernelSpec
+
 ENV = "DEEPINFER_OPS_FAST_PATH"
-#: the ops whose CUDA and Autograd kernels the library registers (csrc/fast_path.cpp: kNames)
-NORM_OPS = ("rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm")
-# not gelu_and_mul yet: its ``approximate`` string would be part of the signature
-ACTIVATION_OPS = ("silu_and_mul", "gelu_tanh_and_mul")
-OPS = NORM_OPS + ACTIVATION_OPS
+#: the backend whose host functions the entry calls: TVM-FFI functions
+BACKEND = Backend.TILELANG
+#: the ops the entry serves, each with the spec whose ``host`` it calls
+SERVED: Dict[str, KernelSpec] = {k.op: k for k in registry.KERNELS if k.backend is BACKEND and k.host is not None}
+OPS = tuple(SERVED)
 #: the namespace of the twin ops that carry the Python kernels while the library is loaded
 TWIN_NAMESPACE = "deepinfer_py"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fast_path.cpp"
 _NAME = "deepinfer_fast_path"
 _TVM_FFI = "apache-tvm-ffi"
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_NEVER = 1 << 62  # an activation has one kernel: its "streamed" one is never taken
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the entry hands TVM-FFI
+_NEVER = 1 << 62  # a host with one kernel: its "streamed" one is never taken
 _BUILT_BY = "torch_kernels"
 _MAX_LIBRARY_BYTES = 256 << 20  # ours is 164 KB; hashing it costs 0.1 ms at import (5 MB: 4 ms)
 _MAX_RECORD_BYTES = 4096
 
 _state = {"status": "not loaded"}
 _published: set = set()
+_hosts: Dict[str, Any] = {}  # a spec's host -> the callable it names
 
 
 def _tvm_ffi_version() -> Optional[str]:
@@ -261,33 +269,45 @@ def _compile(path: Path, verbose: bool) -> None:
     _replace(record_staging, digest_path(path), json.dumps(record).encode())
 
 
-def offer(op: str, spec: Any, args: tuple) -> None:
+def serves(op: str) -> bool:
+    """Whether the loaded entry serves ``op``: ``library.py`` then puts its Python kernels on the twin."""
+    return loaded() and op in SERVED
+
+
+def install(op: str) -> None:
+    """Register ``op``'s CUDA and Autograd kernels in C++ (after ``deepinfer::<op>`` and its twin are defined)."""
+    call = SERVED[op].host_call
+    torch.ops.deepinfer_fast_path.install(op, call.roles, call.output, list(call.order))
+
+
+def offer(op: str, spec: Optional[KernelSpec], args: tuple) -> None:
     """After the Python kernels served ``op(*args)`` with ``spec``, the implementation that takes every
-    call of this dtype (``dispatch.OpSlot.sole_server``): publish the call's signature when that is
-    TileLang's. ``args`` are as the twin's Python kernel receives them: trailing arguments left at their
-    defaults (``eps``) are not there."""
-    if not loaded() or spec is None or spec.backend.value != "tilelang":
+    call of this dtype (``dispatch.OpSlot.sole_server``): publish the call's signature when ``spec`` has
+    a ``host`` the entry calls. ``args`` are as the twin's Python kernel receives them:
+    trailing arguments left at their defaults (``eps``) are not there."""
+    if not loaded() or spec is None or spec.host is None or spec.backend is not BACKEND:
         return
-    x = args[0]
-    w = x if op in ACTIVATION_OPS else args[2] if "fused" in op else args[1]
-    key = (op, x.dtype, w.dtype, x.shape[-1], x.device.index)
-    if key in _published or x.dtype not in _DTYPES or w.dtype not in _DTYPES:
+    call = spec.host_call
+    x = args[call.data]
+    dtypes = tuple(args[i].dtype for i in call.tensors)
+    key = (op, dtypes, x.shape[-1], x.device.index)
+    if key in _published or not all(d in _DTYPES for d in dtypes):
         return
-    if op in ACTIVATION_OPS:
-        from .families.activation import tilelang as activation
-
-        one_pass = streamed = activation.host_function(x, "silu" if op == "silu_and_mul" else "gelu_tanh")
-        streamed_from = _NEVER
-    else:
-        from .families.norm import tilelang as norm
-
-        one_pass, streamed, streamed_from = norm.host_functions(x, w, fused="fused" in op, gemma=op.startswith("gemma"))
-    _publish(op, x.dtype, w.dtype, x.shape[-1], x.device.index, streamed_from, one_pass.__chandle__(), streamed.__chandle__())
+    one_pass, streamed, streamed_from = _host(spec)(*args)
+    _publish(op, dtypes, x.shape[-1], x.device.index, _NEVER if streamed_from is None else streamed_from,
+             one_pass.__chandle__(), streamed.__chandle__())
     _published.add(key)
 
 
-def _publish(*entry: Any) -> None:
-    torch.ops.deepinfer_fast_path.publish(*entry)
+def _host(spec: KernelSpec) -> Any:
+    found = _hosts.get(spec.host)
+    if found is None:
+        found = _hosts[spec.host] = spec.load_host()
+    return found
+
+
+def _publish(op: str, dtypes: tuple, *entry: Any) -> None:
+    torch.ops.deepinfer_fast_path.publish(op, list(dtypes), *entry)
 
 
 def clear() -> None:

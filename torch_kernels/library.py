@@ -14,9 +14,10 @@ Per op:
   reference formula (``decompose``), our Triton kernel through ``torch.library.wrap_triton``
   (``inductor_triton``, what ``torch.library.triton_op`` does inside), or the op itself
   (``opaque``). Eager calls never meet the mode.
-With the C++ entry built (``fast_path.py``), the ``CUDA`` and ``Autograd`` kernels of ``fast_path.OPS`` are
-C++ ones; the Python kernels above move to a twin op ``deepinfer_py::<op>`` of the same schema, which
-the C++ kernels call for every call they do not serve themselves.
+With the C++ entry built (``fast_path.py``), the ``CUDA`` and ``Autograd`` kernels of the ops it serves
+(``fast_path.serves``: a TileLang spec with a ``host`` in the op's manifest) are C++ ones; the Python
+kernels above move to a twin op ``deepinfer_py::<op>`` of the same schema, which the C++ kernels call for
+every call they do not serve themselves.
 Every entry validates its arguments with the op definition's ``validate`` before any kernel runs;
 under ``torch.compile`` Dynamo has run the fake function, which validates, before the rule runs.
 
@@ -178,10 +179,11 @@ def _register(op: OpDef) -> None:
     LIBRARY.impl(op.name, _reference_entry(op.validate, dispatch.reference_slot(op.name, reference, op.data_arg)),
                  "CompositeExplicitAutograd")
     slot = dispatch.slot(op.name, op.data_arg)
-    if TWINS is not None and op.name in fast_path.OPS:  # the C++ kernels sit on the op, these on its twin
+    if TWINS is not None and fast_path.serves(op.name):  # the C++ kernels sit on the op, these on its twin
         TWINS.define(op.schema)
         TWINS.impl(op.name, _offering_cuda_entry(op, slot), "CUDA")
         TWINS.impl(op.name, _autograd_entry(op), "Autograd", with_keyset=True)
+        fast_path.install(op.name)
     else:
         LIBRARY.impl(op.name, _cuda_entry(op.validate, slot), "CUDA")
         LIBRARY.impl(op.name, _autograd_entry(op), "Autograd", with_keyset=True)

@@ -1,25 +1,21 @@
-// The C++ entry of the norm and activation ops on the CUDA dispatch key: an eager call whose signature
-// (op, dtypes, width, device) the Python selection has already served with TileLang calls that compiled
-// host function itself through TVM-FFI's C ABI, with no Python on the way; every other call goes on to
-// the Python kernels, which select, validate and launch as before (``torch_kernels/fast_path.py``).
+// The C++ entry on the CUDA and Autograd keys of the ops ``torch_kernels/fast_path.py`` installs: an eager
+// call whose signature (op, dtypes of its tensors, width, device) the Python selection has already served
+// with a backend's compiled host function calls that function itself through TVM-FFI's C ABI, with no
+// Python on the way; every other call goes on to the op's twin ``deepinfer_py::<op>`` (the Python kernels).
 //
-// Why: host time of one eager rmsnorm 1x4096 bf16 on the H200 was 14-20 µs through the Python kernels
-// against 9-12 for F.rms_norm; 3-4 of it the dispatcher's call into Python, 6 the Python Autograd
-// kernel, 1.4 validation, 1.9 allocation (docs/benchmarks/README.md, bench_overhead.py).
+// Why: an eager 1x4096 bf16 norm took 14-20 µs of host time through the Python kernels, 9-12 in F.rms_norm (H200).
 //
-// Registered here, for rmsnorm, gemma_rmsnorm, fused_add_rmsnorm, gemma_fused_add_rmsnorm,
-// silu_and_mul and gelu_tanh_and_mul (not gelu_and_mul yet: its string argument is not handled here):
-//   CUDA:     a published signature -> allocate (out-of-place ops), set TVM-FFI's stream to torch's
-//             current one, call the host function (the norms' one-pass or streamed one by token
-//             count); anything else -> the op's twin ``deepinfer_py::<op>`` on the CUDA key (the
-//             Python kernel).
-//   Autograd: no gradient asked -> below autograd, as the Python kernel did; else the twin's Python
-//             Autograd kernel (the op's backward formula).
-// and the ops of ``deepinfer_fast_path``: publish a signature, clear them all, read the counters.
-//
+// It knows no op. ``install(op, roles, output, call)`` registers the op's kernels from its manifest's
+// HostCall: per schema argument a role (r rows like the data argument, w a vector of its width, f a float
+// >= 0), the output (none, r rows, h rows of half the width) and the host function's argument order
+// (-1 the output); the arguments the schema marks written are read from it. Per call:
+//   CUDA:     tensors given, contiguous, 16-byte aligned, shaped as their roles say, on the current
+//             device; floats >= 0; a token at least; written tensors apart from every other; and a
+//             published signature -> allocate the output, set TVM-FFI's stream to torch's current one,
+//             call the one-pass or streamed host function by token count; else -> the twin (CUDA key).
+//   Autograd: no gradient asked -> below autograd; else the twin's Python Autograd kernel.
 // A published signature carries everything the op's validation looks at except the token count, so a
-// call that matches it, and passes the per-call tests below (contiguity, alignment, eps, devices), is
-// one validation has already accepted.
+// call that matches it and passes the tests above is one validation has already accepted.
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -28,6 +24,7 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/DimVector.h>
 #include <dlpack/dlpack.h>
 #include <torch/library.h>
 #include <tvm/ffi/c_api.h>
@@ -44,20 +41,30 @@
 
 namespace {
 
-enum Op : int { kRmsnorm, kGemmaRmsnorm, kFusedAdd, kGemmaFusedAdd, kSilu, kGeluTanh, kNumOps };
-constexpr const char* kNames[kNumOps] = {"rmsnorm", "gemma_rmsnorm", "fused_add_rmsnorm", "gemma_fused_add_rmsnorm",
-                                         "silu_and_mul", "gelu_tanh_and_mul"};
+// At most this many schema arguments (the served ops have up to 4): the per-call arrays stay on the stack.
+constexpr int kMaxArgs = 8;
 
-constexpr bool fused(int op) { return op == kFusedAdd || op == kGemmaFusedAdd; }
-constexpr bool activation(int op) { return op >= kSilu; }
+// One installed op: its HostCall, resolved against its schema once.
+struct OpState {
+  int index;
+  std::string name;  // for errors
+  c10::OperatorHandle twin;
+  int num_args = 0, data = -1;
+  char roles[kMaxArgs] = {};
+  char output = 0;  // 0 none, 'r' rows like the data argument, 'h' rows of half its width
+  int num_tensors = 0, tensors[kMaxArgs] = {};  // the tensor arguments, in schema order (the entries' dtypes)
+  int num_written = 0, written[kMaxArgs] = {};  // the arguments the schema marks written
+  int num_call = 0, call[kMaxArgs + 1] = {};    // the host function's arguments; -1 the output
+  OpState(int index, std::string name, c10::OperatorHandle twin) : index(index), name(std::move(name)), twin(std::move(twin)) {}
+};
 
 struct Entry {
   int op;
-  c10::ScalarType dtype, weight_dtype;
-  int64_t hidden;          // the input's last dimension
+  int64_t hidden;  // the data argument's last dimension
   c10::DeviceIndex device;
-  int64_t streamed_from;  // token count from which `streamed` serves
-  void* one_pass;         // TVM-FFI function handles (one reference each, held for the process)
+  c10::ScalarType dtypes[kMaxArgs];  // of the tensor arguments, in schema order
+  int64_t streamed_from;             // token count from which `streamed` serves
+  void* one_pass;                    // TVM-FFI function handles (one reference each, held for the process)
   void* streamed;
 };
 
@@ -68,6 +75,11 @@ std::mutex g_write;
 std::vector<std::unique_ptr<const std::vector<Entry>>> g_retired;
 std::atomic<int64_t> g_hits{0}, g_misses{0};
 
+// The installed ops (each kernel holds its own's address) and the two libraries holding their kernels.
+std::mutex g_install;
+std::vector<std::unique_ptr<OpState>> g_ops;
+std::unique_ptr<torch::Library> g_cuda_library, g_autograd_library;
+
 // A publish or clear: `edit` changes a copy of the current table, which then replaces it.
 template <typename Edit>
 void edit_table(Edit edit) {
@@ -77,21 +89,22 @@ void edit_table(Edit edit) {
   g_retired.emplace_back(g_table.exchange(next.release()));
 }
 
-const Entry* find(int op, const at::Tensor& x, c10::ScalarType weight_dtype) {
+const Entry* find(const OpState& s, const at::Tensor* const* t, int64_t hidden, c10::DeviceIndex device) {
+  c10::ScalarType dtypes[kMaxArgs];
+  for (int k = 0; k < s.num_tensors; ++k) dtypes[k] = t[s.tensors[k]]->scalar_type();
   const auto* table = g_table.load(std::memory_order_acquire);
-  const int64_t hidden = x.size(-1);
   for (const Entry& e : *table) {
-    if (e.op == op && e.hidden == hidden && e.dtype == x.scalar_type() && e.weight_dtype == weight_dtype &&
-        e.device == x.device().index()) {
-      return &e;
-    }
+    if (e.op != s.index || e.hidden != hidden || e.device != device) continue;
+    int k = 0;
+    while (k < s.num_tensors && e.dtypes[k] == dtypes[k]) ++k;
+    if (k == s.num_tensors) return &e;
   }
   return nullptr;
 }
 
 // TVM-FFI's C functions, looked up in the process on the first publish (TileLang has loaded its runtime
 // by then) rather than linked: a library that pulled libtvm_ffi.so in at torch_kernels' import made
-// tvm_ffi's own import abort on the H200 host (free(): invalid pointer, 2026-11-30).
+// tvm_ffi's own import abort on the H200 host (free(): invalid pointer).
 struct Ffi {
   decltype(&TVMFFIFunctionCall) call = nullptr;
   decltype(&TVMFFIEnvSetStream) set_stream = nullptr;
@@ -134,7 +147,7 @@ struct Rows {
   DLTensor t;
   int64_t shape[2];
   int64_t strides[2];
-  Rows(const at::Tensor& x, int64_t rows, int64_t hidden) {
+  void view(const at::Tensor& x, int64_t rows, int64_t width) {
     t.data = x.data_ptr();
     t.device = {kDLCUDA, x.device().index()};
     t.dtype = dl_dtype(x.scalar_type());
@@ -142,9 +155,9 @@ struct Rows {
     t.shape = shape;
     t.strides = strides;
     if (rows < 0) {
-      t.ndim = 1; shape[0] = hidden; strides[0] = 1;
+      t.ndim = 1; shape[0] = width; strides[0] = 1;
     } else {
-      t.ndim = 2; shape[0] = rows; shape[1] = hidden; strides[0] = hidden; strides[1] = 1;
+      t.ndim = 2; shape[0] = rows; shape[1] = width; strides[0] = width; strides[1] = 1;
     }
   }
 };
@@ -157,7 +170,15 @@ TVMFFIAny tensor_arg(Rows& r) {
   return a;
 }
 
-void call(int op, void* function, TVMFFIAny* args, int32_t num_args, c10::DeviceIndex device) {
+TVMFFIAny float_arg(double v) {
+  TVMFFIAny a;
+  a.type_index = kTVMFFIFloat;
+  a.zero_padding = 0;
+  a.v_float64 = v;
+  return a;
+}
+
+void call(const OpState& s, void* function, TVMFFIAny* args, int32_t num_args, c10::DeviceIndex device) {
   // The compiled host code launches on TVMFFIEnvGetStream(cuda, device), which tvm_ffi's Python
   // binding sets to torch's current stream around each call; so do we (CUDA graph capture included).
   const c10::Device dev(c10::DeviceType::CUDA, device);
@@ -179,7 +200,7 @@ void call(int op, void* function, TVMFFIAny* args, int32_t num_args, c10::Device
       message = std::string(cell->kind.data, cell->kind.size) + ": " + std::string(cell->message.data, cell->message.size);
       g_ffi.dec_ref(error);
     }
-    TORCH_CHECK(false, "deepinfer::", kNames[op], ": the TileLang kernel call failed: ", message);
+    TORCH_CHECK(false, "deepinfer::", s.name, ": the compiled kernel call failed: ", message);
   }
 }
 
@@ -188,143 +209,192 @@ bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_p
 // None for a Tensor argument (it arrives undefined): Python's validation names the argument.
 bool given(const c10::IValue& v) { return v.isTensor() && v.toTensor().defined(); }
 
-// Two contiguous tensors share no byte. An in-place op's written arguments must be apart from each other
-// and from the weight; a call that is not goes on to Python, whose validation names the arguments.
+// Two contiguous tensors share no byte. A written argument must be apart from every other tensor
+// argument; a call where it is not goes on to Python, whose validation names the arguments.
 bool apart(const at::Tensor& a, const at::Tensor& b) {
   const auto pa = reinterpret_cast<uintptr_t>(a.data_ptr()), pb = reinterpret_cast<uintptr_t>(b.data_ptr());
   return pa + a.nbytes() <= pb || pb + b.nbytes() <= pa;
 }
 
-// The tests every call makes on top of the signature: what validation checks beyond it, and what the
-// launchers' plain case needs (contiguous rows, 16-byte aligned starts, at least one token).
-bool plain(const at::Tensor& x, const at::Tensor& w, double eps) {
-  return x.dim() >= 1 && w.dim() == 1 && x.size(-1) == w.size(0) && x.is_contiguous() && w.is_contiguous() &&
-         x.device() == w.device() && eps >= 0.0 && x.numel() > 0 && aligned(x) && aligned(w);
-}
-
-// The published entry for this plain call on the current device, or nullptr.
-const Entry* served_by(int op, const at::Tensor& x, c10::ScalarType weight_dtype) {
-  const bool here = x.device().index() == c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index();
-  return here ? find(op, x, weight_dtype) : nullptr;
-}
-
-// The host functions' signature: three tensors (rows, then the weight or the residual rows) and eps.
-void launch(int op, const Entry& e, int64_t tokens, Rows& a, Rows& b, Rows& c, double eps) {
-  TVMFFIAny args[4] = {tensor_arg(a), tensor_arg(b), tensor_arg(c), {}};
-  args[3].type_index = kTVMFFIFloat;
-  args[3].zero_padding = 0;
-  args[3].v_float64 = eps;
-  call(op, tokens >= e.streamed_from ? e.streamed : e.one_pass, args, 4, e.device);
-}
-
-bool serve_norm(int op, torch::jit::Stack* stack) {
-  auto args = torch::jit::last(*stack, 3);
-  if (!given(args[0]) || !given(args[1])) return false;
-  const at::Tensor& x = args[0].toTensor();
-  const at::Tensor& w = args[1].toTensor();
-  const double eps = args[2].toDouble();
-  const Entry* e = plain(x, w, eps) ? served_by(op, x, w.scalar_type()) : nullptr;
-  if (e == nullptr) return false;
-  const int64_t tokens = x.numel() / e->hidden;
-  at::Tensor out = at::empty_like(x);
-  Rows rx(x, tokens, e->hidden), rw(w, -1, e->hidden), ro(out, tokens, e->hidden);
-  launch(op, *e, tokens, rx, rw, ro, eps);  // rmsnorm(X, W, O, eps)
-  torch::jit::drop(*stack, 3);
-  torch::jit::push(*stack, std::move(out));
-  return true;
-}
-
-bool serve_fused(int op, torch::jit::Stack* stack) {
-  auto args = torch::jit::last(*stack, 4);
-  if (!given(args[0]) || !given(args[1]) || !given(args[2])) return false;
-  const at::Tensor& x = args[0].toTensor();
-  const at::Tensor& r = args[1].toTensor();
-  const at::Tensor& w = args[2].toTensor();
-  const double eps = args[3].toDouble();
-  const bool residual_plain = r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() && r.is_contiguous() &&
-                              r.device() == x.device() && aligned(r);
-  // after plain(): x and w contiguous, so byte ranges decide overlap exactly
-  const bool apart_all = plain(x, w, eps) && residual_plain && apart(x, r) && apart(x, w) && apart(r, w);
-  const Entry* e = apart_all ? served_by(op, x, w.scalar_type()) : nullptr;
-  if (e == nullptr) return false;
-  const int64_t tokens = x.numel() / e->hidden;
-  Rows rx(x, tokens, e->hidden), rr(r, tokens, e->hidden), rw(w, -1, e->hidden);
-  launch(op, *e, tokens, rx, rr, rw, eps);  // fused_add_rmsnorm(X, R, W, eps), in place
-  torch::jit::drop(*stack, 4);
-  return true;
-}
-
-bool serve_activation(int op, torch::jit::Stack* stack) {
-  if (!given(torch::jit::peek(*stack, 0, 1))) return false;
-  const at::Tensor& x = torch::jit::peek(*stack, 0, 1).toTensor();
-  const bool rows_plain = x.dim() >= 1 && x.is_contiguous() && x.numel() > 0 && aligned(x);
-  const Entry* e = rows_plain ? served_by(op, x, x.scalar_type()) : nullptr;
-  if (e == nullptr) return false;  // (a published width is even: validation accepted it)
-  const int64_t width = e->hidden, tokens = x.numel() / width;
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = width / 2;
-  at::Tensor out = at::empty(sizes, x.options());
-  Rows rx(x, tokens, width), ro(out, tokens, width / 2);
-  TVMFFIAny call_args[2] = {tensor_arg(rx), tensor_arg(ro)};  // act_and_mul(X, O)
-  call(op, e->one_pass, call_args, 2, e->device);
-  torch::jit::drop(*stack, 1);
-  torch::jit::push(*stack, std::move(out));
-  return true;
-}
-
-template <int op>
-const c10::OperatorHandle& twin() {
-  // Looked up on first need: the twins are defined by Python after this library loads.
-  static const c10::OperatorHandle handle =
-      c10::Dispatcher::singleton().findSchemaOrThrow((std::string("deepinfer_py::") + kNames[op]).c_str(), "");
-  return handle;
-}
-
-template <int op>
-void cuda_kernel(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack* stack) {
-  if (activation(op) ? serve_activation(op, stack) : fused(op) ? serve_fused(op, stack) : serve_norm(op, stack)) {
-    g_hits.fetch_add(1, std::memory_order_relaxed);
-    return;
+// Serves the call on `stack` when it is plain and its signature published; false (the stack untouched)
+// otherwise. Plain: what validation checks beyond the signature, and what the launchers' plain case
+// needs (contiguous, 16-byte aligned starts, at least one token).
+bool serve(const OpState& s, torch::jit::Stack* stack) {
+  const auto args = torch::jit::last(*stack, s.num_args);
+  const at::Tensor* t[kMaxArgs];
+  for (int k = 0; k < s.num_tensors; ++k) {
+    const c10::IValue& v = args[s.tensors[k]];
+    if (!given(v)) return false;
+    t[s.tensors[k]] = &v.toTensor();
   }
-  g_misses.fetch_add(1, std::memory_order_relaxed);
-  twin<op>().redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CUDA), stack);
-}
-
-template <int op>
-void autograd_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  if (c10::GradMode::is_enabled()) {
-    for (const c10::IValue& v : torch::jit::last(*stack, handle.schema().arguments().size())) {
-      if (v.isTensor() && v.toTensor().requires_grad()) {
-        twin<op>().callBoxed(stack);
-        return;
-      }
+  const at::Tensor& x = *t[s.data];
+  if (x.dim() < 1 || x.numel() == 0) return false;
+  const int64_t hidden = x.size(-1);
+  const c10::Device device = x.device();
+  for (int i = 0; i < s.num_args; ++i) {
+    if (s.roles[i] == 'f') {
+      if (!(args[i].isDouble() && args[i].toDouble() >= 0.0)) return false;
+      continue;
+    }
+    const at::Tensor& a = *t[i];
+    const bool shaped = s.roles[i] == 'w' ? a.dim() == 1 && a.size(0) == hidden : i == s.data || a.sizes() == x.sizes();
+    if (!shaped || !a.is_contiguous() || !aligned(a) || a.device() != device) return false;
+  }
+  // all contiguous now, so byte ranges decide overlap exactly
+  for (int w = 0; w < s.num_written; ++w) {
+    for (int k = 0; k < s.num_tensors; ++k) {
+      if (s.tensors[k] != s.written[w] && !apart(*t[s.written[w]], *t[s.tensors[k]])) return false;
     }
   }
-  at::AutoDispatchBelowAutograd below;
-  handle.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
-}
+  if (device.index() != c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index()) return false;
+  const Entry* e = find(s, t, hidden, device.index());
+  if (e == nullptr) return false;
 
-int op_index(const std::string& name) {
-  for (int i = 0; i < kNumOps; ++i) {
-    if (name == kNames[i]) return i;
+  const int64_t tokens = x.numel() / hidden;
+  at::Tensor out;
+  int64_t out_width = hidden;
+  if (s.output == 'r') {
+    out = at::empty_like(x);
+  } else if (s.output == 'h') {  // a published width is even: validation accepted it
+    out_width = hidden / 2;
+    c10::DimVector sizes(x.sizes().begin(), x.sizes().end());
+    sizes.back() = out_width;
+    out = at::empty(sizes, x.options());
   }
-  TORCH_CHECK(false, "deepinfer_fast_path::publish: argument 'op' must be a norm or activation op, got '", name, "'");
+  Rows views[kMaxArgs + 1];
+  TVMFFIAny call_args[kMaxArgs + 1];
+  for (int k = 0; k < s.num_call; ++k) {
+    const int i = s.call[k];
+    if (i < 0) {
+      views[k].view(out, tokens, out_width);
+    } else if (s.roles[i] == 'f') {
+      call_args[k] = float_arg(args[i].toDouble());
+      continue;
+    } else {
+      views[k].view(*t[i], s.roles[i] == 'w' ? -1 : tokens, hidden);
+    }
+    call_args[k] = tensor_arg(views[k]);
+  }
+  call(s, tokens >= e->streamed_from ? e->streamed : e->one_pass, call_args, s.num_call, e->device);
+  torch::jit::drop(*stack, s.num_args);
+  if (s.output != 0) torch::jit::push(*stack, std::move(out));
+  return true;
 }
 
-void publish(const std::string& name, c10::ScalarType dtype, c10::ScalarType weight_dtype, int64_t hidden,
-             int64_t device, int64_t streamed_from, int64_t one_pass, int64_t streamed) {
-  const int op = op_index(name);
-  for (c10::ScalarType t : {dtype, weight_dtype}) {
+struct CudaKernel final : c10::OperatorKernel {
+  explicit CudaKernel(const OpState* s) : s(s) {}
+  void operator()(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    if (serve(*s, stack)) {
+      g_hits.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    g_misses.fetch_add(1, std::memory_order_relaxed);
+    s->twin.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CUDA), stack);
+  }
+  const OpState* s;
+};
+
+struct AutogradKernel final : c10::OperatorKernel {
+  explicit AutogradKernel(const OpState* s) : s(s) {}
+  void operator()(const c10::OperatorHandle& handle, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+    if (c10::GradMode::is_enabled()) {
+      for (const c10::IValue& v : torch::jit::last(*stack, s->num_args)) {
+        if (v.isTensor() && v.toTensor().requires_grad()) {
+          s->twin.callBoxed(stack);
+          return;
+        }
+      }
+    }
+    at::AutoDispatchBelowAutograd below;
+    handle.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  }
+  const OpState* s;
+};
+
+c10::OperatorHandle defined(const std::string& qualname) {
+  auto handle = c10::Dispatcher::singleton().findSchema({qualname, ""});
+  TORCH_CHECK(handle.has_value(), "deepinfer_fast_path::install: ", qualname, " is not defined (define the op and its twin first)");
+  return *handle;
+}
+
+// Registers `op`'s CUDA and Autograd kernels, as its HostCall says: `roles` one letter per schema
+// argument, `output` "" "r" or "h", `call` the host function's arguments (-1 the output).
+void install(const std::string& name, const std::string& roles, const std::string& output, const std::vector<int64_t>& call) {
+  std::lock_guard<std::mutex> lock(g_install);
+  const std::string where = "deepinfer_fast_path::install(" + name + "): ";
+  for (const auto& s : g_ops) TORCH_CHECK(s->name != name, where, "installed already");
+  const c10::OperatorHandle op = defined("deepinfer::" + name);
+  auto state = std::make_unique<OpState>(static_cast<int>(g_ops.size()), name, defined("deepinfer_py::" + name));
+  const auto& arguments = op.schema().arguments();
+  const auto& returns = op.schema().returns();
+  TORCH_CHECK(roles.size() == arguments.size() && roles.size() <= static_cast<size_t>(kMaxArgs), where,
+              "argument 'roles' must have one letter per schema argument (", arguments.size(), ", at most ", kMaxArgs,
+              "), got '", roles, "'");
+  TORCH_CHECK(state->twin.schema().arguments().size() == arguments.size(), where, "the twin's schema differs");
+  OpState& s = *state;
+  s.num_args = static_cast<int>(arguments.size());
+  for (int i = 0; i < s.num_args; ++i) {
+    const char r = roles[i];
+    const c10::TypeKind kind = arguments[i].type()->kind();
+    const bool tensor = kind == c10::TypeKind::TensorType;
+    TORCH_CHECK(((r == 'r' || r == 'w') && tensor) || (r == 'f' && kind == c10::TypeKind::FloatType), where,
+                "argument 'roles': '", r, "' for argument '", arguments[i].name(), "' of type ", arguments[i].type()->str());
+    s.roles[i] = r;
+    if (tensor) s.tensors[s.num_tensors++] = i;
+    if (r == 'r' && s.data < 0) s.data = i;
+    if (arguments[i].alias_info() != nullptr && arguments[i].alias_info()->isWrite()) s.written[s.num_written++] = i;
+  }
+  TORCH_CHECK(s.data >= 0, where, "argument 'roles' has no 'r' (the data argument)");
+  TORCH_CHECK((output.empty() && returns.empty()) ||
+                  ((output == "r" || output == "h") && returns.size() == 1 && returns[0].type()->kind() == c10::TypeKind::TensorType),
+              where, "argument 'output' '", output, "' does not match the schema's ", returns.size(), " returns");
+  s.output = output.empty() ? 0 : output[0];
+  std::vector<int> seen(arguments.size() + 1, 0);  // by index + 1
+  bool ok = call.size() == arguments.size() + (s.output ? 1 : 0);
+  for (size_t k = 0; ok && k < call.size(); ++k) {
+    const int64_t i = call[k];
+    ok = i >= -1 && i < s.num_args && (i >= 0 || s.output) && seen[i + 1]++ == 0;
+    s.call[k] = static_cast<int>(i);
+  }
+  TORCH_CHECK(ok, where, "argument 'call' must hold every argument's index once, and -1 for the output when there is one");
+  s.num_call = static_cast<int>(call.size());
+
+  if (!g_cuda_library) {
+    g_cuda_library = std::make_unique<torch::Library>(torch::Library::IMPL, "deepinfer", c10::DispatchKey::CUDA, __FILE__, __LINE__);
+    g_autograd_library = std::make_unique<torch::Library>(torch::Library::IMPL, "deepinfer", c10::DispatchKey::Autograd, __FILE__, __LINE__);
+  }
+  const OpState* held = state.get();
+  g_ops.push_back(std::move(state));
+  g_cuda_library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CudaKernel>(held)));
+  g_autograd_library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(held)));
+}
+
+const OpState& installed(const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_install);
+  for (const auto& s : g_ops) {
+    if (s->name == name) return *s;
+  }
+  TORCH_CHECK(false, "deepinfer_fast_path::publish: argument 'op' must be an op installed here, got '", name, "'");
+}
+
+void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes, int64_t hidden, int64_t device,
+             int64_t streamed_from, int64_t one_pass, int64_t streamed) {
+  const OpState& s = installed(name);
+  TORCH_CHECK(static_cast<int>(dtypes.size()) == s.num_tensors, "deepinfer_fast_path::publish: argument 'dtypes' must hold ",
+              s.num_tensors, " dtypes for ", name, ", got ", dtypes.size());
+  Entry entry{s.index, hidden, static_cast<c10::DeviceIndex>(device), {}, streamed_from,
+              reinterpret_cast<void*>(one_pass), reinterpret_cast<void*>(streamed)};
+  for (int k = 0; k < s.num_tensors; ++k) {
+    const c10::ScalarType t = dtypes[k];
     TORCH_CHECK(t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Half || t == c10::ScalarType::Float,
                 "deepinfer_fast_path::publish: dtypes must be float16, bfloat16 or float32, got ", t);
+    entry.dtypes[k] = t;
   }
-  TORCH_CHECK(hidden > 0 && one_pass != 0 && streamed != 0 && (!activation(op) || (hidden % 2 == 0 && weight_dtype == dtype)),
+  TORCH_CHECK(hidden > 0 && one_pass != 0 && streamed != 0 && (s.output != 'h' || hidden % 2 == 0),
               "deepinfer_fast_path::publish: bad entry for ", name);
-  void* handles[2] = {reinterpret_cast<void*>(one_pass), reinterpret_cast<void*>(streamed)};
   bind_ffi();
-  for (void* h : handles) g_ffi.inc_ref(h);
-  const Entry entry{op, dtype, weight_dtype, hidden, static_cast<c10::DeviceIndex>(device), streamed_from, handles[0],
-                    handles[1]};
+  g_ffi.inc_ref(entry.one_pass);
+  g_ffi.inc_ref(entry.streamed);
   edit_table([&](std::vector<Entry>& table) { table.push_back(entry); });
 }
 
@@ -339,30 +409,9 @@ std::vector<int64_t> counters() {
 }  // namespace
 
 TORCH_LIBRARY(deepinfer_fast_path, m) {
-  m.def("publish(str op, ScalarType dtype, ScalarType weight_dtype, int hidden, int device, int streamed_from, "
-        "int one_pass, int streamed) -> ()", &publish);
+  m.def("install(str op, str roles, str output, int[] call) -> ()", &install);
+  m.def("publish(str op, ScalarType[] dtypes, int hidden, int device, int streamed_from, int one_pass, "
+        "int streamed) -> ()", &publish);
   m.def("clear() -> ()", &clear);
   m.def("counters() -> int[]", &counters);  // [signatures published, calls served, calls passed on]
-}
-
-namespace {
-
-// Both kernels of every op of kNames, by its name there.
-template <int... ops>
-void register_kernels(torch::Library& m, c10::DispatchKey key, std::integer_sequence<int, ops...>) {
-  if (key == c10::DispatchKey::CUDA) {
-    (m.impl(kNames[ops], torch::CppFunction::makeFromBoxedFunction<&cuda_kernel<ops>>()), ...);
-  } else {
-    (m.impl(kNames[ops], torch::CppFunction::makeFromBoxedFunction<&autograd_kernel<ops>>()), ...);
-  }
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(deepinfer, CUDA, m) {
-  register_kernels(m, c10::DispatchKey::CUDA, std::make_integer_sequence<int, kNumOps>());
-}
-
-TORCH_LIBRARY_IMPL(deepinfer, Autograd, m) {
-  register_kernels(m, c10::DispatchKey::Autograd, std::make_integer_sequence<int, kNumOps>());
 }
