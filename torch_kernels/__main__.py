@@ -161,11 +161,9 @@ CHECK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _compile_tilelang_in_parallel(platform: Platform, device: str) -> int:
-    """Run every TileLang kernel of the self-check once, from a pool of threads, before the check
-    itself: each first call compiles a specialisation (nvcc, ~3 s on the H200 host), and the ~60 of
-    them took the check past 110 s one at a time there (2026-11-29). nvcc runs as a subprocess, so
-    threads compile side by side: 6 norm kernels took 11.7 s from 6 threads on the 2-core CPU machine
-    against 19.0 in turn. Errors are left to the check, which calls the same kernels again (from the
+    """Run every TileLang kernel of the self-check once, from a pool of threads, before the check: each
+    first call compiles (nvcc, ~3 s), a subprocess, so threads overlap them (6 kernels on 2 cores: 11.7 s
+    against 19.0 in turn). Errors are left to the check, which calls the same kernels again (from the
     memo). Returns how many calls were made."""
     calls = []
     for op in ops.ALL:

@@ -27,11 +27,8 @@ def graph_us(fn, warmup: int = 3) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
 
 
-#: Untimed replays before the timed ones, for at least this long: in the suite run of 2026-11-29 the
-#: first implementation timed at an op's largest shape ran ~10% slow with one untimed replay
-#: (per_token_group_quant_fp8 16384x7168: 95 µs as the op, 85 for the same TileLang kernel timed right
-#: after; Triton 94 against 86 when tune timed it first), as if the GPU were still leaving an idle
-#: clock after the seconds of host work before it (checks, torch.compile).
+#: Untimed replays before the timed ones, for at least this long: with one, the first implementation
+#: timed at a large shape ran ~10% slow (per_token_group_quant_fp8 16384x7168: 95 against 85 µs).
 WARM_S = 0.02
 
 
@@ -79,10 +76,9 @@ def replay_us_interleaved(fns: dict, flush=None, rounds: int = 3, target_us: flo
     time, at most ``max_calls``), and the median of ``replays`` timed replays is divided by ``n``.
 
     Every graph is captured first, then they are timed in ``rounds`` interleaved rounds, the order
-    rotated each round (A B C, B C A, C A B), each keeping its median round: in the suite of 2026-11-30
-    (one implementation after another) the same FlashInfer kernel timed 32.8 µs as one row and 36.5 as
-    another (fused_add_rmsnorm 4096x4096 bf16, H200), so a row's place in the sequence outweighed the 5%
-    it was judged by.
+    rotated each round (A B C, B C A, C A B), each keeping its median round: timed one after another, the
+    same FlashInfer kernel read 32.8 and 36.5 µs as two rows (fused_add_rmsnorm 4096x4096 bf16), more
+    than the 5% a row is judged by.
 
     ``flush``: a callable that evicts the L2 cache (a read of a buffer several times its size); each
     graph then holds ``n`` x (flush, fn), and a graph of ``n`` flushes alone, timed the same way, is
