@@ -15,6 +15,7 @@ import itertools
 import math
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -25,6 +26,7 @@ from benchmarks import cases, harness  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402
 from torch_kernels.families.attention import reference as reference  # noqa: E402
 from torch_kernels.families.attention import triton as triton_attention  # noqa: E402
+from torch_kernels.families.attention.ops import merge_inputs  # noqa: E402
 from torch_kernels.testing import assert_close  # noqa: E402
 
 try:
@@ -40,7 +42,7 @@ LARGE = [(8192, 32, 128), (1024, 128, 512)]
 
 
 def _inputs(T, H, D):
-    return cases.merge_inputs(T, H, D, "cuda")
+    return merge_inputs(T, H, D, "cuda")
 
 
 def impls(args) -> dict:
@@ -94,22 +96,21 @@ def bench_sweep(ceiling: float) -> list:
         out, out_lse = torch.empty_like(want_v), torch.empty_like(want_lse)
         seen = set()
         for tile, per_thread, flat in itertools.product((256, 512, 1024, 2048, 4096), (4, 8, 16), (True, False)):
-            block_h, block_d, _ = triton_attention.tile(H, D, tile=tile)
-            warps = min(max(block_h * block_d // (32 * per_thread), 1), 16)
-            if (block_h, block_d, warps, flat) in seen:
+            config = replace(triton_attention.TritonMergeConfig.for_shape(H, D, tile, per_thread), flat=flat)
+            if config in seen:
                 continue
-            seen.add((block_h, block_d, warps, flat))
+            seen.add(config)
             out.zero_()
-            fn = lambda: triton_attention.launch(*args, out, out_lse, block_h, block_d, warps, flat)  # noqa: E731
+            fn = lambda: triton_attention.launch(*args, out, out_lse, config)  # noqa: E731
             fn()
-            assert_close(out, want_v, msg=f"sweep {block_h}x{block_d} warps {warps} flat {flat}")
+            assert_close(out, want_v, msg=f"sweep {config}")
             us = harness.graph_us(fn)
             gbps = cases.nbytes("merge_attn_states", args) / us / 1e3
-            rows.append({"shape": f"{T}x{H}x{D}", "BLOCK_H x BLOCK_D": f"{block_h}x{block_d}", "warps": warps,
-                         "per thread": block_h * block_d // (32 * warps), "grid": "flat" if flat else "3-D",
-                         "us": us, "GB/s": gbps, "of copy": gbps / ceiling,
-                         "default": (block_h, block_d, warps) == triton_attention.tile(H, D)
-                         and flat == triton_attention._FLAT})
+            tile_size = config.block_h * config.block_d
+            rows.append({"shape": f"{T}x{H}x{D}", "BLOCK_H x BLOCK_D": f"{config.block_h}x{config.block_d}",
+                         "warps": config.num_warps, "per thread": tile_size // (32 * config.num_warps),
+                         "grid": "flat" if config.flat else "3-D", "us": us, "GB/s": gbps, "of copy": gbps / ceiling,
+                         "default": config == triton_attention.TritonMergeConfig.for_shape(H, D)})
     return rows
 
 
