@@ -4,7 +4,7 @@ Per op:
 * ``CompositeExplicitAutograd``: the torch reference, so every device (CPU, MPS, XPU, ...) has an
   implementation, through its ``dispatch.ReferenceSlot`` (which traces it); the CUDA kernel below
   overrides it on CUDA only.
-* ``CUDA``: the backend ``dispatch.py`` selects, through the op's slot.
+* ``CUDA``: the backend ``dispatch`` selects, through the op's slot.
 * fake (``Meta`` and fake tensors): the op definition's fake function, so ``torch.compile`` traces
   the op as one node with dynamic shapes.
 * ``Autograd``: the op's backward formula, or a clear error for the in-place ops.
@@ -121,23 +121,24 @@ def _traced_triton(op: OpDef, args: tuple):
         dispatch.note_compile_route(f"op {op.name!r} compiled as 'opaque', not 'inductor_triton', where it writes a "
                                     "non-contiguous view (Inductor may hand the kernel a copy laid out anew)")
         return None
-    spec = registry.BY_OP[op.name][Backend.TRITON]
-    if spec.dtypes and str(args[op.data_arg].dtype).replace("torch.", "") not in spec.dtypes:
+    triton = _triton(op)
+    if triton.refuses(args) is not None:
         return None
-    check = spec.load_check()
-    if check is not None and check(*args) is not None:
-        return None
-    return functools.partial(spec.load(), wrap=torch.library.wrap_triton)
+    return functools.partial(triton.fn, wrap=torch.library.wrap_triton)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton(op: OpDef) -> dispatch.Implementation:
+    return dispatch.Implementation(registry.BY_OP[op.name][Backend.TRITON], op.data_arg)
 
 
 def _made_by_pointwise(t) -> bool:
     """Whether the graph being traced computes ``t`` (or the tensor it is a view or a copy of) with a
     pointwise op, which Inductor would fuse into the op's decomposition. Read from the proxy graph that
     AOTAutograd's tracer is building below the functional mode. A ``clone`` is looked through, as a
-    view is: it copies, it computes nothing. (``opcheck``'s AOT test clones its inputs: taken for
-    pointwise, that decomposed ``per_token_group_quant_fp8`` there, whose kernels may round a value
-    at an fp8 tie one step from the reference, and the test's exact comparison failed 13 of 140
-    samples on the H200, 2026-11-30.)"""
+    view is: it copies, it computes nothing (``opcheck``'s AOT test clones its inputs; taken for
+    pointwise, the decomposed ``per_token_group_quant_fp8`` rounded fp8 ties one step from the
+    kernels' and failed the test's exact comparison on 13 of 140 samples)."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
     tracer = get_proxy_mode()
