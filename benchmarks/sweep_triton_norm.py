@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import cases, harness  # noqa: E402
 from torch_kernels.families.norm import reference as ref_norm  # noqa: E402
 from torch_kernels.families.norm import triton as tr_norm  # noqa: E402
+from torch_kernels.families.norm.ops import BENCH_EPS as EPS  # noqa: E402
 
 SHAPES = ((32, 8192), (4096, 4096), (16384, 4096), (16384, 7168), (16384, 8192))
 
@@ -106,16 +107,16 @@ def main() -> None:
         nbytes = cases.nbytes(op, args)
         if fused:
             want = [x.clone(), r.clone()]
-            ref_norm.fused_add_rmsnorm(*want, w, cases.EPS)
+            ref_norm.fused_add_rmsnorm(*want, w, EPS)
         else:
-            want = [ref_norm.rmsnorm(x, w, cases.EPS)]
+            want = [ref_norm.rmsnorm(x, w, EPS)]
         for label, (block, two, x1, x2, wp, warps, pdl, stages, reload) in _variants(n, fused).items():
             xx, rr, out = x.clone(), r.clone(), torch.empty_like(x)
             dst = xx if fused else out
 
             def call(block=block, two=two, x1=x1, x2=x2, wp=wp, warps=warps, pdl=pdl, stages=stages, reload=reload,
                      xx=xx, rr=rr, dst=dst):
-                _variant[(tokens,)](xx, rr, dst, w, n, cases.EPS, BLOCK=block, TWO_PASS=two, HAS_RESIDUAL=fused,
+                _variant[(tokens,)](xx, rr, dst, w, n, EPS, BLOCK=block, TWO_PASS=two, HAS_RESIDUAL=fused,
                                     X1=x1, X2=x2, W=wp, PDL=pdl, RELOAD=reload, num_warps=warps, num_stages=stages,
                                     launch_pdl=pdl)
             call()
