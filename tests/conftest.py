@@ -146,3 +146,12 @@ def cuda_platform():
     """Pretend to be an sm_90 CUDA machine, so the CUDA selection resolves as on the H200."""
     dispatch.set_platform(torch_kernels.Platform("cuda", (9, 0), "pretend H200"))
     return dispatch.platform()
+
+
+def triton_here(family, device):
+    """``family``'s Triton module, for a test on ``device`` (CPU tensors: only in Triton's interpreter)."""
+    import importlib
+
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
+    return importlib.import_module(f"torch_kernels.families.{family}.triton")

@@ -3,7 +3,6 @@ backend against the reference, over dtypes and awkward shapes (Triton in its int
 
 import inspect
 import math
-import os
 from dataclasses import replace
 
 import pytest
@@ -14,7 +13,7 @@ from torch_kernels.families.activation import ops as activation_ops
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES, assert_bad_inputs_raise, family_ops, implementations_on
+from conftest import DEVICES, assert_bad_inputs_raise, family_ops, implementations_on, triton_here
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (input shape, row stride or None): d = 1, one token, d not a power of two (masked column tail),
@@ -139,19 +138,13 @@ def test_gelu_tanh_and_mul_is_gelu_and_mul_tanh(device):
         assert torch.equal(fn(x, "tanh"), tanh[name](x)), name
 
 
-def _triton_here(device):
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
-    from torch_kernels.families.activation import triton as activation
-    return activation
-
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("flat", [True, False], ids=["flat-grid", "2d-grid"])
 def test_triton_program_orders_and_split_launches(flat, device, monkeypatch):
     """Both program orders, with the default tiles and with launches split where the grid would
     pass CUDA's limits (shrunk here to 3 programs on axis 0, 2 on axis 1)."""
-    triton_activation = _triton_here(device)
+    triton_activation = triton_here("activation", device)
     Config = triton_activation.TritonActivationConfig
     for act, op, approximate in [("silu", "silu_and_mul", None), ("gelu", "gelu_and_mul", "none"),
                                  ("gelu_tanh", "gelu_tanh_and_mul", None)]:
@@ -174,7 +167,7 @@ def test_triton_program_orders_and_split_launches(flat, device, monkeypatch):
 def test_triton_other_configs_match_reference(op, approximate, device):
     """The entry points under launches other than the heuristic's: tiles of several rows, a row in
     several column blocks, other warp counts, the 2-D grid; fp32 and bf16, strided rows."""
-    triton_activation = _triton_here(device)
+    triton_activation = triton_here("activation", device)
     Config = triton_activation.TritonActivationConfig
     fn = getattr(triton_activation, op)
     for dtype in (torch.float32, torch.bfloat16):
@@ -188,7 +181,7 @@ def test_triton_other_configs_match_reference(op, approximate, device):
 def test_triton_heuristic_picks_the_measured_tiles():
     """1024 outputs a program over 4 warps (8 a thread): the row up to 1024 columns, several rows of a
     shorter one; one warp at least, so shorter tiles keep 32 threads."""
-    Config = _triton_here("cpu").TritonActivationConfig
+    Config = triton_here("activation", "cpu").TritonActivationConfig
     assert Config.for_shape(14336) == Config(1, 1024, 4, True)
     assert Config.for_shape(1024) == Config(1, 1024, 4, True)
     assert Config.for_shape(1000) == Config(1, 1024, 4, True)

@@ -14,7 +14,7 @@ from torch_kernels.families.attention import ops as attention_ops
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES, assert_bad_inputs_raise, implementations_on
+from conftest import DEVICES, assert_bad_inputs_raise, implementations_on, triton_here
 
 OP = "merge_attn_states"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -203,19 +203,13 @@ def test_triton_program_orders_and_split_launches(flat, device, monkeypatch):
             run(Config(block_h, block_d, 1))
 
 
-def _triton_here(device):
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
-    from torch_kernels.families.attention import triton as triton_attention
-    return triton_attention
-
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_triton_other_configs_match_reference(dtype, device):
     """The entry point under launches other than the heuristic's: heads in several blocks, a head
     in several value blocks, other warp counts, the 3-D grid; an empty partial."""
-    triton_attention = _triton_here(device)
+    triton_attention = triton_here("attention", device)
     Config = triton_attention.TritonMergeConfig
     for T, H, D in ((3, 5, 40), (4, 12, 64)):
         args = _inputs(T, H, D, dtype, device)
@@ -230,7 +224,7 @@ def test_triton_other_configs_match_reference(dtype, device):
 def test_triton_heuristic_picks_the_measured_tiles():
     """2048 values a program over 4 warps (16 a thread): the whole head up to 1024 values, as many
     heads as fill the tile, no more heads than there are."""
-    Config = _triton_here("cpu").TritonMergeConfig
+    Config = triton_here("attention", "cpu").TritonMergeConfig
     assert Config.for_shape(32, 128) == Config(16, 128, 4, True)
     assert Config.for_shape(8, 128) == Config(8, 128, 2, True)
     assert Config.for_shape(32, 512) == Config(4, 512, 4, True)

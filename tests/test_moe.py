@@ -13,7 +13,7 @@ from torch_kernels.families.moe.ops import compare_routing, grouped_topk, groupe
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES, assert_bad_inputs_raise, family_ops, implementations_on
+from conftest import DEVICES, assert_bad_inputs_raise, family_ops, implementations_on, triton_here
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPS = family_ops("moe")
@@ -500,12 +500,6 @@ def test_triton_topk_softmax_and_grouped_topk_refuse_rows_wider_than_the_tile():
         triton_moe.topk_softmax(wide, 8)
 
 
-def _triton_here(device):
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
-    from torch_kernels.families.moe import triton as triton_moe
-    return triton_moe
-
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -513,7 +507,7 @@ def _triton_here(device):
 def test_triton_other_configs_match_reference(op, dtype, device):
     """The entry points under launches other than the heuristic's: one token a program, tokens past
     the batch (masked), other warp counts; strided rows, groups that are not powers of two."""
-    triton_moe = _triton_here(device)
+    triton_moe = triton_here("moe", device)
     Config = triton_moe.TritonMoeConfig
     fn = getattr(triton_moe, op)
     for row in EXTRA[op][:3]:
@@ -529,7 +523,7 @@ def test_triton_other_configs_match_reference(op, dtype, device):
 def test_triton_heuristic_picks_the_register_budget():
     """4 warps, a token's experts in one warp, about 16 logits a thread; tiles needing over 32 a thread
     take 2048 logits a program across warps."""
-    Config = _triton_here("cpu").TritonMoeConfig
+    Config = triton_here("moe", "cpu").TritonMoeConfig
     assert Config.for_shape(256, 1, 2) == Config(8, 4)  # 256 experts in bf16: 2 tokens a warp, 16 logits a thread
     assert Config.for_shape(256, 8, 2) == Config(8, 4)  # DeepSeek-V3's 8 groups of 32: 2048 logits a program
     assert Config.for_shape(128, 1, 4) == Config(16, 4)

@@ -1,7 +1,6 @@
 """Numerics of the norm family: the reference against an independent fp64 formula, and every
 backend against the reference, over dtypes and awkward shapes (Triton in its interpreter on CPU)."""
 
-import os
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from torch_kernels import ops, registry
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES, assert_bad_inputs_raise, family_ops, implementations_on
+from conftest import DEVICES, assert_bad_inputs_raise, family_ops, implementations_on, triton_here
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (shape, row stride or None): one element, one token, hidden sizes that are not powers of two,
@@ -110,16 +109,10 @@ def test_backends_large_values_and_nonfinite(op, device):
         _check_backends(op, device, torch.float32, (3, 700), None, poison=poison)
 
 
-def _triton_here(device):
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
-    from torch_kernels.families.norm import triton as triton_norm
-    return triton_norm
-
 
 def _triton_with(op, device, config):
     """The Triton entry point of ``op`` launched with ``config(n)`` for rows of ``n``."""
-    fn = getattr(_triton_here(device), op)
+    fn = getattr(triton_here("norm", device), op)
     return lambda x, *args: fn(x, *args, config=config(x.shape[-1]))
 
 
@@ -128,7 +121,7 @@ def _triton_with(op, device, config):
 def test_triton_large_batch_routes_match_reference(op, device):
     """The Triton backend's routes from 4096 tokens (the fused ops in chunks, rmsnorm reading its row
     twice) at every token count: a row in one chunk, a masked last chunk, several chunks, strided rows."""
-    triton_norm = _triton_here(device)
+    triton_norm = triton_here("norm", device)
     many = _triton_with(op, device, lambda n: triton_norm.TritonNormConfig.for_shape(4096, n, op in FUSED))
     for dtype in (torch.bfloat16, torch.float32):
         for shape, stride in (((3, 1000), None), ((2, 5120), None), ((5, 96), 160)):
@@ -140,7 +133,7 @@ def test_triton_large_batch_routes_match_reference(op, device):
 def test_triton_other_configs_match_reference(op, device):
     """Launches other than the heuristic's: small chunks (several, a masked last one), a row padded
     past its width in one pass, read twice or not, other warp counts."""
-    triton_norm = _triton_here(device)
+    triton_norm = triton_here("norm", device)
     Config = triton_norm.TritonNormConfig
     configs = {"two passes of 64, 2 warps": lambda n: Config(64, False, False, 2),
                "two passes of 512, 1 warp": lambda n: Config(512, False, False, 1),
@@ -157,7 +150,7 @@ def test_triton_heuristic_picks_the_measured_launches():
     """One pass with the row padded up to 16384 wide, ~one warp per 512 values; two passes of 4096
     beyond; from 4096 tokens (eager) rmsnorm reads its row twice and the fused ops go in chunks of
     4096 over 16 warps; traced, the token count is unknown: the few-token launch."""
-    Config = _triton_here("cpu").TritonNormConfig
+    Config = triton_here("norm", "cpu").TritonNormConfig
     for fused in (False, True):
         assert Config.for_shape(1, 1, fused) == Config(1, True, False, 1)
         assert Config.for_shape(7, 1000, fused) == Config(1024, True, False, 2)

@@ -14,7 +14,7 @@ from torch_kernels.families.rope import ops as rope
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES, assert_bad_inputs_raise, implementations_on
+from conftest import DEVICES, assert_bad_inputs_raise, implementations_on, triton_here
 
 OP = "rotary_embedding"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -183,12 +183,6 @@ def test_rotary_embedding_triton_out_of_cache_position_reads_nothing_and_gives_n
         assert_close(g[[0, 3]], want)
 
 
-def _triton_here(device):
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
-    from torch_kernels.families.rope import triton as triton_rope
-    return triton_rope
-
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -196,7 +190,7 @@ def test_rotary_embedding_triton_other_configs_match_reference(dtype, device):
     """The entry point under launches other than the heuristic's: a head per tile, chunks of several
     tiles that split query and key heads, one chunk of every head, more warps; both pairings,
     partial rotary, no key, the fused qkv layout."""
-    triton_rope = _triton_here(device)
+    triton_rope = triton_here("rope", device)
     Config = triton_rope.TritonRopeConfig
     for case in ((3, 4, 2, 128, 128, False, "2d"), (5, 3, 1, 96, 48, True, "qkv"), (2, 3, 0, 64, 32, True, "qkv"),
                  (3, 37, 5, 16, 8, True, "3d")):
@@ -217,7 +211,7 @@ def test_rotary_embedding_triton_heuristic_picks_the_measured_launch():
     """Tiles of 1024 pairs over 4 warps; from 1024 tokens one chunk of every head (cos/sin loaded once
     a token), fewer tokens split the heads in chunks of whole tiles until there are 1024 programs;
     traced (tokens unknown), one tile a program."""
-    Config = _triton_here("cpu").TritonRopeConfig
+    Config = triton_here("rope", "cpu").TritonRopeConfig
     assert Config.for_shape(8192, 40, 64) == Config(48, 16, 64, 4)  # 32 + 8 heads of 128: 3 tiles of 16
     assert Config.for_shape(1024, 40, 64) == Config(48, 16, 64, 4)
     assert Config.for_shape(1023, 40, 64) == Config(32, 16, 64, 4)  # 2 chunks
