@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from torch_kernels import ops, registry
-from torch_kernels.bench import cases, suite
+from torch_kernels.bench import cases, report, suite
 from torch_kernels.spec import Backend, Capability, KernelSpec, Platform
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def test_default_cpu_run(default_run):
     assert result["goals"] == []  # set for a CUDA GPU: none judged on CPU
     md = (out / "cpu.md").read_text()
     assert md.startswith("# Benchmark suite: cpu") and "## Goals" not in md and "**no**" not in md
-    assert f"Goals: not judged: {suite.GOALS_NOT_JUDGED}." in md
+    assert f"Goals: not judged: {report.GOALS_NOT_JUDGED}." in md
     for op in suite.CPU_OPS:
         assert f"## {op} (" in md
     assert "| 1x512 | **deepinfer op** |" in md
@@ -148,7 +148,7 @@ def test_command_line(tmp_path, capsys):
     assert cli.main(["bench", "--cpu", "--ops", "silu_and_mul", "--shapes", "3", "--no-plots", "--out", str(tmp_path)]) == 0
     assert [r["shape"] for r in _load(tmp_path)["rows"] if r["key"] == "op"] == ["3x2*512"]
     err = capsys.readouterr().err
-    assert f"goals not judged ({suite.GOALS_NOT_JUDGED})" in err and "goals met" not in err
+    assert f"goals not judged ({report.GOALS_NOT_JUDGED})" in err and "goals met" not in err
 
 
 def test_without_matplotlib_the_tables_and_one_line(tmp_path, monkeypatch, capsys):
@@ -187,8 +187,8 @@ def test_host_goal_is_judged_on_the_measurement_with_a_backend_selected():
     rows = [{"op": "rmsnorm", "key": k, "shape": "1x4096", "dtype": "bfloat16", "host_us": us, "tokens": 1,
              "device_us": 1.5, "vs best peer": 1.0, "bytes": 16384} for k, us in (("op", 14.0), ("F.rms_norm", 9.0))]
     host = {"op": 7.5, "F.rms_norm": 9.0, "backend": "tilelang", "cpp_entry": "loaded"}
-    by_rows = [g for g in suite.goals(rows) if g["goal"].startswith("host")]
-    by_goal = [g for g in suite.goals(rows, {"rmsnorm": host}) if g["goal"].startswith("host")]
+    by_rows = [g for g in report.goals(rows) if g["goal"].startswith("host")]
+    by_goal = [g for g in report.goals(rows, {"rmsnorm": host}) if g["goal"].startswith("host")]
     assert [g["met"] for g in by_rows] == [False] and [g["met"] for g in by_goal] == [True]
     assert by_goal[0]["worst"] == 9.0 / 7.5 and "tilelang selected, C++ entry loaded" in by_goal[0]["at"]
     assert by_rows[0]["goal"] == "host µs at 1x4096 bf16 <= F.rms_norm's"

@@ -24,7 +24,7 @@ from typing import Dict, List, NamedTuple, Tuple
 
 from .. import registry, tuning
 from ..spec import Backend, Platform
-from . import default_out, suite
+from . import default_out, report, suite
 
 BACKEND_KEYS = tuple(b.value for b in Backend if b is not Backend.TORCH)
 
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                       "--host-tokens", "0", "--no-plots", "--out", str(out)] + (["--ops", args.ops] if args.ops else []) \
             + ([] if left is None else ["--budget", str(left)])
         rc |= suite.main(bench_argv)
-        result = json.loads((out / f"{suite.slug(suite.torch.cuda.get_device_name())}.json").read_text())
+        result = json.loads((out / f"{report.slug(platform.device_name)}.json").read_text())
         entries += winners(result)
     path = args.table or tuning.user_dir() / tuning.file_name(platform)
     table = tuning.save(entries, tuning.table_key(platform), path)
