@@ -184,18 +184,10 @@ def _slice_candidates_kernel(
     c_hi = tl.full([], 0, tl.int32)
     jp = tl.arange(0, NP).to(tl.int64) + 1
     if GROUPS > 1:
-        # the start of the search from the GROUPS group maxima (of SLICE // GROUPS neighbours: the load's
-        # layout keeps 4 in a thread, so the maxima cost a max in registers and one shuffle). With
-        # g(t) = the number of group maxima >= t: those are values of the slice, so f(t) >= g(t), and a
-        # t with g(t) >= k is a valid lower end; and f(t) is only a little above g(t) while g(t) is well
-        # below GROUPS (k = 50 of 512 groups of 8: f ~ 52 at g = 50, ~105 at g = 96 = GM_CAP for any
-        # continuous distribution: it depends on ranks only). So the count search runs on 2 values a
-        # thread instead of 16 (16 pivots: 32 compares a thread a round instead of 256), and one count
-        # over the slice checks f(lo) <= SLICE_CAP; if not (ties, k near SLICE_CAP) the full search
-        # below goes on from there. The first round's pivots sit j^2 / 8 octaves (j = 1..16) below the
-        # slice's largest value, where the k-th largest of a softmax slice lies (for k = 50 of 4008,
-        # randn * s logits: ~1.8 s to 2.4 s octaves down): one round for s from ~0.5 to ~12 in a numpy
-        # model (1.1 on average at s = 3) against 1.5 to 2.8 for the uniform pivots
+        # the search starts on the GROUPS group maxima, values of the slice: f(t) >= g(t), so a t with
+        # g(t) >= k maxima above it is a valid lower end, found on 2 values a thread instead of 16; one
+        # count over the slice then checks f(lo) <= SLICE_CAP (ties, k near the cap: the full search goes
+        # on from lo). First pivots j^2/8 octaves below the maximum: 1.1 rounds at randn*3 (design note)
         gm = tl.max(tl.reshape(b, [GROUPS, SLICE // GROUPS]), axis=1)
         g_lo = tl.sum((gm >= 0).to(tl.int32), axis=0)
         if (c_lo > SLICE_CAP) & (g_lo >= k) & (k <= GM_CAP):
