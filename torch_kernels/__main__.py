@@ -152,7 +152,7 @@ def inventory(platform: Platform) -> None:
     for note in _inventory_notes(platform):
         print(_wrap(note, "  note: "))
     print()
-    print(_wrap(f"C++ entry of {', '.join(fast_path.OPS)} (eager CUDA calls TileLang serves): {fast_path.status()}"))
+    print(_wrap(f"C++ entry of {', '.join(fast_path.SERVED)} (eager CUDA calls TileLang serves): {fast_path.status()}"))
     if sel.auto:
         print(_auto_choices(platform))
 

@@ -54,7 +54,6 @@ ENV = "DEEPINFER_OPS_FAST_PATH"
 BACKEND = Backend.TILELANG
 #: the ops the entry serves, each with the spec whose ``host`` it calls
 SERVED: Dict[str, KernelSpec] = {k.op: k for k in registry.KERNELS if k.backend is BACKEND and k.host is not None}
-OPS = tuple(SERVED)
 #: the namespace of the twin ops that carry the Python kernels while the library is loaded
 TWIN_NAMESPACE = "deepinfer_py"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fast_path.cpp"
@@ -68,7 +67,6 @@ _MAX_RECORD_BYTES = 4096
 
 _state = {"status": "not loaded"}
 _published: set = set()
-_hosts: Dict[str, Any] = {}  # a spec's host -> the callable it names
 
 
 def _tvm_ffi_version() -> Optional[str]:
@@ -293,17 +291,10 @@ def offer(op: str, spec: Optional[KernelSpec], args: tuple) -> None:
     key = (op, dtypes, x.shape[-1], x.device.index)
     if key in _published or not all(d in _DTYPES for d in dtypes):
         return
-    one_pass, streamed, streamed_from = _host(spec)(*args)
+    one_pass, streamed, streamed_from = spec.load_host()(*args)  # once a signature
     _publish(op, dtypes, x.shape[-1], x.device.index, _NEVER if streamed_from is None else streamed_from,
              one_pass.__chandle__(), streamed.__chandle__())
     _published.add(key)
-
-
-def _host(spec: KernelSpec) -> Any:
-    found = _hosts.get(spec.host)
-    if found is None:
-        found = _hosts[spec.host] = spec.load_host()
-    return found
 
 
 def _publish(op: str, dtypes: tuple, *entry: Any) -> None:
