@@ -152,6 +152,7 @@ def triton_here(family, device):
     """``family``'s Triton module, for a test on ``device`` (CPU tensors: only in Triton's interpreter)."""
     import importlib
 
+    pytest.importorskip("triton")
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
     return importlib.import_module(f"torch_kernels.families.{family}.triton")

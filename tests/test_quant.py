@@ -21,7 +21,7 @@ from torch_kernels import ops, registry
 from torch_kernels.families.quant.ops import per_token_group_quant_fp8
 from torch_kernels.spec import Backend
 
-from conftest import DEVICES, assert_bad_inputs_raise, implementations_on
+from conftest import DEVICES, assert_bad_inputs_raise, implementations_on, triton_here
 
 try:  # after conftest, which switches the interpreter on without a GPU
     import triton
@@ -224,9 +224,7 @@ def test_triton_division_paths(op, device):
     """The Triton kernel's scales are bit-equal to the fp64 formula (``div_rn`` is ``div.rn.f32``);
     it multiplies by 1/scale (one fp8 step at most from x / scale, and rarely) or, forced, divides
     (``div_rn``: q bit-equal to the formula), with either fp8 rounding."""
-    if triton is None or device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton runs on CPU only in its interpreter")
-    from torch_kernels.families.quant import triton as tq
+    tq = triton_here("quant", device)
     x = _rows((16, 1024), None, torch.float32, device)
     q_want, s_want = _formula(x.cpu(), 128, 1e-10, False)
     q_ref, s_ref = _reference()(x, 128, 1e-10)
@@ -250,9 +248,7 @@ def test_triton_division_paths(op, device):
 def test_triton_other_configs_match_reference(op, dtype, device):
     """The entry point under launches other than the heuristic's: one (row, group) a program, rows
     past the token count (masked), several groups a program, other warp counts; both scale layouts."""
-    if triton is None or device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton runs on CPU only in its interpreter")
-    from torch_kernels.families.quant import triton as tq
+    tq = triton_here("quant", device)
     Config = tq.TritonQuantConfig
     for shape, group, column_major, ue8m0 in (((5, 512), 64, True, True), ((3, 1024), 128, False, False)):
         x = _rows(shape, None, dtype, device)
