@@ -18,9 +18,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [((1, 1), None), ((1, 4096), None), ((7, 1000), None), ((2, 3, 257), None), ((0, 64), None),
           ((5, 96), 160), ((3, 5120), None), ((2, 20000), None), ((1, 65536), None)]
 GPU_SHAPES = [((4096, 8192), None), ((33, 7168), 8192), ((1, 131072), None)]
-# the norms that return their output, and the fused ones that write input and residual in place (Tensor(a!))
-NORM = [op for op in family_ops("norm") if "!" not in ops.BY_NAME[op].schema]
-FUSED = [op for op in family_ops("norm") if "!" in ops.BY_NAME[op].schema]
+# the norms that return their output, and the fused ones that write input and residual in place (Tensor(a!));
+# the norms with an FP8 epilogue: tests/test_fp8_epilogues.py
+_PLAIN = [op for op in family_ops("norm") if not op.endswith("_fp8_quant")]
+NORM = [op for op in _PLAIN if "!" not in ops.BY_NAME[op].schema]
+FUSED = [op for op in _PLAIN if "!" in ops.BY_NAME[op].schema]
 
 
 def _rows(shape, stride, dtype, device, scale=1.0):

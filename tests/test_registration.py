@@ -30,11 +30,17 @@ deepinfer::rmsnorm(Tensor input, Tensor weight, float eps=9.9999999999999995e-07
 deepinfer::fused_add_rmsnorm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps=9.9999999999999995e-07) -> ()
 deepinfer::gemma_rmsnorm(Tensor input, Tensor weight, float eps=9.9999999999999995e-07) -> Tensor
 deepinfer::gemma_fused_add_rmsnorm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps=9.9999999999999995e-07) -> ()
+deepinfer::rmsnorm_fp8_quant(Tensor input, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
+deepinfer::fused_add_rmsnorm_fp8_quant(Tensor input, Tensor(a!) residual, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
+deepinfer::gemma_rmsnorm_fp8_quant(Tensor input, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
+deepinfer::gemma_fused_add_rmsnorm_fp8_quant(Tensor input, Tensor(a!) residual, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
 deepinfer::silu_and_mul(Tensor input) -> Tensor
 deepinfer::gelu_and_mul(Tensor input, str approximate="none") -> Tensor
 deepinfer::gelu_tanh_and_mul(Tensor input) -> Tensor
+deepinfer::silu_and_mul_fp8_quant(Tensor input, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
 deepinfer::rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, Tensor cos_sin_cache, bool is_neox) -> ()
 deepinfer::per_token_group_quant_fp8(Tensor input, int group_size, float eps=1e-10, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
+deepinfer::scaled_fp8_quant(Tensor input, Tensor? scale=None, bool per_token=False, Tensor? scale_ub=None) -> (Tensor, Tensor)
 deepinfer::topk_softmax(Tensor gating_output, int topk, bool renormalize=False) -> (Tensor, Tensor)
 deepinfer::grouped_topk(Tensor gating_output, int topk, bool renormalize, int num_expert_group, int topk_group, str scoring_func="softmax", Tensor? e_score_correction_bias=None, float routed_scaling_factor=1.) -> (Tensor, Tensor)
 deepinfer::merge_attn_states(Tensor v_a, Tensor lse_a, Tensor v_b, Tensor lse_b) -> (Tensor, Tensor)

@@ -39,7 +39,7 @@ from torch_kernels.families.attention import reference as attention_ref  # noqa:
 from torch_kernels.families.quant import reference as quant_ref  # noqa: E402
 from torch_kernels.families.rope import reference as rope_ref  # noqa: E402
 from torch_kernels.families.rope import ops as rope_op # noqa: E402
-from torch_kernels.families.quant.ops import compare as compare_quant  # noqa: E402
+from torch_kernels.fp8 import compare as compare_quant  # noqa: E402
 from torch_kernels.spec import Backend  # noqa: E402
 from torch_kernels.testing import assert_close  # noqa: E402
 

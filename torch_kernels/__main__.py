@@ -149,7 +149,7 @@ def inventory(platform: Platform) -> None:
                 "under torch.compile on CUDA; * decomposes where a pointwise op computes its input"
                 + ("" if platform.is_cuda else "; elsewhere inductor_triton decomposes and the in-place norms stay "
                    "opaque") + " (docs/compile.md)"))
-    for note in _inventory_notes(platform):
+    for note in _inventory_notes(platform) + [n for f in registry.FAMILIES for n in f.notes]:
         print(_wrap(note, "  note: "))
     print()
     print(_wrap(f"C++ entry of {', '.join(fast_path.SERVED)} (eager CUDA calls TileLang serves): {fast_path.status()}"))

@@ -267,11 +267,14 @@ class OpInfo:
 class Family:
     """One op family's manifest (``torch_kernels/families/<name>/manifest.py``): its ops and every
     implementation of them. ``package`` is the family's package; its ``ops`` module holds the op
-    definitions (schema, validation, fake, samples), which need torch, so the inventory never imports it."""
+    definitions (schema, validation, fake, samples), which need torch, so the inventory never imports it.
+    ``notes``: what the inventory says under its table, such as why a backend that has an op is no
+    implementation of it."""
 
     package: str
     ops: Tuple[OpInfo, ...]
     kernels: Tuple[KernelSpec, ...]
+    notes: Tuple[str, ...] = ()
 
     @property
     def name(self) -> str:

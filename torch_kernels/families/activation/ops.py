@@ -2,7 +2,8 @@
 
 The MLP gate of a decoder layer: ``(..., 2d) -> (..., d)``, ``act(x[..., :d]) * x[..., d:]``, with the
 semantics of vLLM's ``SiluAndMul``/``GeluAndMul`` and FlashInfer's ``flashinfer.activation``; the
-reference is ``torch_kernels/families/activation/reference.py``.
+reference is ``torch_kernels/families/activation/reference.py``. ``silu_and_mul_fp8_quant`` adds
+``torch_kernels/fp8.py``'s quantising epilogue: bit for bit ``silu_and_mul`` then the quant op.
 """
 
 from typing import Iterator, Optional
@@ -10,7 +11,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from ... import checks as check
+from ... import checks as check, fp8
 from ...opdef import BenchCase, OpDef, Peer
 
 _APPROXIMATE = ("none", "tanh")
@@ -78,6 +79,21 @@ def _fake_gelu(input: Tensor, approximate: str = "none") -> Tensor:
     return input.new_empty(_out_shape(input))
 
 
+QUANT = "silu_and_mul_fp8_quant"
+
+
+def _validate_quant(input: Tensor, scale=None, group_size: int = fp8.PER_TOKEN, column_major_scales: bool = False,
+                    scale_ue8m0: bool = False) -> None:
+    _validate_input(QUANT, input)
+    fp8.validate_epilogue(QUANT, input, input.shape[-1] // 2, scale, group_size, column_major_scales, scale_ue8m0)
+
+
+def _fake_quant(input: Tensor, scale=None, group_size: int = fp8.PER_TOKEN, column_major_scales: bool = False,
+                scale_ue8m0: bool = False):
+    _validate_quant(input, scale, group_size, column_major_scales, scale_ue8m0)
+    return fp8.empty_outputs(input, input.shape[-1] // 2, scale, group_size, column_major_scales)
+
+
 # ----------------------------------------------------------------------------------------------
 # Typed wrappers: what IDEs show, and what docs/ops.md is generated from.
 
@@ -131,6 +147,32 @@ def gelu_tanh_and_mul(input: Tensor) -> Tensor:
     return torch.ops.deepinfer.gelu_tanh_and_mul.default(input)
 
 
+def silu_and_mul_fp8_quant(input: Tensor, scale: Optional[Tensor] = None, group_size: int = -1,
+                           column_major_scales: bool = False, scale_ue8m0: bool = False):
+    """``y = silu_and_mul(input)`` rounded to the input's dtype, then quantised to FP8
+
+    The MLP gate in front of the FP8 down projection in one pass (vLLM's SiLU-mul+quant fusion and its
+    ``silu_and_mul_quant`` / ``silu_mul_per_token_group_quant_fp8``): :func:`silu_and_mul`, then
+    :func:`scaled_fp8_quant` (static ``scale``, or dynamic per token) or :func:`per_token_group_quant_fp8`
+    (``group_size > 0``, eps ``1e-10``), without writing ``y``.
+
+    Args:
+        input: ``(..., 2d)`` fp16/bf16/fp32, the gate half then the up half; last dimension contiguous
+            and even (rows may be strided; any leading dims, zero tokens included).
+        scale: static per-tensor scale, float32 ``()`` or ``(1,)`` on the device of ``input``; ``None``: dynamic.
+        group_size: with ``scale=None``: ``-1`` one scale per token, or a power of two dividing ``d``.
+        column_major_scales: group scales in DeepGEMM's column-major layout.
+        scale_ue8m0: group scales rounded up to powers of two.
+
+    Returns:
+        ``(q, scales)``: ``q`` ``(..., d)`` float8_e4m3fn contiguous; ``scales`` fp32: ``(1,)`` static (a
+        copy of ``scale``), ``(..., 1)`` per token, ``(..., d / group_size)`` per group. Bit for bit what
+        the unfused pair returns, on every backend. Not differentiable.
+    """
+    return torch.ops.deepinfer.silu_and_mul_fp8_quant.default(input, scale, group_size, column_major_scales,
+                                                              scale_ue8m0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Sample arguments for opcheck, the self-check and the tests: awkward shapes, never zeros.
 
@@ -165,6 +207,25 @@ def _tokens_gelu(n: int, device) -> tuple:
     return (torch.randn(n, 128, device=device), "tanh"), (0,)
 
 
+#: silu_and_mul_fp8_quant: (leading shape, d, row stride or None, (scale mode, group_size,
+#: column_major_scales, scale_ue8m0)); each mode on one token, 3-D, strided rows, zero tokens, odd sizes.
+QUANT_SAMPLE_SHAPES = (((1,), 1, None, ("static", -1, False, False)), ((3,), 256, None, (None, 128, False, False)),
+                       ((2, 3), 96, None, (None, -1, False, False)), ((0,), 64, None, (None, 64, True, False)),
+                       ((4,), 48, 160, ("static", -1, False, False)), ((), 7, None, (None, -1, False, False)),
+                       ((2,), 384, 1024, (None, 128, True, True)), ((3,), 24, None, (None, 8, False, True)))
+
+
+def _samples_quant(device, dtype) -> Iterator[tuple]:
+    for lead, d, stride, (kind, group, column_major, ue8m0) in QUANT_SAMPLE_SHAPES:
+        # silu(g) * u of values about 2: magnitudes to about 20, a 448th of that a static scale
+        scale = torch.rand((1,), device=device) * 0.03 + 0.02 if kind == "static" else None
+        yield _rows(lead, 2 * d, stride, device, dtype), scale, group, column_major, ue8m0
+
+
+def _tokens_quant(n: int, device) -> tuple:
+    return (torch.randn(n, 256, device=device), None, 64, True, False), (0,)
+
+
 # ----------------------------------------------------------------------------------------------
 # Benchmark cases: tokens x 2d for d in the profile's hidden sizes; FlashInfer's flashinfer.activation as peer.
 
@@ -197,6 +258,15 @@ def _flashinfer(op: str):
     return peer
 
 
+def _bench_args_quant(rows: int, hidden: int, profile: str, device, dtype) -> tuple:
+    return _bench_args(rows, hidden, profile, device, dtype) + (None, -1, False, False)  # dynamic per token
+
+
+def _bench_nbytes_quant(args: tuple) -> int:
+    x = args[0]
+    return x.numel() * x.element_size() + x.numel() // 2 + x[..., 0].numel() * 4  # read (T, 2d), write q and scales
+
+
 def _bench(op: str, args=_bench_args, cpu_default: bool = False) -> BenchCase:
     return BenchCase(_bench_shape, args, _bench_nbytes, takes_hidden=True, memory_bound=True,
                      flashinfer=_flashinfer(op), cpu_default=cpu_default)
@@ -216,4 +286,10 @@ OPS = (
           gelu_and_mul, _samples_gelu, _tokens_gelu, no_grad_reason=_NO_GRAD,
           bench=_bench("gelu_and_mul", _bench_args_gelu)),
     _act_op("gelu_tanh_and_mul", gelu_tanh_and_mul),
+    OpDef(f"{QUANT}(Tensor input, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, "
+          "bool scale_ue8m0=False) -> (Tensor, Tensor)",
+          _validate_quant, _fake_quant, silu_and_mul_fp8_quant, _samples_quant, _tokens_quant,
+          no_grad_reason="quantisation to float8 has no useful gradient (round and clamp)", compare=fp8.compare,
+          bench=BenchCase(_bench_shape, _bench_args_quant, _bench_nbytes_quant, takes_hidden=True, memory_bound=True,
+                          flashinfer=lambda args: "FlashInfer 0.7.4 has no SiLU-and-mul with FP8 quantisation")),
 )

@@ -4,9 +4,13 @@ These functions take already-validated arguments (``ops.py`` validates):
 ``input`` is ``(..., 2d)`` with its last dimension contiguous; the output is ``(..., d)``, contiguous.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ... import fp8
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -32,3 +36,9 @@ def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
 
 def gelu_tanh_and_mul(input: Tensor) -> Tensor:
     return _act_and_mul(input, lambda g: F.gelu(g, approximate="tanh"))
+
+
+def silu_and_mul_fp8_quant(input: Tensor, scale: Optional[Tensor] = None, group_size: int = -1,
+                           column_major_scales: bool = False, scale_ue8m0: bool = False):
+    # exactly silu_and_mul, then the quant op: the epilogue of torch_kernels/fp8.py
+    return fp8.quantize(silu_and_mul(input), scale, group_size, column_major_scales, scale_ue8m0)

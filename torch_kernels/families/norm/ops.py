@@ -1,7 +1,9 @@
-"""The RMSNorm family: ``rmsnorm``, ``fused_add_rmsnorm``, ``gemma_rmsnorm``, ``gemma_fused_add_rmsnorm``.
+"""The RMSNorm family: ``rmsnorm``, ``fused_add_rmsnorm``, ``gemma_rmsnorm``, ``gemma_fused_add_rmsnorm``,
+and each of them with an FP8 quantising epilogue (``rmsnorm_fp8_quant`` and the like).
 
 Semantics of FlashInfer's ``flashinfer.norm`` and vLLM's ``RMSNorm``; the reference is
-``torch_kernels/families/norm/reference.py``.
+``torch_kernels/families/norm/reference.py``. The epilogue is ``torch_kernels/fp8.py``'s: a fused op
+returns what the norm rounded to the input's dtype, then quantised, returns, bit for bit.
 """
 
 from typing import Iterator, Optional
@@ -9,8 +11,8 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from ... import checks as check
-from ...opdef import BenchCase, HostGoal, OpDef, Peer
+from ... import checks as check, fp8
+from ...opdef import BenchCase, HostGoal, OpDef, Peer, assert_close
 
 _DEFAULT_EPS = 1e-6
 
@@ -115,6 +117,73 @@ def _fake_fused(op: str):
     return fake
 
 
+# The FP8 ops: the norm's checks, then the epilogue's. No fast path: a call costs a few µs on the
+# host more than the norm's (the GPU time saved is 10-30 µs at the sizes they are for).
+
+
+def _validate_norm_quant(op: str, input: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS, scale=None,
+                         group_size: int = fp8.PER_TOKEN, column_major_scales: bool = False,
+                         scale_ue8m0: bool = False) -> None:
+    _validate_norm(op, input, weight, eps)
+    fp8.validate_epilogue(op, input, input.shape[-1], scale, group_size, column_major_scales, scale_ue8m0)
+
+
+def _validate_fused_quant(op: str, input: Tensor, residual: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS,
+                          scale=None, group_size: int = fp8.PER_TOKEN, column_major_scales: bool = False,
+                          scale_ue8m0: bool = False) -> None:
+    _validate_norm(op, input, weight, eps)
+    check.tensor(op, "residual", residual)
+    check.same_shape(op, "residual", residual, "input", input)
+    if residual.dtype != input.dtype:
+        check.fail(op, "residual", f"must have the dtype of 'input' ({input.dtype}), got {residual.dtype}", TypeError)
+    check.last_dim_contiguous(op, "residual", residual)
+    check.same_device(op, "residual", residual, "input", input)
+    fp8.validate_epilogue(op, input, input.shape[-1], scale, group_size, column_major_scales, scale_ue8m0)
+    if residual is input:
+        check.fail(op, "residual", "must not be the same tensor as 'input' (residual is written, input read)")
+    check.no_overlap(op, (("input", input, False), ("residual", residual, True), ("weight", weight, False),
+                          ("scale", scale, False)))
+
+
+def _validator_norm_quant(op: str):
+    def validate(input, weight, eps=_DEFAULT_EPS, scale=None, group_size=fp8.PER_TOKEN, column_major_scales=False,
+                 scale_ue8m0=False) -> None:
+        _validate_norm_quant(op, input, weight, eps, scale, group_size, column_major_scales, scale_ue8m0)
+    return validate
+
+
+def _validator_fused_quant(op: str):
+    def validate(input, residual, weight, eps=_DEFAULT_EPS, scale=None, group_size=fp8.PER_TOKEN,
+                 column_major_scales=False, scale_ue8m0=False) -> None:
+        _validate_fused_quant(op, input, residual, weight, eps, scale, group_size, column_major_scales, scale_ue8m0)
+    return validate
+
+
+def _fake_norm_quant(op: str):
+    def fake(input, weight, eps=_DEFAULT_EPS, scale=None, group_size=fp8.PER_TOKEN, column_major_scales=False,
+             scale_ue8m0=False):
+        _validate_norm_quant(op, input, weight, eps, scale, group_size, column_major_scales, scale_ue8m0)
+        return fp8.empty_outputs(input, input.shape[-1], scale, group_size, column_major_scales)
+    return fake
+
+
+def _fake_fused_quant(op: str):
+    def fake(input, residual, weight, eps=_DEFAULT_EPS, scale=None, group_size=fp8.PER_TOKEN,
+             column_major_scales=False, scale_ue8m0=False):
+        _validate_fused_quant(op, input, residual, weight, eps, scale, group_size, column_major_scales, scale_ue8m0)
+        return fp8.empty_outputs(input, input.shape[-1], scale, group_size, column_major_scales)
+    return fake
+
+
+def _compare_quant(got: list, want: list, dtype=None) -> None:
+    """``(q, scales)`` within one step of the reference (:func:`torch_kernels.fp8.compare`); the fused
+    ops' residual, where there is one, as any output of the input's dtype."""
+    fp8.compare(got[:2], want[:2], dtype)
+    assert len(got) == len(want), f"{len(got)} outputs, expected {len(want)}"
+    for g, w in zip(got[2:], want[2:]):
+        assert_close(g, w, dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # Autograd: rmsnorm and gemma_rmsnorm differentiate in both input and weight; the in-place ops
 # refuse (they overwrite what their backward would need).
@@ -216,6 +285,110 @@ def gemma_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps
     torch.ops.deepinfer.gemma_fused_add_rmsnorm.default(input, residual, weight, eps)
 
 
+_QUANT_ARGS_DOC = """        scale: static per-tensor scale, float32 ``()`` or ``(1,)`` on the device of ``input``
+            (``q = clamp(y * (1 / scale))``, as :func:`scaled_fp8_quant`); ``None``: dynamic.
+        group_size: with ``scale=None``: ``-1`` one scale per token (``scaled_fp8_quant(y, per_token=True)``),
+            or a power of two dividing ``N``: one scale per group (``per_token_group_quant_fp8(y, group_size)``,
+            eps ``1e-10``).
+        column_major_scales: group scales in DeepGEMM's column-major layout (as ``per_token_group_quant_fp8``).
+        scale_ue8m0: group scales rounded up to powers of two (as ``per_token_group_quant_fp8``)."""
+
+_QUANT_RETURNS_DOC = """    Returns:
+        ``(q, scales)``: ``q`` ``(..., N)`` float8_e4m3fn contiguous; ``scales`` fp32: ``(1,)`` static
+        (a copy of ``scale``), ``(..., 1)`` per token, ``(..., N / group_size)`` per group. Bit for bit
+        what the unfused pair returns, on every backend. Not differentiable."""
+
+
+def rmsnorm_fp8_quant(input: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS, scale: Optional[Tensor] = None,
+                      group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False):
+    return torch.ops.deepinfer.rmsnorm_fp8_quant.default(input, weight, eps, scale, group_size, column_major_scales,
+                                                         scale_ue8m0)
+
+
+def fused_add_rmsnorm_fp8_quant(input: Tensor, residual: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS,
+                                scale: Optional[Tensor] = None, group_size: int = -1,
+                                column_major_scales: bool = False, scale_ue8m0: bool = False):
+    return torch.ops.deepinfer.fused_add_rmsnorm_fp8_quant.default(input, residual, weight, eps, scale, group_size,
+                                                                   column_major_scales, scale_ue8m0)
+
+
+def gemma_rmsnorm_fp8_quant(input: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS, scale: Optional[Tensor] = None,
+                            group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False):
+    return torch.ops.deepinfer.gemma_rmsnorm_fp8_quant.default(input, weight, eps, scale, group_size,
+                                                               column_major_scales, scale_ue8m0)
+
+
+def gemma_fused_add_rmsnorm_fp8_quant(input: Tensor, residual: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS,
+                                      scale: Optional[Tensor] = None, group_size: int = -1,
+                                      column_major_scales: bool = False, scale_ue8m0: bool = False):
+    return torch.ops.deepinfer.gemma_fused_add_rmsnorm_fp8_quant.default(
+        input, residual, weight, eps, scale, group_size, column_major_scales, scale_ue8m0)
+
+
+rmsnorm_fp8_quant.__doc__ = f"""``y = rmsnorm(input, weight, eps)`` rounded to the input's dtype, then quantised to FP8
+
+    The norm in front of an FP8 GEMM in one pass (vLLM's RMSNorm+quant fusion, FlashInfer's
+    ``rmsnorm_quant``, vLLM's ``rms_norm_dynamic_per_token_quant`` and ``rms_norm_per_block_quant``):
+    :func:`rmsnorm`, then :func:`scaled_fp8_quant` (static ``scale``, or dynamic per token) or
+    :func:`per_token_group_quant_fp8` (``group_size > 0``), without writing ``y``.
+
+    Args:
+        input: ``(..., N)`` fp16/bf16/fp32, last dimension contiguous (rows may be strided).
+        weight: ``(N,)``, any floating dtype, on the device of ``input``.
+        eps: added to the mean square; default ``1e-6``.
+{_QUANT_ARGS_DOC}
+
+{_QUANT_RETURNS_DOC}
+    """
+
+fused_add_rmsnorm_fp8_quant.__doc__ = f"""``residual += input``; ``y = rmsnorm(residual)`` rounded to the input's dtype, then quantised to FP8
+
+    :func:`fused_add_rmsnorm` followed by the quantisation of its output (vLLM's fused-add RMSNorm+quant,
+    FlashInfer's ``fused_add_rmsnorm_quant``), in one pass: ``residual`` is updated in place (the sum
+    taken in fp32 and normalised before rounding, as :func:`fused_add_rmsnorm`); ``input`` is left as it
+    was; ``y`` is not written.
+
+    Args:
+        input: ``(..., N)`` fp16/bf16/fp32, last dimension contiguous; read only.
+        residual: ``(..., N)``, the shape and dtype of ``input``; receives ``residual + input``.
+        weight: ``(N,)``, any floating dtype.
+        eps: added to the mean square; default ``1e-6``.
+{_QUANT_ARGS_DOC}
+
+    ``residual`` must share no memory with ``input``, ``weight`` or ``scale``, nor two of its elements
+    (``ValueError``).
+
+{_QUANT_RETURNS_DOC}
+    """
+
+gemma_rmsnorm_fp8_quant.__doc__ = f"""``y = gemma_rmsnorm(input, weight, eps)`` rounded to the input's dtype, then quantised to FP8
+
+    :func:`rmsnorm_fp8_quant` with Gemma's ``(1 + weight)`` scale.
+
+    Args:
+        input: ``(..., N)`` fp16/bf16/fp32, last dimension contiguous (rows may be strided).
+        weight: ``(N,)``, any floating dtype, on the device of ``input``.
+        eps: added to the mean square; default ``1e-6``.
+{_QUANT_ARGS_DOC}
+
+{_QUANT_RETURNS_DOC}
+    """
+
+gemma_fused_add_rmsnorm_fp8_quant.__doc__ = f"""``residual += input``; ``y = gemma_rmsnorm(residual)`` rounded to the input's dtype, then quantised to FP8
+
+    :func:`fused_add_rmsnorm_fp8_quant` with Gemma's ``(1 + weight)`` scale; the same memory rules.
+
+    Args:
+        input: ``(..., N)`` fp16/bf16/fp32, last dimension contiguous; read only.
+        residual: ``(..., N)``, the shape and dtype of ``input``; receives ``residual + input``.
+        weight: ``(N,)``, any floating dtype.
+        eps: added to the mean square; default ``1e-6``.
+{_QUANT_ARGS_DOC}
+
+{_QUANT_RETURNS_DOC}
+    """
+
+
 # ----------------------------------------------------------------------------------------------
 # Sample arguments for opcheck, the self-check and the tests: awkward shapes, never zeros.
 
@@ -246,6 +419,43 @@ def _tokens_norm(n: int, device) -> tuple:
 
 def _tokens_fused(n: int, device) -> tuple:
     return (torch.randn(n, 64, device=device), torch.randn(n, 64, device=device), torch.randn(64, device=device), 1e-6), (0, 1)
+
+
+#: the FP8 ops: (leading shape, hidden size, row stride or None, (scale mode, group_size,
+#: column_major_scales, scale_ue8m0)); each mode on one token, 3-D, strided rows, zero tokens, odd sizes.
+QUANT_SAMPLE_SHAPES = (((1,), 1, None, ("static", -1, False, False)), ((3,), 256, None, (None, 128, False, False)),
+                       ((2, 3), 257, None, (None, -1, False, False)), ((0,), 64, None, (None, 64, True, False)),
+                       ((4,), 96, 160, (None, -1, False, False)), ((5,), 80, 96, ("static", -1, False, False)),
+                       ((2,), 384, 512, (None, 128, True, True)), ((3,), 24, None, (None, 8, False, True)))
+
+
+def quant_args(mode, device) -> tuple:
+    """``(scale, group_size, column_major_scales, scale_ue8m0)`` for a mode of :data:`QUANT_SAMPLE_SHAPES`:
+    a static scale near a 448th of a normalised row's largest magnitudes (randn weights: about 4)."""
+    kind, group, column_major, ue8m0 = mode
+    scale = torch.rand((1,), device=device) * 0.01 + 0.005 if kind == "static" else None
+    return scale, group, column_major, ue8m0
+
+
+def _samples_norm_quant(device, dtype) -> Iterator[tuple]:
+    for lead, n, stride, mode in QUANT_SAMPLE_SHAPES:
+        yield (_rows(lead, n, stride, device, dtype), torch.randn(n, device=device, dtype=dtype), 1e-6,
+               *quant_args(mode, device))
+
+
+def _samples_fused_quant(device, dtype) -> Iterator[tuple]:
+    for lead, n, stride, mode in QUANT_SAMPLE_SHAPES:
+        yield (_rows(lead, n, stride, device, dtype), _rows(lead, n, stride, device, dtype),
+               torch.randn(n, device=device, dtype=dtype), 1e-5, *quant_args(mode, device))
+
+
+def _tokens_norm_quant(n: int, device) -> tuple:
+    return (torch.randn(n, 128, device=device), torch.randn(128, device=device), 1e-6, None, 64, True, False), (0,)
+
+
+def _tokens_fused_quant(n: int, device) -> tuple:
+    return ((torch.randn(n, 128, device=device), torch.randn(n, 128, device=device), torch.randn(128, device=device),
+             1e-6, None, -1, False, False), (0, 1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,6 +509,83 @@ def _bench_fused(op: str, cpu_default: bool = False) -> BenchCase:
                      takes_hidden=True, memory_bound=True, flashinfer=_flashinfer(op), cpu_default=cpu_default)
 
 
+#: the FP8 ops are timed with a static scale, where FlashInfer has the op too (rmsnorm_quant)
+BENCH_SCALE = 0.01
+
+
+def _bench_args_norm_quant(rows: int, hidden: int, profile: str, device, dtype) -> tuple:
+    return _bench_args_norm(rows, hidden, profile, device, dtype) + (torch.full((1,), BENCH_SCALE, device=device),
+                                                                      -1, False, False)
+
+
+def _bench_args_fused_quant(rows: int, hidden: int, profile: str, device, dtype) -> tuple:
+    return _bench_args_fused(rows, hidden, profile, device, dtype) + (torch.full((1,), BENCH_SCALE, device=device),
+                                                                       -1, False, False)
+
+
+def _quant_nbytes(args: tuple) -> int:
+    x, scale, group = args[0], args[-4], args[-3]
+    scales = 4 if scale is not None else x[..., 0].numel() * 4 * (1 if group == -1 else x.shape[-1] // group)
+    return x.numel() + scales  # q (one byte a value) and the scales, written once
+
+
+def _flashinfer_quant(op: str):
+    # FlashInfer's rmsnorm_quant(out, input, weight, scale, eps), fused_add_rmsnorm_quant(out, input, residual,
+    # weight, scale, eps): static scale only, fp8 output given
+    def peer(args: tuple):
+        if args[-4] is None:
+            return "FlashInfer 0.7.4 has static-scale rmsnorm_quant only"
+        try:
+            import flashinfer.norm
+        except Exception as e:  # noqa: BLE001  (reported in the results)
+            return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+        fn = getattr(flashinfer.norm, op, None)
+        if fn is None:
+            return f"FlashInfer {flashinfer.__version__} has no flashinfer.norm.{op}"
+        fused = op.startswith("fused")
+
+        def call(*a):
+            out = torch.empty(a[0].shape, dtype=fp8.FP8, device=a[0].device)
+            if fused:
+                fn(out, a[0], a[1], a[2], a[4], a[3])
+            else:
+                fn(out, a[0], a[1], a[3], a[2])
+            return out, a[3 if not fused else 4]
+        return Peer(f"flashinfer.norm.{op}", call, compare=_compare_flashinfer_quant)
+    return peer
+
+
+def _compare_flashinfer_quant(got: list, want: list, dtype) -> None:
+    # FlashInfer quantises the fp32 normalised value, not the one rounded to the input dtype: one e4m3
+    # step from ours where the rounding crosses a tie
+    fp8.assert_steps("q", got[0], want[0], 1)
+
+
+def _bench_norm_quant(op: str, fused: bool, flashinfer: Optional[str]) -> BenchCase:
+    x_bytes = (lambda a: 3 * _size(a[0]) + _size(a[2])) if fused else (lambda a: _size(a[0]) + _size(a[1]))
+    return BenchCase(_bench_shape, _bench_args_fused_quant if fused else _bench_args_norm_quant,
+                     lambda args: x_bytes(args) + _quant_nbytes(args), takes_hidden=True, memory_bound=True,
+                     flashinfer=_flashinfer_quant(flashinfer) if flashinfer else
+                     (lambda args: "FlashInfer 0.7.4 has no Gemma RMSNorm with quantisation"))
+
+
+def _norm_quant_op(name: str, wrapper, bench: BenchCase) -> OpDef:
+    return OpDef(f"{name}(Tensor input, Tensor weight, float eps={_DEFAULT_EPS}, Tensor? scale=None, "
+                 "int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)",
+                 _validator_norm_quant(name), _fake_norm_quant(name), wrapper, _samples_norm_quant, _tokens_norm_quant,
+                 no_grad_reason="quantisation to float8 has no useful gradient (round and clamp)",
+                 compare=_compare_quant, bench=bench)
+
+
+def _fused_quant_op(name: str, wrapper, bench: BenchCase) -> OpDef:
+    return OpDef(f"{name}(Tensor input, Tensor(a!) residual, Tensor weight, float eps={_DEFAULT_EPS}, "
+                 "Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) "
+                 "-> (Tensor, Tensor)",
+                 _validator_fused_quant(name), _fake_fused_quant(name), wrapper, _samples_fused_quant,
+                 _tokens_fused_quant, no_grad_reason="it overwrites residual in place and quantises to float8",
+                 compare=_compare_quant, bench=bench)
+
+
 def _norm_op(name: str, wrapper, gemma: bool, bench: BenchCase) -> OpDef:
     return OpDef(f"{name}(Tensor input, Tensor weight, float eps={_DEFAULT_EPS}) -> Tensor",
                  _validator_norm(name), _fake_norm(name), wrapper, _samples_norm, _tokens_norm,
@@ -320,4 +607,11 @@ OPS = (
     _fused_op("fused_add_rmsnorm", fused_add_rmsnorm, bench=_bench_fused("fused_add_rmsnorm", cpu_default=True)),
     _norm_op("gemma_rmsnorm", gemma_rmsnorm, gemma=True, bench=_bench_norm("gemma_rmsnorm")),
     _fused_op("gemma_fused_add_rmsnorm", gemma_fused_add_rmsnorm, bench=_bench_fused("gemma_fused_add_rmsnorm")),
+    _norm_quant_op("rmsnorm_fp8_quant", rmsnorm_fp8_quant, _bench_norm_quant("rmsnorm_fp8_quant", False, "rmsnorm_quant")),
+    _fused_quant_op("fused_add_rmsnorm_fp8_quant", fused_add_rmsnorm_fp8_quant,
+                    _bench_norm_quant("fused_add_rmsnorm_fp8_quant", True, "fused_add_rmsnorm_quant")),
+    _norm_quant_op("gemma_rmsnorm_fp8_quant", gemma_rmsnorm_fp8_quant,
+                   _bench_norm_quant("gemma_rmsnorm_fp8_quant", False, None)),
+    _fused_quant_op("gemma_fused_add_rmsnorm_fp8_quant", gemma_fused_add_rmsnorm_fp8_quant,
+                    _bench_norm_quant("gemma_fused_add_rmsnorm_fp8_quant", True, None)),
 )

@@ -4,8 +4,12 @@ These functions take already-validated arguments (``ops.py`` validates) and retu
 contiguous outputs; the in-place ops write into ``input`` and ``residual`` and return nothing.
 """
 
+from typing import Optional
+
 import torch
 from torch import Tensor
+
+from ... import fp8
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -45,3 +49,43 @@ def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: floa
 
 def gemma_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
     _fused_add(input, residual, weight, eps, gemma=True)
+
+
+# The FP8 ops: the norm rounded to the input's dtype, then torch_kernels.fp8's epilogue, exactly the
+# unfused pair (the norm's reference, then the quant family's).
+
+
+def _norm_quant(input: Tensor, weight: Tensor, eps: float, scale: Optional[Tensor], group_size: int,
+                column_major: bool, ue8m0: bool, gemma: bool):
+    y = _normalize(input.to(compute_dtype(input.dtype)), weight, eps, gemma).to(input.dtype)
+    return fp8.quantize(y, scale, group_size, column_major, ue8m0)
+
+
+def _fused_quant(input: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Optional[Tensor],
+                 group_size: int, column_major: bool, ue8m0: bool, gemma: bool):
+    s = input.to(compute_dtype(input.dtype)) + residual.to(compute_dtype(residual.dtype))
+    residual.copy_(s)
+    y = _normalize(s, weight, eps, gemma).to(input.dtype)
+    return fp8.quantize(y, scale, group_size, column_major, ue8m0)
+
+
+def rmsnorm_fp8_quant(input: Tensor, weight: Tensor, eps: float = 1e-6, scale: Optional[Tensor] = None,
+                      group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False):
+    return _norm_quant(input, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, gemma=False)
+
+
+def gemma_rmsnorm_fp8_quant(input: Tensor, weight: Tensor, eps: float = 1e-6, scale: Optional[Tensor] = None,
+                            group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False):
+    return _norm_quant(input, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, gemma=True)
+
+
+def fused_add_rmsnorm_fp8_quant(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
+                                scale: Optional[Tensor] = None, group_size: int = -1,
+                                column_major_scales: bool = False, scale_ue8m0: bool = False):
+    return _fused_quant(input, residual, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, gemma=False)
+
+
+def gemma_fused_add_rmsnorm_fp8_quant(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
+                                      scale: Optional[Tensor] = None, group_size: int = -1,
+                                      column_major_scales: bool = False, scale_ue8m0: bool = False):
+    return _fused_quant(input, residual, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, gemma=True)

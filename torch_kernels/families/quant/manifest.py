@@ -1,19 +1,23 @@
 """The quant family's inventory: who implements which op, and how each op compiles."""
 
 from ...manifest import kernels, reference
-from ...spec import OPAQUE, Backend, Family, OpInfo
+from ...spec import INDUCTOR_TRITON, OPAQUE, Backend, Family, OpInfo
 
-OPS = ("per_token_group_quant_fp8",)
+OPS = ("per_token_group_quant_fp8", "scaled_fp8_quant")
+TRITON_OPS = ("per_token_group_quant_fp8",)
+TILELANG_OPS = ("per_token_group_quant_fp8",)
 
 FAMILY = Family(
     __package__,
     # compile 2078 GB/s against ours 4125 (8192x7168 g128); in a block opaque 30.6 µs, inductor_triton 40.0
-    ops=(OpInfo("per_token_group_quant_fp8", OPAQUE, decompose_after_pointwise=True),),
+    ops=(OpInfo("per_token_group_quant_fp8", OPAQUE, decompose_after_pointwise=True),
+         OpInfo("scaled_fp8_quant", OPAQUE,
+                no_compile_route=() if "scaled_fp8_quant" in TRITON_OPS else ((INDUCTOR_TRITON, "no Triton kernel"),))),
     kernels=(
         *reference(__package__, OPS),
-        *kernels(__package__, Backend.TRITON, OPS,
+        *kernels(__package__, Backend.TRITON, TRITON_OPS,
                  "one pass, a program per block of rows x groups; fp8 rounding done in fp32, exact in the interpreter too"),
-        *kernels(__package__, Backend.TILELANG, OPS,
+        *kernels(__package__, Backend.TILELANG, TILELANG_OPS,
                  "16 values a thread in 16-byte vectors, a group's lanes reduce by shfl.xor, hardware e4m3 cvt; "
                  "every group size and stride (misaligned rows value by value)"),
     ),

@@ -1,8 +1,9 @@
-"""The quant family: ``per_token_group_quant_fp8``, DeepSeek block FP8 activation quantisation.
+"""The quant family: FP8 activation quantisation. ``per_token_group_quant_fp8`` (DeepSeek block FP8)
+and ``scaled_fp8_quant`` (static or dynamic, per tensor or per token).
 
-Semantics of vLLM's ``per_token_group_quant_fp8`` and sglang's ``sglang_per_token_group_quant_fp8``
-(fp32 scales; the packed-int32 UE8M0 layout sglang can produce is not offered). The reference is
-``torch_kernels/families/quant/reference.py``.
+Semantics of vLLM's ``per_token_group_quant_fp8`` and ``scaled_fp8_quant`` and sglang's
+``sglang_per_token_group_quant_fp8`` (fp32 scales; the packed-int32 UE8M0 layout sglang can produce is not
+offered). The numerics are ``torch_kernels/fp8.py``'s, which the fused norm and activation ops share.
 """
 
 from typing import Iterator, Optional, Tuple
@@ -10,13 +11,15 @@ from typing import Iterator, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ... import checks as check
+from ... import checks as check, fp8
 from ...opdef import BenchCase, OpDef
 
 OP = "per_token_group_quant_fp8"
+SCALED = "scaled_fp8_quant"
 _DEFAULT_EPS = 1e-10
-_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
-FP8 = torch.float8_e4m3fn
+_DTYPES = fp8.DTYPES
+FP8 = fp8.FP8
+_NO_GRAD = "quantisation to float8 has no useful gradient (round and clamp)"
 
 
 def _validate_full(input: Tensor, group_size: int, eps: float) -> None:
@@ -60,48 +63,43 @@ def _fake(input: Tensor, group_size: int, eps: float = _DEFAULT_EPS,
     return q, s
 
 
-# ----------------------------------------------------------------------------------------------
-# Comparing FP8 outputs: q within one fp8 step of the reference, scales within one fp32 ulp.
+def _validate_scaled_full(input: Tensor, scale: Optional[Tensor] = None, per_token: bool = False,
+                          scale_ub: Optional[Tensor] = None) -> None:
+    op = SCALED
+    check.tensor(op, "input", input)
+    if input.dtype not in _DTYPES:
+        check.fail(op, "input", f"must be float16, bfloat16 or float32, got {input.dtype}", TypeError)
+    check.last_dim_contiguous(op, "input", input)
+    if not isinstance(per_token, bool):
+        check.fail(op, "per_token", f"must be a bool, got {type(per_token).__name__}", TypeError)
+    if scale is not None:
+        fp8.validate_scale(op, "scale", scale, input)
+        if per_token:
+            check.fail(op, "per_token", "must be False with a static 'scale' (one scale for the tensor)")
+    if scale_ub is not None:
+        if scale is not None or not per_token:
+            check.fail(op, "scale_ub", "applies to dynamic per-token scales only (scale=None, per_token=True)")
+        fp8.validate_scale(op, "scale_ub", scale_ub, input)
 
 
-def _ordinal(t: Tensor) -> Tensor:
-    """Finite floats as integers in value order, one apart per representable step (+0 and -0 equal)."""
-    bits = t.view({torch.float32: torch.int32, FP8: torch.uint8}[t.dtype]).to(torch.int64)
-    sign_bit = 1 << (8 * t.element_size() - 1)
-    magnitude = bits & (sign_bit - 1)
-    return torch.where(bits & sign_bit != 0, -magnitude, magnitude)
+def _validate_scaled(input: Tensor, scale: Optional[Tensor] = None, per_token: bool = False,
+                     scale_ub: Optional[Tensor] = None) -> None:
+    # The common GPU calls (a dynamic quant, or a static scale on the GPU) in a few attribute reads.
+    try:
+        if (input.dtype in _DTYPES and input.stride(-1) == 1 and scale_ub is None and per_token in (True, False)
+                and (scale is None or (not per_token and scale.dtype == torch.float32 and scale.numel() == 1
+                                       and scale.dim() <= 1 and scale.device == input.device
+                                       and scale.device.type != "cpu"))):
+            return
+    except (IndexError, RuntimeError, AttributeError, TypeError):
+        pass
+    _validate_scaled_full(input, scale, per_token, scale_ub)
 
 
-def _assert_steps(what: str, got: Tensor, want: Tensor, steps: int) -> None:
-    """``got`` equals ``want`` up to ``steps`` representable values; NaN exactly where ``want`` has NaN."""
-    g, w = got.float(), want.float()
-    nan = w.isnan()
-    assert torch.equal(g.isnan(), nan), f"{what}: NaN at {int((g.isnan() != nan).sum())} other positions than the reference"
-    inf = w.isinf()
-    assert torch.equal(g[inf], w[inf]), f"{what}: infinities differ from the reference"
-    finite = ~(nan | inf)
-    far = (_ordinal(got)[finite] - _ordinal(want)[finite]).abs() > steps
-    if far.any():
-        i = int(far.nonzero()[0])
-        raise AssertionError(f"{what}: {int(far.sum())} of {int(finite.sum())} values more than {steps} step(s) "
-                             f"from the reference, e.g. {g[finite][i].item()!r} vs {w[finite][i].item()!r}")
-
-
-def compare(got: list, want: list, dtype=None) -> None:
-    """A backend's ``(q, scales)`` against the reference's: same shapes, dtypes and scale strides;
-    scales within one fp32 ulp; q within one fp8 (e4m3) step. One step is what a last-ulp difference in
-    ``x / scale`` (an fp32 division against a multiplication by the reciprocal) can move a value that
-    lies on a rounding tie; ``assert_close`` at the input dtype's tolerance would be wrong for fp8."""
-    assert len(got) == 2 and len(want) == 2, f"{len(got)} outputs, expected 2"
-    (q, s), (q_ref, s_ref) = got, want
-    assert q.dtype == FP8 and q.shape == q_ref.shape, f"q: {q.dtype} {tuple(q.shape)}, expected {FP8} {tuple(q_ref.shape)}"
-    assert s.dtype == torch.float32 and s.shape == s_ref.shape, \
-        f"scales: {s.dtype} {tuple(s.shape)}, expected float32 {tuple(s_ref.shape)}"
-    # the layout (row- or column-major scales) shows in the strides of the dims longer than one
-    same_layout = all(a == b for a, b, n in zip(s.stride(), s_ref.stride(), s.shape) if n > 1)
-    assert same_layout or s.numel() == 0, f"scales: strides {s.stride()}, expected {s_ref.stride()}"
-    _assert_steps("scales", s, s_ref.to(s.device), 1)
-    _assert_steps("q", q, q_ref.to(q.device), 1)
+def _fake_scaled(input: Tensor, scale: Optional[Tensor] = None, per_token: bool = False,
+                 scale_ub: Optional[Tensor] = None):
+    _validate_scaled_full(input, scale, per_token, scale_ub)
+    return fp8.empty_outputs(input, input.shape[-1], scale, fp8.PER_TOKEN, False, per_token)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,6 +143,38 @@ def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = _DEFA
                                                                  scale_ue8m0)
 
 
+def scaled_fp8_quant(input: Tensor, scale: Optional[Tensor] = None, per_token: bool = False,
+                     scale_ub: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``q = clamp(x * (1 / scale), -448, 448).to(float8_e4m3fn)``, one scale per tensor or per token
+
+    vLLM's ``scaled_fp8_quant``: the FP8 activation quantisation in front of a per-tensor or per-row
+    scaled FP8 GEMM (``torch._scaled_mm``). Computed in fp32; the fp8 rounding is to nearest even.
+
+    * ``scale`` given: static per tensor, ``q = clamp(x * (1 / scale))``.
+    * ``scale=None, per_token=False``: dynamic per tensor, ``scale = max(max|x| / 448, 1 / (448 * 512))``
+      over the whole tensor, computed on the device (no host sync).
+    * ``scale=None, per_token=True``: dynamic per token, the same per row over the last dim, with the
+      row's max first clamped to ``scale_ub`` where given.
+
+    Both divisions (``amax / 448`` and ``1 / scale``) are IEEE fp32 divisions. A NaN in the tensor (per
+    tensor) or the row (per token) makes the scale and every q it governs NaN. On the CPU a static
+    scale (or ``scale_ub``) that is not positive and finite raises; on a GPU, where reading it would
+    synchronise the device, every q comes out NaN instead.
+
+    Args:
+        input: ``(..., H)`` fp16/bf16/fp32, last dimension contiguous (rows may be strided); any number
+            of tokens, zero included.
+        scale: static scale, float32 ``()`` or ``(1,)`` on the device of ``input``; or ``None``.
+        per_token: with ``scale=None``, one scale per row instead of one for the tensor.
+        scale_ub: with ``per_token``, an upper bound on each row's max, float32 ``()`` or ``(1,)``.
+
+    Returns:
+        ``(q, scales)``: ``q`` ``(..., H)`` float8_e4m3fn contiguous; ``scales`` fp32 ``(1,)`` per
+        tensor (a copy of ``scale`` when static) or ``(..., 1)`` per token. Not differentiable.
+    """
+    return torch.ops.deepinfer.scaled_fp8_quant.default(input, scale, per_token, scale_ub)
+
+
 # ----------------------------------------------------------------------------------------------
 # Sample arguments for opcheck, the self-check and the tests: awkward shapes, never zeros.
 
@@ -173,6 +203,33 @@ def _tokens(n: int, device) -> tuple:
     return (torch.randn(n, 256, device=device), 128, 1e-10, True, False), (0,)
 
 
+#: scaled_fp8_quant: (leading shape, hidden size, row stride or None, mode): each mode on one token,
+#: 3-D, strided rows, zero tokens, a hidden size that is no multiple of a vector (5, 100); 8 in all,
+#: under torch.compile's recompile limit.
+SCALED_SAMPLE_SHAPES = (((1,), 128, None, "static"), ((3,), 100, None, "tensor"), ((2, 3), 256, None, "token"),
+                        ((4,), 96, 160, "token_ub"), ((0,), 64, None, "token"), ((2,), 24, 40, "tensor"),
+                        ((0,), 32, None, "tensor"), ((3,), 5, 64, "static"))
+
+
+def scaled_mode_args(mode: str, device) -> tuple:
+    """``(scale, per_token, scale_ub)`` for a mode of :data:`SCALED_SAMPLE_SHAPES`; the static scale
+    about a 448th of the samples' largest magnitudes, the bound below some rows' max."""
+    if mode == "static":
+        return torch.rand((1,), device=device) * 0.02 + 0.02, False, None
+    if mode == "token_ub":
+        return None, True, torch.full((1,), 6.0, device=device)
+    return None, mode == "token", None
+
+
+def _samples_scaled(device, dtype) -> Iterator[tuple]:
+    for lead, n, stride, mode in SCALED_SAMPLE_SHAPES:
+        yield (_rows(lead, n, stride, device, dtype), *scaled_mode_args(mode, device))
+
+
+def _tokens_scaled(n: int, device) -> tuple:
+    return (torch.randn(n, 256, device=device), None, True, None), (0,)
+
+
 # ----------------------------------------------------------------------------------------------
 # Benchmark case: tokens x its own hidden size (or the multiples of the group --shapes gives), group 128.
 
@@ -191,8 +248,21 @@ def _bench_shape(tokens: int, hidden: Optional[int], profile: str):
     return tokens, hidden, f"{tokens}x{hidden} g{group}"
 
 
+def _bench_shape_scaled(tokens: int, hidden: Optional[int], profile: str):
+    return tokens, hidden, f"{tokens}x{hidden}"
+
+
 def _bench_args(rows: int, hidden: int, profile: str, device, dtype) -> tuple:
     return torch.randn(rows, hidden, device=device, dtype=dtype) * 4, BENCH_SIZES[profile][1], _DEFAULT_EPS, False, False
+
+
+def _bench_args_scaled(rows: int, hidden: int, profile: str, device, dtype) -> tuple:
+    return torch.randn(rows, hidden, device=device, dtype=dtype) * 4, None, True, None  # dynamic per token
+
+
+def _bench_nbytes_scaled(args: tuple) -> int:
+    x = args[0]
+    return x.numel() * x.element_size() + x.numel() + x[..., 0].numel() * 4  # read x, write q and a scale a row
 
 
 def _bench_nbytes(args: tuple) -> int:
@@ -204,8 +274,14 @@ OPS = (
     OpDef(f"{OP}(Tensor input, int group_size, float eps={_DEFAULT_EPS}, bool column_major_scales=False, "
           "bool scale_ue8m0=False) -> (Tensor, Tensor)",
           _validate, _fake, per_token_group_quant_fp8, _samples, _tokens,
-          no_grad_reason="quantisation to float8 has no useful gradient (round and clamp)", compare=compare,
+          no_grad_reason=_NO_GRAD, compare=fp8.compare,
           bench=BenchCase(_bench_shape, _bench_args, _bench_nbytes, own_hidden=_bench_hidden, memory_bound=True,
                           flashinfer=lambda args: "FlashInfer 0.7.4 has no per-token-group FP8 quantisation",
                           cpu_default=True)),
+    OpDef(f"{SCALED}(Tensor input, Tensor? scale=None, bool per_token=False, Tensor? scale_ub=None) -> (Tensor, Tensor)",
+          _validate_scaled, _fake_scaled, scaled_fp8_quant, _samples_scaled, _tokens_scaled,
+          no_grad_reason=_NO_GRAD, compare=fp8.compare,
+          bench=BenchCase(_bench_shape_scaled, _bench_args_scaled, _bench_nbytes_scaled, takes_hidden=True,
+                          memory_bound=True,
+                          flashinfer=lambda args: "FlashInfer 0.7.4 has no dynamic per-token FP8 quantisation")),
 )
