@@ -267,6 +267,19 @@ def _bench_nbytes_quant(args: tuple) -> int:
     return x.numel() * x.element_size() + x.numel() // 2 + x[..., 0].numel() * 4  # read (T, 2d), write q and scales
 
 
+def _unfused_pair(x, scale, group, column_major, ue8m0):
+    y = torch.ops.deepinfer.silu_and_mul(x)
+    if scale is not None:
+        return torch.ops.deepinfer.scaled_fp8_quant(y, scale)
+    if group == -1:
+        return torch.ops.deepinfer.scaled_fp8_quant(y, None, True)
+    return torch.ops.deepinfer.per_token_group_quant_fp8(y, group, fp8.GROUP_EPS, column_major, ue8m0)
+
+
+#: our unfused pair, as the default selection serves it
+UNFUSED_PEER = Peer("unfused", _unfused_pair)
+
+
 def _bench(op: str, args=_bench_args, cpu_default: bool = False) -> BenchCase:
     return BenchCase(_bench_shape, args, _bench_nbytes, takes_hidden=True, memory_bound=True,
                      flashinfer=_flashinfer(op), cpu_default=cpu_default)
@@ -291,5 +304,6 @@ OPS = (
           _validate_quant, _fake_quant, silu_and_mul_fp8_quant, _samples_quant, _tokens_quant,
           no_grad_reason="quantisation to float8 has no useful gradient (round and clamp)", compare=fp8.compare,
           bench=BenchCase(_bench_shape, _bench_args_quant, _bench_nbytes_quant, takes_hidden=True, memory_bound=True,
-                          flashinfer=lambda args: "FlashInfer 0.7.4 has no SiLU-and-mul with FP8 quantisation")),
+                          flashinfer=lambda args: "FlashInfer 0.7.4 has no SiLU-and-mul with FP8 quantisation",
+                          peers=(UNFUSED_PEER,))),
 )

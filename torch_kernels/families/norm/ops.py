@@ -561,12 +561,37 @@ def _compare_flashinfer_quant(got: list, want: list, dtype) -> None:
     fp8.assert_steps("q", got[0], want[0], 1)
 
 
+#: the peer of the FP8 ops: our norm, then our quant op
+UNFUSED = "unfused"
+
+
+def _quant(y: Tensor, scale, group: int, column_major: bool, ue8m0: bool):
+    if scale is not None:
+        return torch.ops.deepinfer.scaled_fp8_quant(y, scale)
+    if group == -1:
+        return torch.ops.deepinfer.scaled_fp8_quant(y, None, True)
+    return torch.ops.deepinfer.per_token_group_quant_fp8(y, group, fp8.GROUP_EPS, column_major, ue8m0)
+
+
+def _unfused_peer(op: str, fused: bool) -> Peer:
+    """Our unfused pair, as the default selection serves it: the norm, then the quant op. The in-place
+    norm writes ``input``, so it gets its own copy (outside the timed call)."""
+    name = op.removesuffix("_fp8_quant")
+    if fused:
+        def pair(x, r, w, eps, *quant):
+            getattr(torch.ops.deepinfer, name)(x, r, w, eps)
+            return _quant(x, *quant)
+        return Peer(UNFUSED, pair, prepare=lambda args: (args[0].clone(), *args[1:]))
+    return Peer(UNFUSED, lambda x, w, eps, *quant: _quant(getattr(torch.ops.deepinfer, name)(x, w, eps), *quant))
+
+
 def _bench_norm_quant(op: str, fused: bool, flashinfer: Optional[str]) -> BenchCase:
     x_bytes = (lambda a: 3 * _size(a[0]) + _size(a[2])) if fused else (lambda a: _size(a[0]) + _size(a[1]))
     return BenchCase(_bench_shape, _bench_args_fused_quant if fused else _bench_args_norm_quant,
                      lambda args: x_bytes(args) + _quant_nbytes(args), takes_hidden=True, memory_bound=True,
                      flashinfer=_flashinfer_quant(flashinfer) if flashinfer else
-                     (lambda args: "FlashInfer 0.7.4 has no Gemma RMSNorm with quantisation"))
+                     (lambda args: "FlashInfer 0.7.4 has no Gemma RMSNorm with quantisation"),
+                     peers=(_unfused_peer(op, fused),))
 
 
 def _norm_quant_op(name: str, wrapper, bench: BenchCase) -> OpDef:
