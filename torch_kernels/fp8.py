@@ -104,6 +104,19 @@ def validate_epilogue(op: str, input: Tensor, hidden, scale, group_size: int, co
         check.fail(op, "scale_ue8m0", "applies to group scales only (group_size > 0)")
 
 
+def epilogue_ok(input: Tensor, hidden: int, scale, group_size, column_major_scales, scale_ue8m0) -> bool:
+    """The common valid call of :func:`validate_epilogue`, in a few attribute reads (the full checks
+    cost several µs of host time a call): a dynamic mode, or a static scale on a GPU."""
+    if input.dtype not in DTYPES or type(group_size) is not int:
+        return False
+    if scale is None:
+        if group_size == PER_TOKEN:
+            return not column_major_scales and not scale_ue8m0
+        return group_size > 0 and not group_size & (group_size - 1) and not hidden % group_size
+    return (group_size == PER_TOKEN and not column_major_scales and not scale_ue8m0 and scale.dtype == torch.float32
+            and scale.numel() == 1 and scale.dim() <= 1 and scale.device == input.device and scale.device.type != "cpu")
+
+
 # ----------------------------------------------------------------------------------------------
 # The numerics (the references compute with these; fp32 in, fp8 and fp32 scales out)
 

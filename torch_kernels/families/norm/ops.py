@@ -117,8 +117,7 @@ def _fake_fused(op: str):
     return fake
 
 
-# The FP8 ops: the norm's checks, then the epilogue's. No fast path: a call costs a few µs on the
-# host more than the norm's (the GPU time saved is 10-30 µs at the sizes they are for).
+# The FP8 ops: the norm's checks, then the epilogue's; the common valid call first, as above.
 
 
 def _validate_norm_quant(op: str, input: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS, scale=None,
@@ -146,8 +145,15 @@ def _validate_fused_quant(op: str, input: Tensor, residual: Tensor, weight: Tens
 
 
 def _validator_norm_quant(op: str):
+    plain, fused = _validator_norm(op), _validator_fused(op)
+
     def validate(input, weight, eps=_DEFAULT_EPS, scale=None, group_size=fp8.PER_TOKEN, column_major_scales=False,
                  scale_ue8m0=False) -> None:
+        try:
+            if fp8.epilogue_ok(input, input.shape[-1], scale, group_size, column_major_scales, scale_ue8m0):
+                return plain(input, weight, eps)
+        except (AttributeError, IndexError, RuntimeError, TypeError):
+            pass
         _validate_norm_quant(op, input, weight, eps, scale, group_size, column_major_scales, scale_ue8m0)
     return validate
 
@@ -155,6 +161,20 @@ def _validator_norm_quant(op: str):
 def _validator_fused_quant(op: str):
     def validate(input, residual, weight, eps=_DEFAULT_EPS, scale=None, group_size=fp8.PER_TOKEN,
                  column_major_scales=False, scale_ue8m0=False) -> None:
+        try:
+            if (fp8.epilogue_ok(input, input.shape[-1], scale, group_size, column_major_scales, scale_ue8m0)
+                    and input.dtype == residual.dtype and weight.dtype in check.FLOATING and weight.dim() == 1
+                    and 0 != input.shape[-1] == weight.shape[0] and residual.shape == input.shape
+                    and input.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()
+                    and input.device == residual.device == weight.device and eps >= 0.0):
+                # residual, the one tensor written, shares no byte with input, weight or the scale
+                x, r, n = input.data_ptr(), residual.data_ptr(), input.nbytes
+                w, m = weight.data_ptr(), weight.nbytes
+                c = scale.data_ptr() if scale is not None else r + n
+                if abs(x - r) >= n and not r - m < w < r + n and not r - 4 < c < r + n:
+                    return
+        except (AttributeError, IndexError, RuntimeError, TypeError):
+            pass
         _validate_fused_quant(op, input, residual, weight, eps, scale, group_size, column_major_scales, scale_ue8m0)
     return validate
 
