@@ -4,7 +4,7 @@ from ...manifest import kernels, reference
 from ...spec import INDUCTOR_TRITON, OPAQUE, Backend, Family, OpInfo
 
 OPS = ("per_token_group_quant_fp8", "scaled_fp8_quant")
-TRITON_OPS = ("per_token_group_quant_fp8",)
+TRITON_OPS = ("per_token_group_quant_fp8", "scaled_fp8_quant")
 TILELANG_OPS = ("per_token_group_quant_fp8",)
 
 FAMILY = Family(
