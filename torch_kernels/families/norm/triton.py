@@ -6,6 +6,12 @@ normalised in a second, in chunks of 4096. The launch is a :class:`TritonNormCon
 :meth:`TritonNormConfig.for_shape` picks it. Arguments arrive validated (``ops.py``): last dim
 contiguous, dtype fp16/bf16/fp32, weight ``(N,)``.
 
+The FP8 ops (``rmsnorm_fp8_quant`` and the like) are the same kernel with an epilogue (``QUANT``) and
+the same launch: their q and scales are, bit for bit, this module's norm then the quant family's
+Triton kernel. The value quantised is the norm's rounded to the input's dtype; per token over rows in
+chunks, a pass of its own recomputes it for the row's max; the residual is written as the norm writes
+it, the input left as it was.
+
 Every entry point takes ``wrap``: ``None`` in eager calls; ``torch.library.wrap_triton`` when
 ``torch.compile`` traces the op's ``inductor_triton`` route (``torch_kernels/library.py``), so that
 Inductor launches the kernel itself. Traced, the token count is symbolic: it reaches the launch only
@@ -23,7 +29,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ... import fp8
 from ...backends.rows import rows, rows_view
+from ...backends.triton_fp8 import (GROUP, GROUP_EPS, INTERPRETED, NONE, STATIC, TOKEN, abs_max, dynamic_scale,
+                                    group_quantize, group_scales, mode, quantize, static_inverse, vector)
 
 # Design notes and the measurements behind each constant: docs/design/norm.md (H200, bf16).
 # 16384 fp32 values over 8 warps is 64 registers a thread, no spills; wider rows loop over chunks.
@@ -69,24 +78,72 @@ def _num_warps(n: int) -> int:
 
 
 @triton.jit
+def _normalized(x_block, res_block, w_block, cols, mask, rstd, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr):
+    """``x * rstd * w`` (fp32) of one block of a row in the second pass, which re-reads the rounded
+    residual (within one ulp of the fp32 sum) or the input; ``*_block`` point at the block's start."""
+    if HAS_RESIDUAL:
+        x = tl.load(res_block + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        x = tl.load(x_block + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    w = tl.load(w_block + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    if GEMMA:
+        w += 1.0
+    return x * rstd * w
+
+
+@triton.jit
+def _quant_store(y, start, N, out_row, s_row, s_group_stride, inv, QUANT: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                 UE8M0: tl.constexpr, V: tl.constexpr, NUMPY_MAX: tl.constexpr, EMULATE_CAST: tl.constexpr):
+    """Quantise the block ``y`` (fp32, values of the input's dtype) of row columns from ``start`` and
+    store its ``q`` (static, per token: times ``inv``) and its groups' scales (per group). ``q`` is
+    stored as ``[BLOCK // V, V]``: a 1-D fp8 store would widen the row's loads, changing how its sum
+    of squares rounds (``backends/triton_fp8.py``)."""
+    BLOCK: tl.constexpr = y.shape[0]
+    if QUANT == GROUP:
+        yg = tl.reshape(y, [BLOCK // GROUP_SIZE, GROUP_SIZE])
+        scale = group_scales(yg, 1, GROUP_EPS, UE8M0, NUMPY_MAX)
+        q = group_quantize(yg, scale, 1, False, out_row.dtype.element_ty, EMULATE_CAST)
+        groups = start // GROUP_SIZE + tl.arange(0, BLOCK // GROUP_SIZE)
+        tl.store(s_row + groups.to(tl.int64) * s_group_stride, scale, mask=groups * GROUP_SIZE < N)
+    else:
+        q = quantize(y, inv, out_row.dtype.element_ty, EMULATE_CAST)
+    offs = tl.reshape(start + tl.arange(0, BLOCK), [BLOCK // V, V])
+    tl.store(out_row + offs, tl.reshape(q, [BLOCK // V, V]), mask=offs < N)
+
+
+@triton.jit
 def _rmsnorm_rows(
     x_ptr, x_row_stride,  # input rows, read (last dim contiguous)
     res_ptr, res_row_stride,  # residual rows: residual += input, written back, when HAS_RESIDUAL
-    out_ptr, out_row_stride,  # output rows; the input rows themselves for the in-place ops
+    out_ptr, out_row_stride,  # output rows; the input rows themselves for the in-place ops; q (fp8) with QUANT
     w_ptr,  # weight (N,), contiguous
     N,  # hidden size (elements per row)
     eps,  # added to mean(x^2) before rsqrt
+    s_ptr, s_row_stride, s_group_stride,  # QUANT: the scales, (1,) static, (T, 1) per token, (T, G) per group
+    scale_ptr,  # QUANT == STATIC: the static scale, read
     BLOCK_N: tl.constexpr,  # elements per load: the whole row (ONE_PASS) or a chunk
     ONE_PASS: tl.constexpr,  # the row fits in one block
     HAS_RESIDUAL: tl.constexpr,  # fused_add variants
     GEMMA: tl.constexpr,  # scale by (1 + w) instead of w
     RELOAD: tl.constexpr,  # ONE_PASS without residual: read the row again (from L2) to normalise it
+    QUANT: tl.constexpr,  # the FP8 epilogue: NONE, STATIC, TOKEN or GROUP (backends/triton_fp8.py)
+    GROUP_SIZE: tl.constexpr,  # QUANT == GROUP: values a scale, a power of two dividing N
+    UE8M0: tl.constexpr,  # QUANT == GROUP: scales rounded up to powers of two
+    V: tl.constexpr,  # QUANT: the q store's vector, 16 bytes of the input's dtype
+    NUMPY_MAX: tl.constexpr,  # running in Triton's interpreter: reduce with tl.max + tl.sum
+    EMULATE_CAST: tl.constexpr,  # running in Triton's interpreter: round to e4m3 in fp32 before the cast
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     res_row = res_ptr + row * res_row_stride
     out_row = out_ptr + row * out_row_stride
+    s_row = s_ptr + row * s_row_stride
     cols = tl.arange(0, BLOCK_N)
+    inv = 1.0
+    if QUANT == STATIC:
+        inv = static_inverse(scale_ptr)
+        if row == 0:
+            tl.store(s_ptr, tl.load(scale_ptr))
     if ONE_PASS:
         mask = cols < N
         x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last" if RELOAD else "").to(tl.float32)
@@ -100,7 +157,16 @@ def _rmsnorm_rows(
             w += 1.0
         if RELOAD:
             x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        tl.store(out_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+        if QUANT == NONE:
+            tl.store(out_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            y = (x * rstd * w).to(x_ptr.dtype.element_ty).to(tl.float32)  # what rmsnorm writes
+            if QUANT == TOKEN:
+                scale = dynamic_scale(abs_max(y, 0, NUMPY_MAX), 0.0, False)
+                inv = tl.math.div_rn(1.0, scale)
+                tl.store(s_row, scale)
+            _quant_store(y, 0, N, out_row, s_row, s_group_stride, inv, QUANT, GROUP_SIZE, UE8M0, V, NUMPY_MAX,
+                         EMULATE_CAST)
     else:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
@@ -111,35 +177,56 @@ def _rmsnorm_rows(
                 tl.store(res_row + start + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
             acc += x * x
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
-        for start in range(0, N, BLOCK_N):
-            mask = start + cols < N
-            # The second pass re-reads the rounded residual: within one ulp of the fp32 sum.
-            if HAS_RESIDUAL:
-                x = tl.load(res_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            else:
-                x = tl.load(x_row + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            w = tl.load(w_ptr + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            if GEMMA:
-                w += 1.0
-            tl.store(out_row + start + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+        if QUANT == NONE:
+            for start in range(0, N, BLOCK_N):
+                mask = start + cols < N
+                y = _normalized(x_row + start, res_row + start, w_ptr + start, cols, mask, rstd, HAS_RESIDUAL, GEMMA)
+                tl.store(out_row + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # Whole groups a block, should a group be wider than the chunk: the values do not depend
+            # on the block (only the sum of squares above is order-sensitive).
+            QBLOCK: tl.constexpr = GROUP_SIZE if QUANT == GROUP and GROUP_SIZE > BLOCK_N else BLOCK_N
+            qcols = tl.arange(0, QBLOCK)
+            if QUANT == TOKEN:  # the row's amax first, y recomputed (from L2) in a pass of its own
+                amax = tl.zeros([QBLOCK], dtype=tl.float32)
+                for start in range(0, N, QBLOCK):
+                    y = _normalized(x_row + start, res_row + start, w_ptr + start, qcols, start + qcols < N, rstd, HAS_RESIDUAL,
+                                GEMMA)
+                    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+                    amax = tl.maximum(amax, tl.abs(y), propagate_nan=tl.PropagateNan.ALL)
+                scale = dynamic_scale(abs_max(amax, 0, NUMPY_MAX), 0.0, False)
+                inv = tl.math.div_rn(1.0, scale)
+                tl.store(s_row, scale)
+            for start in range(0, N, QBLOCK):
+                y = _normalized(x_row + start, res_row + start, w_ptr + start, qcols, start + qcols < N, rstd, HAS_RESIDUAL,
+                                GEMMA)
+                _quant_store(y.to(x_ptr.dtype.element_ty).to(tl.float32), start, N, out_row, s_row, s_group_stride,
+                             inv, QUANT, GROUP_SIZE, UE8M0, V, NUMPY_MAX, EMULATE_CAST)
 
 
 def _launch(x: Tensor, res, out: Tensor, weight: Tensor, eps: float, gemma: bool, wrap=None,
-            config: Optional[TritonNormConfig] = None) -> None:
-    """All of ``x``, ``res`` and ``out`` are 2-D ``(T, N)`` row views."""
+            config: Optional[TritonNormConfig] = None, quant: int = NONE.value, s: Optional[Tensor] = None,
+            scale: Optional[Tensor] = None, group_size: int = 1, ue8m0: bool = False) -> None:
+    """All of ``x``, ``res`` and ``out`` are 2-D ``(T, N)`` row views; with ``quant``, ``out`` is q
+    and ``s`` the scales as ``(1,)`` (static), ``(T, 1)`` (per token) or ``(T, G)`` (per group)."""
     T, N = x.shape[0], int(x.shape[1])  # int(): traced, the heuristics guard on the hidden size
     if wrap is None and T == 0:
         return
     has_res = res is not None
     if config is None:
         config = TritonNormConfig.for_shape(T if wrap is None else None, N, has_res)
+    s2 = s.view(1, 1) if s is not None and s.dim() == 1 else s
     (_rmsnorm_rows if wrap is None else wrap(_rmsnorm_rows))[(T,)](
         x, x.stride(0),
         res if has_res else x, res.stride(0) if has_res else 0,
         out, out.stride(0),
         weight, N, eps,
+        x if s is None else s, 0 if s is None else s2.stride(0), 0 if s is None else s2.stride(1),
+        x if scale is None else scale,
         BLOCK_N=config.block_n, ONE_PASS=config.one_pass, HAS_RESIDUAL=has_res, GEMMA=gemma,
         RELOAD=config.reload and not has_res,
+        QUANT=quant, GROUP_SIZE=group_size, UE8M0=ue8m0, V=min(vector(x.element_size()), config.block_n),
+        NUMPY_MAX=INTERPRETED, EMULATE_CAST=INTERPRETED,
         num_warps=config.num_warps,
     )
 
@@ -177,3 +264,69 @@ def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: floa
 def gemma_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, *, wrap=None,
                             config=None) -> None:
     _fused_add(input, residual, weight, eps, True, wrap, config)
+
+
+# ----------------------------------------------------------------------------------------------
+# The FP8 ops: the norm kernel above with its epilogue (QUANT), launched as the norm would be (the same
+# TritonNormConfig), so that q and scales equal those of this module's norm then the quant family's
+# Triton kernels, bit for bit.
+
+
+def _quant_outputs(input: Tensor, scale, group_size: int, column_major: bool, wrap):
+    """``q``, the scales, and both as the kernel's rows; a static scale copied when no program may."""
+    N = int(input.shape[-1])
+    q, s = fp8.empty_outputs(input, N, scale, group_size, column_major)
+    if scale is not None:
+        if wrap is not None or q.numel() == 0:  # traced, the token count (the grid) may be 0
+            s = scale.reshape(1).clone()
+        return q, s, q.view(-1, N), s
+    return q, s, q.view(-1, N), s.view(-1, s.shape[-1])
+
+
+def _norm_quant(input: Tensor, weight: Tensor, eps: float, scale, group_size: int, column_major: bool, ue8m0: bool,
+                gemma: bool, wrap, config):
+    q, s, q_rows, s_rows = _quant_outputs(input, scale, group_size, column_major, wrap)
+    _launch(rows(input), None, q_rows, weight, eps, gemma, wrap, config, mode(scale, group_size), s_rows, scale,
+            max(group_size, 1), ue8m0)
+    return q, s
+
+
+def _fused_add_quant(input: Tensor, residual: Tensor, weight: Tensor, eps: float, scale, group_size: int,
+                     column_major: bool, ue8m0: bool, gemma: bool, wrap, config):
+    q, s, q_rows, s_rows = _quant_outputs(input, scale, group_size, column_major, wrap)
+    res = rows_view(residual)
+    copied = res is None  # leading dims that do not collapse: work on a copy, write back
+    if copied:
+        res = residual.reshape(-1, residual.shape[-1]).clone()
+    _launch(rows(input), res, q_rows, weight, eps, gemma, wrap, config, mode(scale, group_size), s_rows, scale,
+            max(group_size, 1), ue8m0)
+    if copied:
+        residual.copy_(res.view(residual.shape))
+    return q, s
+
+
+def rmsnorm_fp8_quant(input: Tensor, weight: Tensor, eps: float = 1e-6, scale: Optional[Tensor] = None,
+                      group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False, *,
+                      wrap=None, config=None):
+    return _norm_quant(input, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, False, wrap, config)
+
+
+def gemma_rmsnorm_fp8_quant(input: Tensor, weight: Tensor, eps: float = 1e-6, scale: Optional[Tensor] = None,
+                            group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False, *,
+                            wrap=None, config=None):
+    return _norm_quant(input, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, True, wrap, config)
+
+
+def fused_add_rmsnorm_fp8_quant(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
+                                scale: Optional[Tensor] = None, group_size: int = -1, column_major_scales: bool = False,
+                                scale_ue8m0: bool = False, *, wrap=None, config=None):
+    return _fused_add_quant(input, residual, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, False,
+                            wrap, config)
+
+
+def gemma_fused_add_rmsnorm_fp8_quant(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
+                                      scale: Optional[Tensor] = None, group_size: int = -1,
+                                      column_major_scales: bool = False, scale_ue8m0: bool = False, *, wrap=None,
+                                      config=None):
+    return _fused_add_quant(input, residual, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, True,
+                            wrap, config)
