@@ -7,7 +7,7 @@ OPS = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm
 QUANT_OPS = ("rmsnorm_fp8_quant", "fused_add_rmsnorm_fp8_quant", "gemma_rmsnorm_fp8_quant",
              "gemma_fused_add_rmsnorm_fp8_quant")
 # the FP8 ops each backend implements: each bit for bit that backend's norm, then its own quant op
-TRITON_QUANT_OPS = ()
+TRITON_QUANT_OPS = QUANT_OPS
 TILELANG_QUANT_OPS = ()
 _IN_PLACE = ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm")
 # how the C++ entry calls TileLang's host functions: norm(X, W, O, eps); fused(X, R, W, eps), in place
