@@ -43,6 +43,10 @@ RULES = (
      {PACKAGE} | _modules("testing", "bench", "__main__")),
     ("registration names no family: it reaches them through the inventory", _modules("library", "ops", "fast_path"),
      _modules("families", "backends")),
+    ("the shipped compiler passes name ops as torch.ops.deepinfer.* and read the FP8 numerics from fp8: no family, "
+     "backend, selection, registration or inventory", _modules("passes"),
+     {PACKAGE} | _modules("families", "backends", "dispatch", "library", "fast_path", "registry", "ops", "tuning",
+                         "testing", "bench", "__main__")),
 )
 
 
