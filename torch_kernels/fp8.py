@@ -231,11 +231,12 @@ def assert_steps(what: str, got: Tensor, want: Tensor, steps: int) -> None:
                              f"from the reference, e.g. {g[finite][i].item()!r} vs {w[finite][i].item()!r}")
 
 
-def assert_quantized(got, want, steps: int = 1) -> None:
+def assert_quantized(got, want, steps: int = 1, scale_rtol: Optional[float] = None) -> None:
     """``(q, scales)`` against the reference's: same shapes, dtypes and scale strides; scales within
-    ``steps`` fp32 ulp, q within ``steps`` e4m3 steps (0: bit for bit). One step is what a last-ulp
-    difference in ``x / scale`` (a division against a multiplication by the reciprocal) can move a value
-    lying on a rounding tie; ``assert_close`` at the input dtype's tolerance would be wrong for fp8."""
+    ``steps`` fp32 ulp (or ``scale_rtol``), q within ``steps`` e4m3 steps (0: bit for bit). One step is
+    what a last-ulp difference in ``x / scale`` (a division against a multiplication by the reciprocal)
+    can move a value lying on a rounding tie; ``assert_close`` at the input dtype's tolerance would be
+    wrong for fp8."""
     assert len(got) == 2 and len(want) == 2, f"{len(got)} outputs, expected 2"
     (q, s), (q_ref, s_ref) = got, want
     assert q.dtype == FP8 and q.shape == q_ref.shape, f"q: {q.dtype} {tuple(q.shape)}, expected {FP8} {tuple(q_ref.shape)}"
@@ -244,10 +245,50 @@ def assert_quantized(got, want, steps: int = 1) -> None:
     # the layout (row- or column-major scales) shows in the strides of the dims longer than one
     same_layout = all(a == b for a, b, n in zip(s.stride(), s_ref.stride(), s.shape) if n > 1)
     assert same_layout or s.numel() == 0, f"scales: strides {s.stride()}, expected {s_ref.stride()}"
-    assert_steps("scales", s, s_ref.to(s.device), steps)
+    if scale_rtol is None:
+        assert_steps("scales", s, s_ref.to(s.device), steps)
+    else:
+        torch.testing.assert_close(s, s_ref.to(s.device), rtol=scale_rtol, atol=0, equal_nan=True, msg=lambda m: f"scales: {m}")
     assert_steps("q", q, q_ref.to(q.device), steps)
 
 
 def compare(got: list, want: list, dtype=None) -> None:
     """An op's ``compare`` for outputs ``(q, scales)``: within one step of the reference."""
     assert_quantized(got, want, 1)
+
+
+def compare_epilogue(got: list, want: list, dtype=None) -> None:
+    """A fused op's ``(q, scales)`` against the reference's. Its unquantised value is within the input
+    dtype's tolerance of the reference's (summation order, ``rsqrt``), and so are the dynamic scales taken
+    from it, except that a UE8M0 ceiling may land on the next power of two; so the scales are compared
+    at that tolerance (or a factor of 2 between powers of two), and ``q * scale`` within one e4m3 step of
+    the reference's at the larger of the two scales."""
+    from .opdef import TOLERANCES
+
+    rtol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])[1]
+    assert len(got) == 2 and len(want) == 2, f"{len(got)} outputs, expected 2"
+    (q, s), (q_ref, s_ref) = got, [t.to(got[0].device) for t in want]
+    assert q.dtype == FP8 and q.shape == q_ref.shape, f"q: {q.dtype} {tuple(q.shape)}, expected {FP8} {tuple(q_ref.shape)}"
+    assert s.dtype == torch.float32 and s.shape == s_ref.shape, \
+        f"scales: {s.dtype} {tuple(s.shape)}, expected float32 {tuple(s_ref.shape)}"
+    same_layout = all(a == b for a, b, n in zip(s.stride(), s_ref.stride(), s.shape) if n > 1)
+    assert same_layout or s.numel() == 0, f"scales: strides {s.stride()}, expected {s_ref.stride()}"
+    sd, rd = s.double(), s_ref.double()
+    assert torch.equal(sd.isnan(), rd.isnan()), "scales: NaN elsewhere than the reference's"
+    ok = sd.isnan() | ((sd - rd).abs() <= rtol * rd.abs())
+    pow2 = (torch.frexp(sd)[0].abs() == 0.5) & (torch.frexp(rd)[0].abs() == 0.5)
+    ok |= pow2 & ((sd == 2 * rd) | (2 * sd == rd))
+    assert ok.all(), f"scales: {int((~ok).sum())} of {s.numel()} beyond rtol {rtol} of the reference"
+    if not q.numel():
+        return
+    lead, n = q.shape[:-1], q.shape[-1]
+    per_value = lambda t: (t.expand(*lead, n) if t.shape[-1] == 1 or t.numel() == 1  # noqa: E731
+                           else t.repeat_interleave(n // t.shape[-1], -1)).double()
+    sv, rv = per_value(sd.reshape(*lead, -1) if s.numel() > 1 else sd), per_value(rd.reshape(*lead, -1) if s.numel() > 1 else rd)
+    a, b = q.double() * sv, q_ref.double() * rv
+    nan = b.isnan()
+    assert torch.equal(a.isnan(), nan), f"q: NaN at {int((a.isnan() != nan).sum())} other positions than the reference"
+    big = torch.maximum(sv, rv)
+    # one e4m3 step: 2^-3 relative in the normal range, 2^-9 of the scale below it
+    far = ~nan & ((a - b).abs() > 2**-3 * torch.maximum(a.abs(), b.abs()) + 2**-9 * big)
+    assert not far.any(), f"q: {int(far.sum())} of {q.numel()} values more than a step from the reference's"

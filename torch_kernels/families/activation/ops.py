@@ -314,7 +314,7 @@ OPS = (
     OpDef(f"{QUANT}(Tensor input, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, "
           "bool scale_ue8m0=False) -> (Tensor, Tensor)",
           _validate_quant, _fake_quant, silu_and_mul_fp8_quant, _samples_quant, _tokens_quant,
-          no_grad_reason="quantisation to float8 has no useful gradient (round and clamp)", compare=fp8.compare,
+          no_grad_reason="quantisation to float8 has no useful gradient (round and clamp)", compare=fp8.compare_epilogue,
           bench=BenchCase(_bench_shape, _bench_args_quant, _bench_nbytes_quant, takes_hidden=True, memory_bound=True,
                           flashinfer=lambda args: "FlashInfer 0.7.4 has no SiLU-and-mul with FP8 quantisation",
                           peers=(UNFUSED_PEER,))),
