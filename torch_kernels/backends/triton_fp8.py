@@ -70,8 +70,8 @@ def max_propagate_nan(a, b):
 @triton.jit
 def abs_max(x, AXIS: tl.constexpr, NUMPY_MAX: tl.constexpr):
     """``max |x|`` along ``AXIS``, NaN where the slice holds a NaN (tl.max alone would skip it)."""
-    if NUMPY_MAX:  # the interpreter: numpy's nanmax, plus a sum that is NaN where the slice holds a NaN
-        return tl.max(tl.abs(x), AXIS) + tl.sum(tl.where(x != x, x, 0.0), AXIS)
+    if NUMPY_MAX:  # the interpreter: numpy's nanmax, plus a sum that is NaN (positive) where the slice holds a NaN
+        return tl.max(tl.abs(x), AXIS) + tl.sum(tl.where(x != x, tl.abs(x), 0.0), AXIS)
     else:  # max.NaN.f32
         return tl.reduce(tl.abs(x), AXIS, max_propagate_nan)
 
