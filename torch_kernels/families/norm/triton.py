@@ -187,6 +187,8 @@ def _rmsnorm_rows(
             # on the block (only the sum of squares above is order-sensitive).
             QBLOCK: tl.constexpr = GROUP_SIZE if QUANT == GROUP and GROUP_SIZE > BLOCK_N else BLOCK_N
             qcols = tl.arange(0, QBLOCK)
+            if HAS_RESIDUAL and QBLOCK != BLOCK_N:  # other threads re-read the residual this one wrote
+                tl.debug_barrier()
             if QUANT == TOKEN:  # the row's amax first, y recomputed (from L2) in a pass of its own
                 amax = tl.zeros([QBLOCK], dtype=tl.float32)
                 for start in range(0, N, QBLOCK):
