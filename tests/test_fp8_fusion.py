@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import torch_kernels  # noqa: F401  (registers torch.ops.deepinfer)
 from torch_kernels import fp8, passes
+from torch_kernels.passes import fp8_fusion
 
 d = torch.ops.deepinfer
 BF16 = torch.bfloat16
@@ -82,9 +83,9 @@ def _compile(fn, args, fusion=True, emulate=False, stop=False, dynamic=None):
     with the passes installed now (``fusion=None``); ``outputs`` None with ``stop``."""
     torch._dynamo.reset()
     capture = _Capture(stop)
-    installed = get_custom_graph_passes(inductor_config.post_grad_custom_post_pass)
+    installed = fp8_fusion.custom_passes(inductor_config.post_grad_custom_post_pass)
     custom = (*installed, capture) if fusion is None else (passes.FP8_FUSION, capture) if fusion else (capture,)
-    with inductor_config.patch(post_grad_custom_post_pass=custom, emulate_precision_casts=emulate):
+    with inductor_config.patch(post_grad_custom_post_pass=fp8_fusion.as_slot(custom), emulate_precision_casts=emulate):
         try:
             out = torch.compile(fn, fullgraph=True, dynamic=dynamic)(*args)
         except Exception:
@@ -451,7 +452,8 @@ def test_install_composes_with_an_installed_pass_and_uninstall_restores_it():
     with inductor_config.patch(post_grad_custom_post_pass=other):
         passes.install_fp8_fusion()
         passes.install_fp8_fusion()
-        assert inductor_config.post_grad_custom_post_pass == (other, passes.FP8_FUSION)
+        slot = inductor_config.post_grad_custom_post_pass
+        assert fp8_fusion.custom_passes(slot) == (other, passes.FP8_FUSION)
         fn, make = _case("rmsnorm+per_token")
         torch._dynamo.reset()
         torch.compile(fn, fullgraph=True)(*make("cpu"))
@@ -459,6 +461,21 @@ def test_install_composes_with_an_installed_pass_and_uninstall_restores_it():
         assert other.targets == "deepinfer.rmsnorm\ndeepinfer.scaled_fp8_quant"
         passes.uninstall_fp8_fusion()
         assert inductor_config.post_grad_custom_post_pass is other
+
+
+def test_install_chains_passes_where_the_slot_takes_one(monkeypatch):
+    """Before torch 2.12 the slot holds one pass: install chains ours after the one there."""
+    monkeypatch.setattr(fp8_fusion, "get_custom_graph_passes", None)
+    other = _Capture()
+    with inductor_config.patch(post_grad_custom_post_pass=other):
+        passes.install_fp8_fusion()
+        slot = inductor_config.post_grad_custom_post_pass
+        assert isinstance(slot, fp8_fusion.ChainedPasses) and slot.passes == (other, passes.FP8_FUSION)
+        assert slot.uuid() is None  # the capture has no uuid: Inductor must not cache
+        passes.uninstall_fp8_fusion()
+        assert inductor_config.post_grad_custom_post_pass is other
+    chained = fp8_fusion.as_slot((passes.FP8_FUSION, passes.FP8_FUSION))
+    assert chained.uuid() == repr([passes.FP8_FUSION.uuid()] * 2).encode()
 
 
 def test_the_fx_graph_cache_keys_on_the_pass():
@@ -487,7 +504,7 @@ def test_one_graph_for_every_token_count():
     counters.clear()
     compiled = torch.compile(fn, fullgraph=True)
     capture = _Capture()
-    with inductor_config.patch(post_grad_custom_post_pass=(passes.FP8_FUSION, capture)):
+    with inductor_config.patch(post_grad_custom_post_pass=fp8_fusion.as_slot((passes.FP8_FUSION, capture))):
         for tokens in (2, 7, 33):
             x, w = _exact_rows(tokens, H), _weight()
             torch._dynamo.mark_dynamic(x, 0)

@@ -42,7 +42,12 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 from torch import fx
 from torch._inductor import config as inductor_config
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+try:  # torch >= 2.12: the slot takes a tuple of passes
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+except ImportError:
+    get_custom_graph_passes = None
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
@@ -733,18 +738,48 @@ class Fp8FusionPass(CustomGraphPass):
 FP8_FUSION = Fp8FusionPass()
 
 
+class ChainedPasses(CustomGraphPass):
+    """Several passes in one slot, for a torch whose slot takes one (before 2.12, without
+    ``get_custom_graph_passes``); cached only if every pass is a ``CustomGraphPass``."""
+
+    def __init__(self, passes):
+        self.passes = tuple(passes)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self):
+        ids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]
+        return None if any(i is None for i in ids) else repr(ids).encode()
+
+
+def custom_passes(slot) -> tuple:
+    """The passes a post-grad custom pass slot holds, in the order they run."""
+    if get_custom_graph_passes is not None:
+        return tuple(get_custom_graph_passes(slot))
+    return () if slot is None else slot.passes if isinstance(slot, ChainedPasses) else (slot,)
+
+
+def as_slot(passes):
+    """What to put in a post-grad custom pass slot to run ``passes`` in order."""
+    passes = tuple(passes)
+    if len(passes) <= 1:
+        return passes[0] if passes else None
+    return passes if get_custom_graph_passes is not None else ChainedPasses(passes)
+
+
 def install_fp8_fusion() -> None:
     """Run :data:`FP8_FUSION` in every graph Inductor compiles from now on, after any post-grad custom
     pass already installed (``torch._inductor.config.post_grad_custom_post_pass``). Idempotent.
     Graphs compiled before keep their code (``torch.compiler.reset()`` drops them)."""
-    current = inductor_config.post_grad_custom_post_pass
-    passes = get_custom_graph_passes(current)
+    passes = custom_passes(inductor_config.post_grad_custom_post_pass)
     if any(p is FP8_FUSION for p in passes):
         return
-    inductor_config.post_grad_custom_post_pass = FP8_FUSION if not passes else (*passes, FP8_FUSION)
+    inductor_config.post_grad_custom_post_pass = as_slot((*passes, FP8_FUSION))
 
 
 def uninstall_fp8_fusion() -> None:
     """Remove :data:`FP8_FUSION` from the post-grad custom passes, leaving the others as they run."""
-    passes = tuple(p for p in get_custom_graph_passes(inductor_config.post_grad_custom_post_pass) if p is not FP8_FUSION)
-    inductor_config.post_grad_custom_post_pass = None if not passes else passes[0] if len(passes) == 1 else passes
+    passes = custom_passes(inductor_config.post_grad_custom_post_pass)
+    inductor_config.post_grad_custom_post_pass = as_slot(p for p in passes if p is not FP8_FUSION)
