@@ -42,11 +42,11 @@ from .reference import empty_outputs
 # --sweep`; docs/design/quant.md).
 _TILE = 4096
 _ELEMENTS_PER_WARP = 1024
-# Per token, rows up to 16384 values in registers (64 fp32 a thread over 8 warps, as the norms); wider rows
-# in two passes over chunks of 4096, the second from L2.
+# Per token, rows up to 16384 values in registers (32 fp32 a thread over 16 warps); wider rows in two passes
+# over chunks of 4096, the second from L2.
 _ONE_PASS_MAX = 16384
 _CHUNK = 4096
-# The amax pass of a dynamic per-tensor quant: no tile, a program of one launch writes nothing else
+# MODE of the per-tensor quant's first launch: each program atomic-maxes its |x| bits, writes nothing else
 _AMAX = tl.constexpr(0)
 
 
