@@ -201,23 +201,30 @@ def gemma_norm(x, w, eps=1e-6):
     return (out * (1.0 + w.float())).type_as(x)
 
 
+def _over_448(t):
+    """``t / 448`` as vLLM writes it. On CUDA torch computes it as ``t * fp32(1 / 448)`` (a division by a
+    number multiplies by its reciprocal there, eagerly and compiled), the fused ops' scale; the CPU
+    divides, so there the pattern is written as that product."""
+    return t / 448.0 if t.is_cuda else t * (1.0 / 448.0)
+
+
 def quant_per_token(x):
     """vLLM's ``QuantFP8.forward_native``, dynamic per token."""
     x_max, _ = x.abs().max(dim=-1)
-    scale = (x_max.unsqueeze(-1).to(torch.float32) / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+    scale = _over_448(x_max.unsqueeze(-1).to(torch.float32)).clamp(min=1.0 / (448.0 * 512.0))
     return (x.to(torch.float32) * scale.reciprocal()).clamp(-448.0, 448.0).to(FP8), scale
 
 
 def quant_per_token_amax(x):
     """The same with ``amax`` and ``1 / scale`` spelled differently."""
     xf = x.float()
-    scale = torch.clamp(xf.abs().amax(-1, keepdim=True) / 448.0, min=1.0 / (448.0 * 512.0))
+    scale = torch.clamp(_over_448(xf.abs().amax(-1, keepdim=True)), min=1.0 / (448.0 * 512.0))
     return torch.clamp(xf * scale.reciprocal(), min=-448.0, max=448.0).to(FP8), scale
 
 
-def quant_per_token_exact(x):
-    """Per token with the amax divided by a tensor of 448s: IEEE division on every device (torch's CUDA
-    kernel multiplies by fp32(1 / 448) where the divisor is a Python number)."""
+def quant_per_token_divided(x):
+    """Per token with the amax divided by a tensor of 448s: IEEE division on every device, not the
+    fused ops' product."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
     scale = (amax / torch.full_like(amax, 448.0)).clamp(min=1.0 / (448.0 * 512.0))
@@ -256,8 +263,6 @@ def _plain_cases():
         "F.rms_norm (3-D, fp16) + amax per token": (
             lambda x, w: quant_per_token_amax(F.rms_norm(x, (H,), w, 1e-5)),
             lambda dev: (_exact_rows(2, 4, H, dtype=torch.float16, device=dev), _weight(dev, torch.float16))),
-        "rmsnorm formula + per token, tensor divisor": (lambda x, w: quant_per_token_exact(rmsnorm_formula(x, w)),
-                                                        lambda dev: (_exact_rows(T, H, device=dev), _weight(dev))),
         "F.rms_norm + static": (lambda x, w, s: quant_static(F.rms_norm(x, (H,), w, 1e-6), s),
                                 lambda dev: (_exact_rows(T, H, device=dev), _weight(dev), _scale(dev))),
         "rmsnorm formula (fp32) + group": (lambda x, w: quant_group(rmsnorm_formula(x, w)),
@@ -346,7 +351,6 @@ silu_and_mul+static: deepinfer.silu_and_mul_fp8_quant
 silu_and_mul+group: deepinfer.silu_and_mul_fp8_quant
 rmsnorm formula + vLLM per token: deepinfer.rmsnorm_fp8_quant
 F.rms_norm (3-D, fp16) + amax per token: deepinfer.rmsnorm_fp8_quant
-rmsnorm formula + per token, tensor divisor: deepinfer.rmsnorm_fp8_quant
 F.rms_norm + static: deepinfer.rmsnorm_fp8_quant
 rmsnorm formula (fp32) + group: deepinfer.rmsnorm_fp8_quant
 Gemma formula + per token: deepinfer.gemma_rmsnorm_fp8_quant
@@ -376,13 +380,13 @@ def _vllm_forward_native(x, w, eps=1e-6):
 
 def _quant_bounds(x, bound=440.0, floor=1.0 / (448.0 * 512.0), divide=False):
     xf = x.float()
-    scale = (xf.abs().amax(-1, keepdim=True) / 448.0).clamp(min=floor)
+    scale = _over_448(xf.abs().amax(-1, keepdim=True)).clamp(min=floor)
     return ((xf / scale) if divide else (xf * scale.reciprocal())).clamp(-bound, bound).to(FP8), scale
 
 
 def _quant_per_tensor(x):
     xf = x.float()
-    scale = (xf.abs().amax() / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+    scale = _over_448(xf.abs().amax()).clamp(min=1.0 / (448.0 * 512.0))
     return (xf * scale.reciprocal()).clamp(-448.0, 448.0).to(FP8), scale
 
 
@@ -392,6 +396,7 @@ NOT_REWRITTEN = {
     "scale floor 1e-6": lambda x, w: _quant_bounds(rmsnorm_formula(x, w), 448.0, 1e-6),
     "dynamic per tensor (a scale from y itself)": lambda x, w: _quant_per_tensor(rmsnorm_formula(x, w)),
     "x / scale per token": lambda x, w: _quant_bounds(rmsnorm_formula(x, w), 448.0, divide=True),
+    "amax divided by a tensor of 448s per token": lambda x, w: quant_per_token_divided(rmsnorm_formula(x, w)),
     "group eps 1e-6": lambda x, w: (lambda g: ((g / (s := g.abs().amax(-1).clamp(min=1e-6) / 448.0).unsqueeze(-1))
                                               .clamp(-448.0, 448.0).flatten(-2).to(FP8), s))(
         rmsnorm_formula(x, w).float().unflatten(-1, (-1, GROUP))),
@@ -595,7 +600,7 @@ def test_gpu_our_pairs_bit_for_bit(name):
 
 #: the plain patterns that rewrite on CUDA, and the fused op each becomes
 GPU_PLAIN = {
-    "rmsnorm formula + per token, tensor divisor": lambda x, w: d.rmsnorm_fp8_quant(x, w, 1e-6),
+    "rmsnorm formula + vLLM per token": lambda x, w: d.rmsnorm_fp8_quant(x, w, 1e-6),
     "F.rms_norm + static": lambda x, w, s: d.rmsnorm_fp8_quant(x, w, 1e-6, s)[:1],
     "F.silu(a) * b (fp32, chunk) + static": lambda x, s: d.silu_and_mul_fp8_quant(x, s)[:1],
     "decomposed rmsnorm + group quant": lambda x, w: d.rmsnorm_fp8_quant(x * 2, w, 1e-6, None, GROUP),
@@ -622,9 +627,9 @@ def test_gpu_plain_patterns_become_the_fused_op(name):
         assert (deq_got - deq_ref).abs().max() <= 2 ** -3 * deq_ref.abs().max()
 
 
-@pytest.mark.gpu
-def test_gpu_division_by_a_python_448_is_left_alone():
-    """vLLM's ``x_max / 448.0``: torch multiplies by fp32(1 / 448) on CUDA, eagerly and compiled, where
-    the fused ops divide; not rewritten there (on the CPU torch divides, and it is)."""
-    fn, make = _case("rmsnorm formula + vLLM per token")
-    assert "deepinfer." not in _compile(fn, make("cuda"), stop=True)[1]
+def test_division_by_a_python_448_on_the_cpu_is_left_alone():
+    """vLLM's ``x_max / 448.0`` is an IEEE division on the CPU, not the fused ops' ``x_max * fp32(1 / 448)``
+    (what CUDA computes for it, where it is rewritten: ``test_gpu_plain_patterns_become_the_fused_op``)."""
+    fn = lambda x, w: (lambda y: (lambda s: ((y.float() * s.reciprocal()).clamp(-448.0, 448.0).to(FP8), s))(  # noqa: E731
+        (y.float().abs().amax(-1, keepdim=True) / 448.0).clamp(min=1.0 / (448.0 * 512.0))))(rmsnorm_formula(x, w))
+    assert "deepinfer." not in _compile(fn, (_exact_rows(T, H), _weight("cpu")), stop=True)[1]

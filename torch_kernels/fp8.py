@@ -7,7 +7,10 @@ Three ways to choose the scales, vLLM's:
 
 * static per tensor (``scale`` given): ``q = fp8(clamp(x * (1 / scale), -448, 448))``;
 * dynamic per tensor or per token: ``amax = max|x|`` over the tensor or the row (clamped to
-  ``scale_ub`` per token, where given), ``scale = max(amax / 448, 1 / (448 * 512))``, then as static;
+  ``scale_ub`` per token, where given), ``scale = max(amax * fp32(1 / 448), 1 / (448 * 512))``, then
+  as static. The product is what torch computes for ``amax / 448.0`` on CUDA, eagerly and compiled
+  (a division by a number multiplies by its reciprocal there), and so what vLLM's
+  ``QuantFP8.forward_native`` computes when an engine compiles it;
 * dynamic per group of ``group_size`` along the row (DeepSeek block FP8, ``per_token_group_quant_fp8``):
   ``scale = max(amax, eps) / 448`` (a power of two above it with UE8M0), ``q = fp8(clamp(x / scale))``.
 
@@ -27,6 +30,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 #: vLLM's floor of a dynamic per-tensor or per-token scale, 1 / (448 * 512) rounded to fp32
 MIN_SCALE = float(torch.tensor(1.0 / (FP8_MAX * 512.0), dtype=torch.float32))
+#: the dynamic scales' factor, 1 / 448 rounded to fp32
+INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
 #: the group quantisation's floor of a group's max magnitude in the fused ops (vLLM's default)
 GROUP_EPS = 1e-10
 DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
@@ -152,10 +157,10 @@ def quantize_static(x: Tensor, scale: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 def dynamic_scale(amax: Tensor, scale_ub: Optional[Tensor] = None) -> Tensor:
-    """``max(min(amax, scale_ub) / 448, MIN_SCALE)``; NaN propagates."""
+    """``max(min(amax, scale_ub) * INV_FP8_MAX, MIN_SCALE)``; NaN propagates."""
     if scale_ub is not None:
         amax = torch.minimum(amax, scale_ub.reshape(()).to(torch.float32).expand_as(amax))
-    return _div(amax, FP8_MAX).clamp(min=MIN_SCALE)
+    return (amax * INV_FP8_MAX).clamp(min=MIN_SCALE)
 
 
 def quantize_per_tensor(x: Tensor) -> Tuple[Tensor, Tensor]:

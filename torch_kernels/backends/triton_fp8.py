@@ -5,7 +5,7 @@ unquantised output.
 
 * static: ``q = x * div_rn(1, scale)``, NaN where the scale is not positive and finite (read on the
   device: no host sync);
-* per token or tensor: ``scale = max(div_rn(min(amax, ub), 448), MIN_SCALE)``, ``q = x * div_rn(1, scale)``;
+* per token or tensor: ``scale = max(min(amax, ub) * fp32(1/448), MIN_SCALE)``, ``q = x * div_rn(1, scale)``;
 * per group: ``scale = div_rn(max(amax, eps), 448)`` (UE8M0: the power-of-two ceiling), ``q = x *
   div_rn(1, scale)``: one fp8 step at most from the reference's ``x / scale``; below ``eps = 2^-100``
   the reciprocal may overflow, so those calls divide each element (``EXACT_DIV``, bit-equal).
@@ -32,7 +32,7 @@ from .. import fp8
 FP8_MAX = tl.constexpr(fp8.FP8_MAX)  # 448.0, the largest float8_e4m3fn
 MIN_SCALE = tl.constexpr(fp8.MIN_SCALE)  # an fp32 value: exact as a constant
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
-_NAN = tl.constexpr(float("nan"))
+INV_FP8_MAX = tl.constexpr(fp8.INV_FP8_MAX)  # fp32(1/448): exact as a constant
 GROUP_EPS = tl.constexpr(fp8.GROUP_EPS)  # the fused ops' group eps, vLLM's default
 #: below this group eps the reciprocal of a scale may overflow: divide every element instead
 EXACT_DIV_EPS = 2.0 ** -100
@@ -128,16 +128,16 @@ def static_inverse(scale_ptr):
     """``1 / scale`` (IEEE) of the static scale on the device, NaN unless it is positive and finite."""
     s = tl.load(scale_ptr).to(tl.float32)
     inv = tl.math.div_rn(1.0, s)
-    return tl.where((s > 0.0) & (s <= _FLT_MAX), inv, _NAN)
+    # NaN from its bits: a NaN constexpr never equals itself, so Triton would call the global changed
+    return tl.where((s > 0.0) & (s <= _FLT_MAX), inv, tl.full(s.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True))
 
 
 @triton.jit
 def dynamic_scale(amax, ub, HAS_UB: tl.constexpr):
-    """``max(min(amax, ub) / 448, MIN_SCALE)`` with the IEEE division; NaN propagates (``ub`` read only
-    with ``HAS_UB``)."""
+    """``max(min(amax, ub) * fp32(1/448), MIN_SCALE)``; NaN propagates (``ub`` read only with ``HAS_UB``)."""
     if HAS_UB:
         amax = tl.minimum(amax, ub, propagate_nan=tl.PropagateNan.ALL)
-    return tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
+    return tl.maximum(amax * INV_FP8_MAX, MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

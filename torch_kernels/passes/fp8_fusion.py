@@ -21,11 +21,11 @@ Inductor compiles, becomes one of our fused ops, wherever the fused op computes 
 into ``deepinfer.<producer>_fp8_quant``. Exactness (what the fused ops compute is torch_kernels/fp8.py):
 every rounding the graph asks for is the fused op's (the norm's value rounded to the input dtype
 before the quant, the product of the activation rounded once), per token and static multiply by
-the reciprocal of the scale where the group quant divides, and the amax is divided by 448 with
-IEEE division: a division by the Python number 448 is taken only on the CPU, where torch divides
-(on CUDA ``t / 448.0`` multiplies by fp32(1 / 448), one ulp off for about half of all scales), a
-division by a tensor of 448s everywhere. What stays the kernel's own, as it is Inductor's in the
-unrewritten graph: the order of the mean's sum and the last ulp of exp.
+the reciprocal of the scale where the group quant divides. A per-token scale is ``amax * fp32(1 / 448)``:
+``amax * (1 / 448)`` anywhere, and ``amax / 448.0`` on CUDA, where torch multiplies by the reciprocal of
+a number it divides by (the CPU divides). A group scale is the IEEE quotient: a division by the number
+448 on the CPU only, by a tensor of 448s everywhere. What stays the kernel's own, as it is Inductor's in
+the unrewritten graph: the order of the mean's sum and the last ulp of exp.
 
 No rewrite where anything differs: another clamp bound or scale floor, a group eps other than 1e-10,
 ``x / scale`` per token, a weight multiplied after the rounding (vLLM's RMSNorm.forward_native),
@@ -162,6 +162,23 @@ def _pairs(n: fx.Node):
     return ()
 
 
+def _times_inverse_max(n, nodes: Set[fx.Node]) -> Optional[fx.Node]:
+    """The ``a`` of ``n = a * fp32(1 / 448)``, the product a dynamic per-token scale is (fp8.dynamic_scale):
+    ``a * (1 / 448)`` on every device, and ``a / 448.0`` on CUDA, where torch (eager and Inductor alike)
+    multiplies by the reciprocal of a number it divides by; the CPU divides."""
+    if _dtype(n) != F32 or n.kwargs or len(getattr(n, "args", ())) != 2:
+        return None
+    if _is(n, aten.mul.Tensor):
+        for a, b in _pairs(n):
+            if isinstance(a, fx.Node) and _number(b) and _f32(b) == fp8.INV_FP8_MAX:
+                return a
+        return None
+    if _is(n, aten.div.Tensor) and _is_number(n.args[1], fp8.FP8_MAX):
+        v = _val(n.args[0])
+        return n.args[0] if v is not None and v.device.type == "cuda" else None
+    return None
+
+
 def _exact_div_by_max(n, nodes: Set[fx.Node]) -> Optional[fx.Node]:
     """The dividend of ``n = a / 448`` when that division is IEEE in eager torch on the graph's device."""
     if not _is(n, aten.div.Tensor) or n.kwargs or len(n.args) != 2 or _dtype(n) != F32:
@@ -266,7 +283,7 @@ def _row_amax_of(n, nodes: Set[fx.Node]) -> Optional[fx.Node]:
 
 
 def _token_scale(s, y: fx.Node, nodes: Set[fx.Node]) -> bool:
-    """Whether ``s = max(amax(|y|, -1) / 448, 1 / (448 * 512))``, the scale fp8.dynamic_scale computes."""
+    """Whether ``s = max(amax(|y|, -1) * fp32(1 / 448), 1 / (448 * 512))``, the scale fp8.dynamic_scale computes."""
     if _is(s, aten.clamp_min.default):
         floor = s.args[1]
     elif _is(s, aten.clamp.default) and (len(s.args) < 3 or s.args[2] is None):
@@ -275,7 +292,7 @@ def _token_scale(s, y: fx.Node, nodes: Set[fx.Node]) -> bool:
         return False
     if not _number(floor) or _f32(floor) != fp8.MIN_SCALE:
         return False
-    amax = _exact_div_by_max(s.args[0], nodes)
+    amax = _times_inverse_max(s.args[0], nodes)
     if amax is None:
         return False
     nodes.update((s, s.args[0]))
