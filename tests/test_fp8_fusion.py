@@ -607,6 +607,15 @@ GPU_PLAIN = {
 }
 
 
+def _assert_dequantised_close(got, want, args):
+    got, want = _bits(got), _bits(want)
+    scales = (got[1], want[1]) if len(got) > 1 else (args[-1], args[-1])  # static: the scale given
+    if scales[0].shape != got[0].shape[:-1] + (1,) and scales[0].numel() > 1:  # group scales
+        scales = tuple(s.repeat_interleave(got[0].shape[-1] // s.shape[-1], -1) for s in scales)
+    a, b = (q.view(FP8).float() * s for q, s in zip((got[0], want[0]), scales))
+    assert ((a - b).abs() <= 2 ** -3 * torch.maximum(a.abs(), b.abs()) + 1e-6).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_PLAIN))
 def test_gpu_plain_patterns_become_the_fused_op(name):
@@ -619,7 +628,10 @@ def test_gpu_plain_patterns_become_the_fused_op(name):
     out, targets = _compile(fn, args)
     assert targets == _run(name)[0]
     want = GPU_PLAIN[name](*args)
-    _assert_equal(out, want, "with the pass against the fused op")
+    # Against the fused op called eagerly: the compiled graph's buffers may be aligned otherwise, which
+    # changes Triton's load width and with it the order of the mean's sum (41 of 2048 q a step apart
+    # measured); the fused op equals its own unfused pair bit for bit (tests/test_fp8_epilogues.py)
+    _assert_dequantised_close(out, want, args)
     if name != "decomposed rmsnorm + group quant":
         got, ref = _bits(out), _bits(fn(*args))
         scales = (got[1], ref[1]) if len(got) > 1 else (args[-1], args[-1])  # static: the scale given

@@ -120,7 +120,7 @@ def test_fused_equals_unfused_on_cuda(tokens):
                                            pytest.param("cuda", OPAQUE, marks=pytest.mark.gpu)])
 def test_compiled_with_the_pass_equals_unfused(device, route):
     """The unfused layer compiled by Inductor with the FP8 fusion pass returns what it returns
-    uncompiled, bit for bit; with every op opaque, the compiled code calls the three fused ops instead
+    uncompiled, bit for bit on the CPU (within 1e-3 on CUDA); with every op opaque, the compiled code calls the three fused ops instead
     of the pairs. On the CPU one tiny shape (Inductor's C++ build: ~10 s on two cores)."""
     from torch_kernels import passes  # noqa: F401  (the pass under test: its absence is a failure)
 
@@ -135,7 +135,10 @@ def test_compiled_with_the_pass_equals_unfused(device, route):
             with fp8_layer.fp8_fusion():
                 got, codes = run_and_get_code(torch.compile(layers["unfused"], fullgraph=True, dynamic=False),
                                               positions, hidden)
-        assert fp8_layer.equal(got, want), (tokens, [fp8_layer.relative_error(g, w) for g, w in zip(got, want)])
+        errors = [fp8_layer.relative_error(g, w) for g, w in zip(got, want)]
+        # on CUDA Inductor's own kernels for the rest of the layer round as they do (5e-5 at 300 tokens
+        # measured); each fused op's bits are tests/test_fp8_epilogues.py's
+        assert fp8_layer.equal(got, want) if device == "cpu" else max(errors) < 1e-3, (tokens, errors)
         if route == OPAQUE:
             code = "\n".join(codes)
             for op in bench_fp8_layer.FUSED_OPS:
