@@ -19,6 +19,13 @@ integers (a NaN propagates); ``scale = __fdiv_rn(amax, 448)``, bit-equal to the 
 ``q = x * __frcp_rn(scale)``, one fp8 step at most from ``x / scale`` (each value divided below
 ``eps = 2**-100``, where the reciprocal could overflow); the hardware ``cvt.rn.satfinite.e4m3x2.f32``,
 which is ``clamp(y, -448, 448).to(float8_e4m3fn)`` bit for bit.
+
+``scaled_fp8_quant`` is a row kernel of ``backends/tilelang_fp8.py``, whose numerics (these, with a dynamic
+scale ``max(amax * fp32(1/448), 1 / (448 * 512))`` as the reference takes it) the norms and the activation
+that end in a quantisation share: static, per token (the whole row in one block) with or without
+``scale_ub``, and per tensor in two kernels with no host sync (the max of the magnitudes' bits by one
+``atomicMax`` a block into a zeroed int32, then the quantisation reading it); each bit for bit the
+reference's. Rows off the vector are copied first (rare).
 """
 
 from dataclasses import dataclass
@@ -28,9 +35,11 @@ import tilelang.language as T
 import torch
 from torch import Tensor
 
-from .reference import FP8_MAX, empty_outputs
+from .reference import empty_outputs
 
-from ...backends import tilelang_jit as _jit
+from ... import fp8 as _fp8_core
+from ...backends import tilelang_fp8 as _fp8, tilelang_jit as _jit
+from ...backends.rows import rows
 
 _NAME = "per_token_group_quant_fp8"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -121,22 +130,20 @@ def _build(group_size: int, dtype: str, ue8m0: bool, exact_div: bool, aligned: b
                     xf[v] = T.float32(0)
             amax_bits = T.reinterpret(eps, "int32")  # a negative int for eps = -0.0: never the max
             for v in T.unroll(E):
-                amax_bits = T.max(amax_bits, T.reinterpret(xf[v], "int32") & 0x7FFFFFFF)
+                amax_bits = T.max(amax_bits, _fp8.abs_bits(xf[v]))
             for k in T.unroll(LANES.bit_length() - 1):
                 amax_bits = T.max(amax_bits, T.shfl_xor(amax_bits, 1 << k))
             scale = T.alloc_var("float32")
-            scale = T.ieee_fdiv(T.reinterpret(amax_bits, "float32"), T.float32(FP8_MAX))
-            if ue8m0:  # the power-of-two ceiling from the bits (unsigned: a NaN's would overflow int32)
-                up = T.reinterpret((T.reinterpret(scale, "uint32") + T.uint32(0x7FFFFF)) & T.uint32(0x7F800000),
-                                   "float32")
-                scale = T.if_then_else(T.isnan(scale), scale, up)
+            scale = _fp8.group_scale(T.reinterpret(amax_bits, "float32"))  # the shared numerics (tilelang_fp8)
+            if ue8m0:
+                scale = _fp8.pow2_ceil(scale)
             if exact_div:
                 for v in T.vectorized(E):
-                    qv[v] = T.cast(T.ieee_fdiv(xf[v], scale), "float8_e4m3fn")
+                    qv[v] = _fp8.to_fp8(T.ieee_fdiv(xf[v], scale))
             else:
                 inv = T.ieee_frcp(scale)
                 for v in T.vectorized(E):
-                    qv[v] = T.cast(xf[v] * inv, "float8_e4m3fn")
+                    qv[v] = _fp8.to_fp8(xf[v] * inv)
             if pair < Tn * G:
                 for v in T.vectorized(E):
                     q[t, g * GS + tid % LANES * E + v] = qv[v]
@@ -179,6 +186,144 @@ def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10
     return q, s
 
 
+# ----------------------------------------------------------------------------------------------
+# scaled_fp8_quant: one row kernel per (hidden size, dtype, mode) with the shared epilogue
+# (backends/tilelang_fp8.py); the dynamic per-tensor scale takes a first kernel, the max of the
+# magnitudes' bits by one atomicMax a block into a zeroed int32, read by the second on the device.
+
+_SCALED = "scaled_fp8_quant"
+_ABSMAX = "fp8_absmax"
+
+
+@dataclass(frozen=True)
+class ScaledConfig(_jit.LaunchConfig):
+    """How a ``scaled_fp8_quant`` kernel is launched: about ``vectors`` 16-byte vectors a thread, rows
+    in blocks of ``threads`` (a per-token row takes one block of up to 1024 threads); the max kernel's
+    grid at most ``max_blocks`` blocks (each one atomic)."""
+
+    vectors: int = 2
+    threads: int = 128
+    max_blocks: int = 1056  # 8 blocks of 128 threads on each of 132 SMs
+
+
+def _scaled_plan(n: int, dtype: str, epi, config: ScaledConfig):
+    return _fp8.plan(n, dtype, epi, config.vectors, config.threads)
+
+
+def _build_scaled(n: int, dtype: str, epi, config: Optional[ScaledConfig] = None):
+    """``q = fp8(x * inv)`` over rows of ``n`` values under the epilogue ``epi`` (static, tensor or
+    token): ``fn(X, Q, S[, Sin])`` (``tilelang_fp8.row_kernel``)."""
+    config = config or ScaledConfig()
+    p = _scaled_plan(n, dtype, epi, config)
+    tile = p.tile
+
+    @T.macro
+    def load(X, xv, live, row, col0):
+        lane = T.get_thread_binding() % tile.lanes
+        for k in T.unroll(tile.nv):
+            if live(k):
+                for v in T.vectorized(tile.vec):
+                    xv[k, v] = X[row, col0 + tile.column(k, lane) + v]
+
+    return _fp8.row_kernel(_SCALED, n, n, dtype, epi, p, load, config, _fp8.bytes_per_token(n, n, dtype, epi))
+
+
+def _build_absmax(n: int, dtype: str, config: Optional[ScaledConfig] = None):
+    """``A[0] = max(A[0], max bits of |x|)`` over rows of ``n`` values: each block folds its tiles
+    (a grid of at most ``config.max_blocks``), reduces by redux.sync and shared memory, and makes one
+    atomicMax (the bits of non-negative floats order as integers; a NaN's exceed an infinity's)."""
+    config = config or ScaledConfig()
+    pdl = _jit.dependent_launch()
+    p = _scaled_plan(n, dtype, _fp8.Epilogue("static"), config)
+    tile = p.tile
+    VEC, LANES, NV, BM, COL_TILES, SPAN = tile.vec, tile.lanes, tile.nv, tile.rows, p.col_tiles, tile.width
+    THREADS, WARPS = tile.threads, max(tile.threads // 32, 1)
+    Tn = T.dynamic("num_tokens")
+    sx = T.dynamic("sx", "int64")
+    moved = n * _jit.ELEMENT_BYTES[dtype]
+
+    @T.prim_func
+    def fp8_absmax(
+        X: T.StridedTensor((Tn, n), (sx, 1), dtype),  # input rows, read
+        A: T.Tensor((1,), "int32"),  # zeroed by the launcher; receives the max of the magnitudes' bits
+    ):
+        T.assume(T.Or(Tn <= 1, sx % VEC == 0))
+        Xa = T.view(X, strides=(sx // VEC * VEC, 1))
+        tiles = T.ceildiv(Tn, BM) * COL_TILES
+        with T.Kernel(T.min(tiles, config.max_blocks), threads=THREADS) as block:
+            if pdl:
+                T.pdl_sync()
+            if _jit.triggers_early(Tn, moved, config):
+                T.pdl_trigger()
+            tid = T.get_thread_binding()
+            lane = tid % LANES
+            m = T.alloc_var("int32")
+            red = T.alloc_shared((WARPS,), "int32")
+            xv = T.alloc_local((VEC,), dtype)
+            m = 0
+            for it in T.serial(T.ceildiv(tiles - block, T.min(tiles, config.max_blocks))):
+                t = block + it * T.min(tiles, config.max_blocks)
+                row = t // COL_TILES * BM + tid // LANES
+                col0 = t % COL_TILES * SPAN
+                live = _fp8.live_vector(p, n, Tn, row, col0, lane)
+                for k in T.unroll(NV):
+                    if live(k):
+                        for v in T.vectorized(VEC):
+                            xv[v] = Xa[row, col0 + tile.column(k, lane) + v]
+                        for v in T.unroll(VEC):
+                            m = T.max(m, _fp8.abs_bits(T.cast(xv[v], "float32")))
+            m = T.warp_reduce_max(m)
+            if WARPS > 1:
+                if tid % 32 == 0:
+                    red[tid // 32] = m
+                T.sync_threads()
+                for w in T.unroll(WARPS):
+                    m = T.max(m, red[w])
+            if tid == 0:
+                T.atomic_max(A[0], m)
+
+    return fp8_absmax
+
+
+_build_scaled.config_for = lambda *key: ScaledConfig()  # type: ignore[attr-defined]
+_build_absmax.config_for = lambda *key: ScaledConfig()  # type: ignore[attr-defined]
+_scaled_function = _jit.host_functions(_SCALED, _build_scaled)  # (n, dtype, epilogue) -> host function
+_absmax_function = _jit.host_functions(_ABSMAX, _build_absmax)  # (n, dtype) -> host function
+
+
+def scaled_fp8_quant(input: Tensor, scale: Optional[Tensor] = None, per_token: bool = False,
+                     scale_ub: Optional[Tensor] = None):
+    n = input.shape[-1]
+    q, s = _fp8_core.empty_outputs(input, n, scale, _fp8_core.PER_TOKEN, False, per_token)
+    x = rows(input)
+    if x.shape[0] == 0:
+        if scale is not None:
+            s.copy_(scale.reshape(1))
+        elif not per_token:
+            s.fill_(_fp8_core.MIN_SCALE)  # the max of nothing is 0
+        return q, s
+    dtype = _DTYPES[input.dtype]
+    if ((x.stride(0) if x.shape[0] > 1 else 0) | x.data_ptr() // x.element_size()) % _jit.vector_width(n, dtype):
+        x = x.clone(memory_format=torch.contiguous_format)  # rare: rows off the vector
+    q2 = q.view(-1, n)
+    if scale is not None:
+        _scaled_function(n, dtype, _STATIC)(x, q2, s, scale.reshape(1))
+    elif per_token:
+        if scale_ub is None:
+            _scaled_function(n, dtype, _TOKEN)(x, q2, s.view(-1))
+        else:
+            _scaled_function(n, dtype, _TOKEN_UB)(x, q2, s.view(-1), scale_ub.reshape(1))
+    else:
+        amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+        _absmax_function(n, dtype)(x, amax)
+        _scaled_function(n, dtype, _TENSOR)(x, q2, s, amax.view(torch.float32))
+    return q, s
+
+
+_STATIC, _TENSOR = _fp8.Epilogue("static"), _fp8.Epilogue("tensor")
+_TOKEN, _TOKEN_UB = _fp8.Epilogue("token"), _fp8.Epilogue("token", ub=True)
+
+
 def ci_kernels() -> Iterator[tuple]:
     """(name, build, key) of the specialisations CI compiles for sm_90: DeepSeek's group 128 and 64
     in every dtype, UE8M0, the exact-division path (eps < 2**-100), groups narrower than a thread's
@@ -197,3 +342,17 @@ def ci_kernels() -> Iterator[tuple]:
         (128, "bfloat16", False, False, False),
     ):
         yield _NAME, _build, (group, dtype, ue8m0, exact, aligned)
+
+
+def ci_fp8_kernels() -> Iterator[tuple]:
+    """(name, build, key) of ``scaled_fp8_quant``'s kernels CI compiles for sm_90: each mode (static,
+    per token with and without a bound, the per-tensor pair), each dtype, several rows a block (100), a
+    hidden size of no vector (5), a per-token row in two passes (65536 fp32)."""
+    E = _fp8.Epilogue
+    for n, dtype, epi in ((7168, "bfloat16", E("token")),  # the benchmark shape
+                          (7168, "bfloat16", E("static")), (4096, "float16", E("tensor")),
+                          (100, "float16", E("token", ub=True)), (5, "float32", E("static")),
+                          (65536, "float32", E("token"))):
+        yield _SCALED, _build_scaled, (n, dtype, epi)
+    for n, dtype in ((7168, "bfloat16"), (100, "float32")):
+        yield _ABSMAX, _build_absmax, (n, dtype)
