@@ -18,6 +18,11 @@ Inductor's pointwise grid do.
 
 Data pointers not 16-byte aligned, or row strides that are not a multiple of the vector, are rare: the
 launcher then runs the kernel on an aligned copy, with the same result.
+
+``silu_and_mul_fp8_quant`` is a row kernel of ``backends/tilelang_fp8.py`` computing silu_and_mul's
+expression under its config, rounded to the dtype, then quantised (static, per token: the whole row in
+one block, per group): bit for bit ``silu_and_mul`` then ``scaled_fp8_quant`` or
+``per_token_group_quant_fp8``.
 """
 
 from dataclasses import dataclass, replace
@@ -27,7 +32,8 @@ import tilelang.language as T
 import torch
 from torch import Tensor
 
-from ...backends import tilelang_jit as _jit
+from ... import fp8 as _fp8_core
+from ...backends import tilelang_fp8 as _fp8, tilelang_jit as _jit
 
 _NAME = "act_and_mul"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -261,6 +267,85 @@ def gelu_tanh_and_mul(input: Tensor) -> Tensor:
     return act_and_mul(input, "gelu_tanh")
 
 
+# ----------------------------------------------------------------------------------------------
+# silu_and_mul_fp8_quant: a row kernel of tilelang_fp8 whose values are silu_and_mul's, computed by the
+# expression its kernel computes under its config (so they are its output bits), rounded to the dtype,
+# then quantised by the shared epilogue (scaled_fp8_quant's or per_token_group_quant_fp8's numerics).
+
+_QUANT_NAME = "silu_and_mul_fp8_quant"
+
+
+@dataclass(frozen=True)
+class ActivationQuantConfig(_jit.LaunchConfig):
+    """How ``silu_and_mul_fp8_quant`` is launched: ``vectors`` 16-byte output vectors a thread in blocks
+    of ``threads`` (static and group scales: the plain kernel's 1024-output tiles); a per-token row in
+    one block, about ``token_vectors`` a thread."""
+
+    vectors: int = 1
+    token_vectors: int = 2
+    threads: int = 128
+
+    def plan(self, d: int, dtype: str, epi: "_fp8.Epilogue") -> "_fp8.Plan":
+        return _fp8.plan(d, dtype, epi, self.token_vectors if epi.mode == "token" else self.vectors, self.threads)
+
+
+def _build_quant(d: int, dtype: str, epi: "_fp8.Epilogue", config: Optional[ActivationQuantConfig] = None):
+    """``q = fp8(silu(x[:, :d]) * x[:, d:])`` under ``epi``: ``fn(X, Q, S[, Sin])``."""
+    config = config or ActivationQuantConfig()
+    act = ActivationConfig.for_shape(dtype, "silu", 1)  # the plain kernel's formula flags
+    p = config.plan(d, dtype, epi)
+    tile = p.tile
+    f32 = "float32"
+
+    @T.macro
+    def produce(X, yv, live, row, col0):
+        lane = T.get_thread_binding() % tile.lanes
+        up = T.alloc_local((tile.nv, tile.vec), dtype)
+        for k in T.unroll(tile.nv):  # every load issued before the first use
+            if live(k):
+                for v in T.vectorized(tile.vec):
+                    yv[k, v] = X[row, col0 + tile.column(k, lane) + v]
+                for v in T.vectorized(tile.vec):
+                    up[k, v] = X[row, d + col0 + tile.column(k, lane) + v]
+        for k in T.unroll(tile.nv):
+            if live(k):
+                for v in T.unroll(tile.vec):
+                    yv[k, v] = T.cast(_activate(T.cast(yv[k, v], f32), "silu", None, act.tanh_approx, act.fast_math)
+                                      * T.cast(up[k, v], f32), dtype)
+
+    moved = _fp8.bytes_per_token(2 * d, d, dtype, epi)
+    return _fp8.row_kernel(_QUANT_NAME, d, 2 * d, dtype, epi, p, produce, config, moved)
+
+
+_build_quant.config_for = lambda *key: ActivationQuantConfig()  # type: ignore[attr-defined]
+_quant_function = _jit.host_functions(_QUANT_NAME, _build_quant)  # (d, dtype, epilogue) -> host function
+
+
+def silu_and_mul_fp8_quant(input: Tensor, scale: Optional[Tensor] = None, group_size: int = -1,
+                           column_major_scales: bool = False, scale_ue8m0: bool = False):
+    d = input.shape[-1] // 2
+    q, s = _fp8_core.empty_outputs(input, d, scale, group_size, column_major_scales)
+    x = input if input.dim() == 2 else input.reshape(-1, 2 * d)
+    if x.shape[0] == 0:
+        if scale is not None:
+            s.copy_(scale.reshape(1))
+        return q, s
+    dtype = _DTYPES[input.dtype]
+    vec = _vec(d, dtype)
+    if ((x.stride(0) if x.shape[0] > 1 else 0) | x.data_ptr() // x.element_size()) % vec:
+        x = x.clone(memory_format=torch.contiguous_format)  # rare: rows off the vector
+    epi = _fp8.Epilogue.of(scale, group_size, scale_ue8m0)
+    fn = _quant_function(d, dtype, epi)
+    q2 = q.view(-1, d)
+    if scale is not None:
+        fn(x, q2, s, scale.reshape(1))
+    elif epi.mode == "token":
+        fn(x, q2, s.view(-1))
+    else:
+        fn(x, q2, s.view(-1, d // group_size))
+    return q, s
+
+
 def ci_kernels() -> Iterator[tuple]:
     """(name, build, key) of the specialisations CI compiles for sm_90: every activation, every dtype,
     and each tiling: whole column tiles (14336 = 14 x 1024), a masked last column tile (4864), rows
@@ -276,3 +361,16 @@ def ci_kernels() -> Iterator[tuple]:
         (4864, "float32", "gelu", _WIDE_PER_THREAD),
     ):
         yield _NAME, _build, (d, dtype, act, per_thread)
+
+
+def ci_fp8_kernels() -> Iterator[tuple]:
+    """(name, build, key) of ``silu_and_mul_fp8_quant``'s kernels CI compiles for sm_90: each mode and
+    dtype, a row tiled exactly (14336 = 256 threads x 7 vectors), groups narrower than a vector (4 of
+    a vector of 8), an odd ``d``, a per-token row in two passes and a group as wide (65536 fp32)."""
+    E = _fp8.Epilogue
+    for d, dtype, epi in ((14336, "bfloat16", E("token")),  # the benchmark shape
+                          (14336, "bfloat16", E("group", 128)), (14336, "bfloat16", E("static")),
+                          (384, "float16", E("group", 128, True)), (24, "bfloat16", E("group", 4, True)),
+                          (7, "float32", E("token")), (65536, "float32", E("token")),
+                          (65536, "float32", E("group", 65536))):
+        yield _QUANT_NAME, _build_quant, (d, dtype, epi)
