@@ -7,7 +7,7 @@ OPS = ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")
 QUANT_OPS = ("silu_and_mul_fp8_quant",)
 # the FP8 op each backend implements: bit for bit that backend's silu_and_mul, then its own quant op
 TRITON_QUANT_OPS = QUANT_OPS
-TILELANG_QUANT_OPS = ()
+TILELANG_QUANT_OPS = QUANT_OPS
 # the C++ entry calls TileLang's act_and_mul(X, O); not gelu_and_mul: a string argument has no HostCall role
 _HOST_CALLS = {op: HostCall("r", "h", (0, -1)) for op in ("silu_and_mul", "gelu_tanh_and_mul")}
 

@@ -8,7 +8,7 @@ QUANT_OPS = ("rmsnorm_fp8_quant", "fused_add_rmsnorm_fp8_quant", "gemma_rmsnorm_
              "gemma_fused_add_rmsnorm_fp8_quant")
 # the FP8 ops each backend implements: each bit for bit that backend's norm, then its own quant op
 TRITON_QUANT_OPS = QUANT_OPS
-TILELANG_QUANT_OPS = ()
+TILELANG_QUANT_OPS = QUANT_OPS
 _IN_PLACE = ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm")
 # how the C++ entry calls TileLang's host functions: norm(X, W, O, eps); fused(X, R, W, eps), in place
 _HOST_CALLS = {op: HostCall("rrwf", "", (0, 1, 2, 3)) if op in _IN_PLACE else HostCall("rwf", "r", (0, 1, -1, 2))

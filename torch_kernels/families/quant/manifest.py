@@ -5,7 +5,7 @@ from ...spec import INDUCTOR_TRITON, OPAQUE, Backend, Family, OpInfo
 
 OPS = ("per_token_group_quant_fp8", "scaled_fp8_quant")
 TRITON_OPS = ("per_token_group_quant_fp8", "scaled_fp8_quant")
-TILELANG_OPS = ("per_token_group_quant_fp8",)
+TILELANG_OPS = ("per_token_group_quant_fp8", "scaled_fp8_quant")
 
 FAMILY = Family(
     __package__,
