@@ -43,6 +43,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = sorted({k.target.split(".")[2] for k in registry.KERNELS if k.backend is Backend.TILELANG})
+# the norms with an FP8 epilogue: tests/test_fp8_tilelang.py
+NORM_OPS = [op for op in family_ops("norm", Backend.TILELANG) if not op.endswith("_fp8_quant")]
 TRACE_LINE = re.compile(r"^tilelang-compile\|(?P<name>[^|]+)\|(?P<key>[^|]*)\|(?P<seconds>\d+\.\d{3})s$")
 
 
@@ -576,7 +578,7 @@ LAYOUTS = ["contiguous", "stride8", "stride_odd", "offset", "sliced"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("op", family_ops("norm", Backend.TILELANG))
+@pytest.mark.parametrize("op", NORM_OPS)
 def test_norm_launchers_keep_the_kernel_contract(op, layout, monkeypatch):
     calls = []
     norm = _stand_in_norm(monkeypatch, calls)
@@ -718,7 +720,7 @@ def _check_norm(fn, reference, x, w, msg, r=None):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,dtype", [(4096, torch.float32), (7168, torch.bfloat16), (8192, torch.float16),
                                      (16384, torch.bfloat16)], ids=str)
-@pytest.mark.parametrize("op", family_ops("norm", Backend.TILELANG))
+@pytest.mark.parametrize("op", NORM_OPS)
 def test_streamed_norms_match_the_reference(op, n, dtype):
     """The many-token kernel (rows read twice with L2 hints), from NormConfig.streamed_from tokens: one chunk
     or several, a masked last chunk, strided rows."""
@@ -745,7 +747,7 @@ GPU_NORM_CASES = [(1, torch.float32), (8, torch.bfloat16), (100, torch.float16),
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,dtype", GPU_NORM_CASES, ids=str)
-@pytest.mark.parametrize("op", family_ops("norm", Backend.TILELANG))
+@pytest.mark.parametrize("op", NORM_OPS)
 def test_norm_layouts_match_the_reference(op, n, dtype):
     from torch_kernels.families.norm import tilelang as norm
     reference = registry.BY_OP[op][Backend.TORCH].load()
