@@ -16,9 +16,11 @@ FAMILY = Family(
     kernels=(
         *reference(__package__, OPS),
         *kernels(__package__, Backend.TRITON, TRITON_OPS,
-                 "one pass, a program per block of rows x groups; fp8 rounding done in fp32, exact in the interpreter too"),
+                 "group quant a program per block of rows x groups; scaled quant 4096-value tiles, per token a "
+                 "program per row block, per tensor an atomic amax then a quantising pass; hardware e4m3 cvt, "
+                 "emulated in the interpreter"),
         *kernels(__package__, Backend.TILELANG, TILELANG_OPS,
-                 "16 values a thread in 16-byte vectors, a group's lanes reduce by shfl.xor, hardware e4m3 cvt; "
-                 "every group size and stride (misaligned rows value by value)"),
+                 "group quant 16 values a thread in 16-byte vectors, a group's lanes reduce by shfl.xor; scaled quant "
+                 "row kernels, per tensor an atomic max then a quantising pass; hardware e4m3 cvt; every size and stride"),
     ),
 )
