@@ -201,11 +201,17 @@ rmsnorm: mul -> deepinfer.rmsnorm.default
 fused_add_rmsnorm: mul -> deepinfer.fused_add_rmsnorm.default
 gemma_rmsnorm: mul -> deepinfer.gemma_rmsnorm.default
 gemma_fused_add_rmsnorm: mul -> deepinfer.gemma_fused_add_rmsnorm.default
+rmsnorm_fp8_quant: mul -> deepinfer.rmsnorm_fp8_quant.default -> getitem -> getitem
+fused_add_rmsnorm_fp8_quant: mul -> deepinfer.fused_add_rmsnorm_fp8_quant.default -> getitem -> getitem
+gemma_rmsnorm_fp8_quant: mul -> deepinfer.gemma_rmsnorm_fp8_quant.default -> getitem -> getitem
+gemma_fused_add_rmsnorm_fp8_quant: mul -> deepinfer.gemma_fused_add_rmsnorm_fp8_quant.default -> getitem -> getitem
 silu_and_mul: mul -> deepinfer.silu_and_mul.default
 gelu_and_mul: mul -> deepinfer.gelu_and_mul.default
 gelu_tanh_and_mul: mul -> deepinfer.gelu_tanh_and_mul.default
+silu_and_mul_fp8_quant: mul -> deepinfer.silu_and_mul_fp8_quant.default -> getitem -> getitem
 rotary_embedding: mul -> deepinfer.rotary_embedding.default
 per_token_group_quant_fp8: mul -> deepinfer.per_token_group_quant_fp8.default -> getitem -> getitem
+scaled_fp8_quant: mul -> deepinfer.scaled_fp8_quant.default -> getitem -> getitem
 topk_softmax: mul -> deepinfer.topk_softmax.default -> getitem -> getitem
 grouped_topk: mul -> deepinfer.grouped_topk.default -> getitem -> getitem
 merge_attn_states: mul -> deepinfer.merge_attn_states.default -> getitem -> getitem
