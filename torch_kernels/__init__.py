@@ -21,6 +21,14 @@ if _HAS_TORCH:
     # every op's typed wrapper, by the op's name: torch_kernels.rmsnorm(...)
     globals().update({_d.name: _d.wrapper for _d in _ALL})
     __all__ = _CORE + [_d.name for _d in _ALL]
+
+    def __getattr__(name: str):
+        # torch_kernels.passes on first use: it imports Inductor, which a plain import must not pay
+        if name == "passes":
+            import importlib
+
+            return importlib.import_module(f"{__name__}.passes")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 else:
     def __getattr__(name: str):
         raise AttributeError(f"torch_kernels.{name} needs torch, which is not installed; without it only the "
