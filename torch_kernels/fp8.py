@@ -209,6 +209,17 @@ def quantize(y: Tensor, scale: Optional[Tensor], group_size: int, column_major: 
     return quantize_groups(y, group_size, GROUP_EPS, column_major, ue8m0)
 
 
+def quant_op(y: Tensor, scale: Optional[Tensor], group_size: int, column_major: bool = False,
+             ue8m0: bool = False) -> Tuple[Tensor, Tensor]:
+    """The registered quant op a fused op's epilogue stands for, run on ``y``: the unfused pair's second
+    half (``scaled_fp8_quant`` static or per token, or ``per_token_group_quant_fp8``)."""
+    if scale is not None:
+        return torch.ops.deepinfer.scaled_fp8_quant(y, scale)
+    if group_size == PER_TOKEN:
+        return torch.ops.deepinfer.scaled_fp8_quant(y, None, True)
+    return torch.ops.deepinfer.per_token_group_quant_fp8(y, group_size, GROUP_EPS, column_major, ue8m0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Comparing FP8 outputs
 

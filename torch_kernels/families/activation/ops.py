@@ -279,13 +279,8 @@ def _bench_nbytes_quant(args: tuple) -> int:
     return x.numel() * x.element_size() + x.numel() // 2 + x[..., 0].numel() * 4  # read (T, 2d), write q and scales
 
 
-def _unfused_pair(x, scale, group, column_major, ue8m0):
-    y = torch.ops.deepinfer.silu_and_mul(x)
-    if scale is not None:
-        return torch.ops.deepinfer.scaled_fp8_quant(y, scale)
-    if group == -1:
-        return torch.ops.deepinfer.scaled_fp8_quant(y, None, True)
-    return torch.ops.deepinfer.per_token_group_quant_fp8(y, group, fp8.GROUP_EPS, column_major, ue8m0)
+def _unfused_pair(x, *quant):
+    return fp8.quant_op(torch.ops.deepinfer.silu_and_mul(x), *quant)
 
 
 #: our unfused pair, as the default selection serves it

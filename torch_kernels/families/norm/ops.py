@@ -585,14 +585,6 @@ def _compare_flashinfer_quant(got: list, want: list, dtype) -> None:
 UNFUSED = "unfused"
 
 
-def _quant(y: Tensor, scale, group: int, column_major: bool, ue8m0: bool):
-    if scale is not None:
-        return torch.ops.deepinfer.scaled_fp8_quant(y, scale)
-    if group == -1:
-        return torch.ops.deepinfer.scaled_fp8_quant(y, None, True)
-    return torch.ops.deepinfer.per_token_group_quant_fp8(y, group, fp8.GROUP_EPS, column_major, ue8m0)
-
-
 def _unfused_peer(op: str, fused: bool) -> Peer:
     """Our unfused pair, as the default selection serves it: the norm, then the quant op. The in-place
     norm writes ``input``, so it gets its own copy (outside the timed call)."""
@@ -600,9 +592,9 @@ def _unfused_peer(op: str, fused: bool) -> Peer:
     if fused:
         def pair(x, r, w, eps, *quant):
             getattr(torch.ops.deepinfer, name)(x, r, w, eps)
-            return _quant(x, *quant)
+            return fp8.quant_op(x, *quant)
         return Peer(UNFUSED, pair, prepare=lambda args: (args[0].clone(), *args[1:]))
-    return Peer(UNFUSED, lambda x, w, eps, *quant: _quant(getattr(torch.ops.deepinfer, name)(x, w, eps), *quant))
+    return Peer(UNFUSED, lambda x, w, eps, *quant: fp8.quant_op(getattr(torch.ops.deepinfer, name)(x, w, eps), *quant))
 
 
 def _bench_norm_quant(op: str, fused: bool, flashinfer: Optional[str]) -> BenchCase:
