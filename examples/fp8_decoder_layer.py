@@ -36,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch_kernels  # noqa: E402,F401  (registers torch.ops.deepinfer)
-from decoder_layer import LLAMA_8B, TINY, Config, _rmsnorm, _rope, inputs, relative_error  # noqa: E402,F401
+from decoder_layer import LLAMA_8B, TINY, Config, DecoderLayer, _rmsnorm, _rope, inputs, relative_error  # noqa: E402,F401
 from torch_kernels.families.rope.ops import make_cos_sin_cache  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -148,12 +148,7 @@ class FP8DecoderLayer(torch.nn.Module):
     def _linear(self, x_q, x_scale, name):
         return fp8_linear(x_q, x_scale, getattr(self, name), getattr(self, name + "_scale"), self.dtype, self.native_mm)
 
-    def _attention(self, q, k, v):
-        """Causal grouped-query SDPA over the T tokens (one sequence): ``(T, heads*head_dim)`` out."""
-        T, hd = q.shape[0], self.cfg.head_dim
-        q, k, v = (t.reshape(T, -1, hd).transpose(0, 1) for t in (q, k, v))  # (heads, T, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return out.transpose(0, 1).reshape(T, self.q_size)
+    _attention = DecoderLayer._attention  # the bf16 layer's causal grouped-query SDPA
 
     def _ours(self, positions, hidden_states):
         cfg, ops, fused = self.cfg, torch.ops.deepinfer, self.variant == "fused"
