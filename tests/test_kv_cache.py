@@ -1,0 +1,329 @@
+"""The kv_cache family: every backend that runs here against a formula written as plain loops over the
+tokens (not the reference's vectorised indexing), on padded and out-of-range slots, qkv slices, fp8
+caches and strided cache layouts; bad input named and nothing written; entries no slot names untouched."""
+
+import pytest
+import torch
+
+import torch_kernels
+from torch_kernels import fp8 as _fp8
+from torch_kernels.families.kv_cache import ops as kv_ops
+
+from conftest import assert_bad_inputs_raise, implementations_on, triton_here
+
+OP = "reshape_and_cache_flash"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _e4m3(x: float) -> float:
+    """``x`` rounded to the nearest float8_e4m3fn value, ties to even, saturating at +-448, from the
+    format's definition (3 mantissa bits, exponent -6 for normals, subnormal spacing 2^-9)."""
+    import math
+    if math.isnan(x):
+        return x
+    a = min(abs(x), 448.0)
+    if a == 0:
+        return math.copysign(0.0, x)
+    e = max(math.floor(math.log2(a)), -6)
+    step = 2.0 ** (e - 3)
+    q = a / step
+    r = math.floor(q)
+    if q - r > 0.5 or (q - r == 0.5 and r % 2 == 1):
+        r += 1
+    return math.copysign(min(r * step, 448.0), x)
+
+
+def expected_caches(key, value, key_cache, value_cache, slots, kv_cache_dtype, k_scale, v_scale):
+    """What the caches must hold after the call, token by token: a slot in the cache receives the
+    token's rows (fp8: each value divided by the scale in fp32 and rounded to e4m3); others nothing."""
+    kc, vc = key_cache.clone(), value_cache.clone()
+    blocks, block_size = kc.shape[:2]
+    quant = kv_cache_dtype != "auto"
+    for t, s in enumerate(slots.tolist()):
+        if not 0 <= s < blocks * block_size:
+            continue
+        for cache, x, scale in ((kc, key, k_scale), (vc, value, v_scale)):
+            row = x[t]
+            if quant:
+                scale32 = torch.tensor(float(scale.reshape(())), dtype=torch.float32)
+                y = (row.float() / scale32).flatten().tolist()  # the IEEE fp32 quotient, element by element
+                row = torch.tensor([_e4m3(v) for v in y], dtype=torch.float32).reshape(row.shape).to(_fp8.FP8)
+            cache[s // block_size, s % block_size] = row.view(torch.uint8) if cache.dtype == torch.uint8 else row.to(cache.dtype)
+    return kc, vc
+
+
+def _bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_caches(got, want, what=""):
+    for name, g, w in zip(("key_cache", "value_cache"), got, want):
+        differ = _bits(g.cpu()) != _bits(w.cpu())
+        assert not differ.any(), f"{what} {name}: {int(differ.sum())} of {g.numel()} values differ"
+
+
+def _clone_caches(args):
+    from torch_kernels.testing import clone_keep_strides
+    return (*args[:2], clone_keep_strides(args[2]), clone_keep_strides(args[3]), *args[4:])
+
+
+def _impls(device="cpu"):
+    return [pytest.param(name, fn, id=name) for name, fn in implementations_on(OP, device)]
+
+
+CASES = [pytest.param(c, id="-".join(map(str, c))) for c in kv_ops.SAMPLE_CASES]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_every_backend_matches_the_loop_formula(case, dtype):
+    for name, fn in implementations_on(OP, "cpu"):
+        args = _clone_caches(kv_ops.cache_args(*case, "cpu", dtype))
+        want = expected_caches(*args)
+        fn(*args)
+        assert_caches(args[2:4], want, name)
+
+
+def test_uint8_fp8_caches_hold_the_float8_bits():
+    """An fp8 cache allocated as uint8 (vLLM's) gets the bits a float8_e4m3fn cache gets."""
+    for name, fn in implementations_on(OP, "cpu"):
+        args = _clone_caches(kv_ops.cache_args(6, 2, 128, 2, 16, 2, 4, "kv", True, "cpu", torch.bfloat16))
+        as_bits = (*args[:2], args[2].view(torch.uint8).clone(), args[3].view(torch.uint8).clone(), *args[4:])
+        fn(*args)
+        fn(*as_bits)
+        assert_caches(as_bits[2:4], (args[2].view(torch.uint8), args[3].view(torch.uint8)), name)
+
+
+@pytest.mark.parametrize("quant", [False, True], ids=["auto", "fp8"])
+def test_out_of_range_slots_write_nothing(quant):
+    """Slots past the cache and below -1 are skipped like -1, on every backend; the rest are written."""
+    for name, fn in implementations_on(OP, "cpu"):
+        args = list(kv_ops.cache_args(6, 2, 64, 3, 4, 0, 0, "nhd", quant, "cpu", torch.bfloat16))
+        args[4] = torch.tensor([5, 12, -1, 1000, -7, 0], dtype=torch.int64)  # 12 slots: 12 and 1000 past the end
+        args = _clone_caches(args)
+        want = expected_caches(*args)
+        fn(*args)
+        assert_caches(args[2:4], want, name)
+
+
+def test_only_padded_slots_write_nothing():
+    for name, fn in implementations_on(OP, "cpu"):
+        args = list(kv_ops.cache_args(3, 2, 64, 2, 4, 3, 0, "nhd", False, "cpu", torch.float32))
+        before = (args[2].clone(), args[3].clone())
+        fn(*args)
+        assert_caches(args[2:4], before, name)
+
+
+def test_a_repeated_slot_holds_one_writers_values():
+    for name, fn in implementations_on(OP, "cpu"):
+        k, v, kc, vc, _, dt, ks, vs = kv_ops.cache_args(4, 2, 64, 2, 4, 0, 0, "nhd", False, "cpu", torch.float32)
+        slots = torch.tensor([3, 6, 3, 3], dtype=torch.int64)
+        fn(k, v, kc, vc, slots, dt, ks, vs)
+        for cache, x in ((kc, k), (vc, v)):
+            got = cache[0, 3]
+            assert ((got == x[0]) | (got == x[2]) | (got == x[3])).all(), name
+            assert torch.equal(cache[1, 2], x[1]), name
+
+
+def test_fp8_divides_by_the_scale_and_saturates():
+    """Values whose quotient by the scale is past 448 saturate; NaN stays NaN; and the division is not
+    a product by the reciprocal: 1.545452356338501 / 1.4545433521270752 rounds to e4m3 1.0, times the
+    fp32 reciprocal to 1.125."""
+    k = torch.tensor([[[1000.0, -1000.0, float("nan"), 0.0]]])
+    v = torch.tensor([[[1.545452356338501, -1.545452356338501, 1.0, 2.0]]])
+    k_scale, v_scale = torch.tensor(0.1), torch.tensor([1.4545433521270752])
+    for name, fn in implementations_on(OP, "cpu"):
+        kc, vc = kv_ops.make_caches(1, 1, 1, 4, _fp8.FP8, "cpu")
+        fn(k, v, kc, vc, torch.tensor([0]), "fp8_e4m3", k_scale, v_scale)
+        got = kc.float().flatten().tolist()
+        assert got[:2] == [448.0, -448.0] and got[2] != got[2] and got[3] == 0.0, (name, got)
+        got = vc.float().flatten().tolist()
+        assert got[:2] == [1.0, -1.0], (name, got)
+        assert got == [_e4m3(float(x)) for x in (v.flatten() / v_scale.expand(4)).tolist()], name
+
+
+def test_entries_no_slot_names_are_untouched():
+    """Random caches: after the call, every slot but the written ones holds its old bits."""
+    for name, fn in implementations_on(OP, "cpu"):
+        args = _clone_caches(kv_ops.cache_args(5, 2, 128, 4, 16, 2, 4, "kv", True, "cpu", torch.bfloat16))
+        before = (args[2].clone(), args[3].clone())
+        fn(*args)
+        written = {s for s in args[4].tolist() if s >= 0}
+        for b in range(4):
+            for o in range(16):
+                if b * 16 + o not in written:
+                    assert torch.equal(_bits(args[2][b, o]), _bits(before[0][b, o])), name
+                    assert torch.equal(_bits(args[3][b, o]), _bits(before[1][b, o])), name
+
+
+def test_triton_kernel_with_each_config():
+    triton = triton_here("kv_cache", "cpu")
+    for config in (triton.TritonCacheConfig(1, 1), triton.TritonCacheConfig(2, 1), triton.TritonCacheConfig(4, 2)):
+        args = _clone_caches(kv_ops.cache_args(5, 3, 64, 3, 4, 1, 2, "hnd", True, "cpu", torch.float16))
+        want = expected_caches(*args)
+        triton.reshape_and_cache_flash(*args, config=config)
+        assert_caches(args[2:4], want, str(config))
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+def _bad_cases():
+    base = kv_ops.cache_args(4, 2, 64, 3, 4, 1, 0, "nhd", False, "cpu", torch.float32)
+    fp8 = kv_ops.cache_args(4, 2, 64, 3, 4, 1, 0, "nhd", True, "cpu", torch.float32)
+    k, v, kc, vc, s, dt, ks, vs = base
+
+    def with_(i, x, a=base):
+        return tuple(x if j == i else y for j, y in enumerate(a))
+    other_heads = kv_ops.make_caches(3, 4, 3, 64, torch.float32, "cpu")
+    other_d = kv_ops.make_caches(3, 4, 2, 32, torch.float32, "cpu")
+    return [
+        ("key 2-D", with_(0, k.flatten(1)), ValueError, "key"),
+        ("key int", with_(0, k.to(torch.int32)), TypeError, "key"),
+        ("key last dim strided", with_(0, k.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "key"),
+        ("value other dtype", with_(1, v.half()), TypeError, "value"),
+        ("value other shape", with_(1, v[:, :1]), ValueError, "value"),
+        ("cache of other head count", with_(2, other_heads[0]), ValueError, "key_cache"),
+        ("cache of other head size", with_(2, other_d[0]), ValueError, "key_cache"),
+        ("value cache other heads", with_(3, other_heads[1]), ValueError, "value_cache"),
+        ("cache 3-D", with_(2, kc.flatten(0, 1)), ValueError, "key_cache"),
+        ("cache other dtype", with_(2, kc.half()), TypeError, "key_cache"),
+        ("cache last dim strided", with_(2, kc.transpose(-1, -2).contiguous().transpose(-1, -2)), ValueError, "key_cache"),
+        ("fp8 with a bf16 cache", with_(5, "fp8"), TypeError, "key_cache"),
+        ("auto with an fp8 cache", with_(5, "auto", fp8), TypeError, "key_cache"),
+        ("unknown cache dtype", with_(5, "fp8_e5m2"), ValueError, "kv_cache_dtype"),
+        ("slots int32", with_(4, s.int()), TypeError, "slot_mapping"),
+        ("slots of other length", with_(4, s[:3]), ValueError, "slot_mapping"),
+        ("slots 2-D", with_(4, s[:, None]), ValueError, "slot_mapping"),
+        ("k_scale of 2 values", with_(6, torch.ones(2)), ValueError, "k_scale"),
+        ("k_scale fp16", with_(6, ks.half()), TypeError, "k_scale"),
+        ("v_scale 2-D", with_(7, torch.ones(1, 1)), ValueError, "v_scale"),
+        ("one cache for both", with_(3, kc), ValueError, "value_cache"),
+        ("key inside the cache", with_(0, kc[0, :4]), ValueError, "key_cache"),
+    ]
+
+
+def test_bad_input_is_named_and_nothing_is_written():
+    assert_bad_inputs_raise(OP, _bad_cases())
+
+
+def test_bad_input_at_trace_time():
+    k, v, kc, vc, s, dt, ks, vs = kv_ops.cache_args(4, 2, 64, 3, 4, 1, 0, "nhd", False, "cpu", torch.float32)
+    compiled = torch.compile(torch.ops.deepinfer.reshape_and_cache_flash, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"deepinfer::reshape_and_cache_flash: argument 'key_cache' must have 2 kv heads"):
+        compiled(k, v, kc[:, :, :1], vc[:, :, :1], s, dt, ks, vs)
+
+
+@pytest.fixture
+def checking_slots(monkeypatch):
+    monkeypatch.setattr(kv_ops, "CHECK_SLOTS", True)
+
+
+@pytest.mark.parametrize("slots, match", [([0, 12, -1, 3], r"must lie in \[-1, 12\)"), ([0, -2, 1, 3], r"must lie in"),
+                                          ([5, 1, 5, -1], "names 1 slot"), ([-1, -1, 2, 3], None)])
+def test_slot_check_when_switched_on(checking_slots, slots, match):
+    args = list(kv_ops.cache_args(4, 2, 64, 3, 4, 0, 0, "nhd", False, "cpu", torch.float32))
+    args[4] = torch.tensor(slots, dtype=torch.int64)
+    if match is None:
+        torch.ops.deepinfer.reshape_and_cache_flash(*args)  # repeated -1 is padding, not a repeat
+        return
+    assert_bad_inputs_raise(OP, [("slots", tuple(args), ValueError, "slot_mapping")])
+
+
+def test_slot_check_is_off_by_default():
+    import os
+    assert kv_ops.CHECK_SLOTS == (os.environ.get("DEEPINFER_CHECK_KV_SLOTS", "").strip() == "1")
+    args = list(kv_ops.cache_args(4, 2, 64, 3, 4, 0, 0, "nhd", False, "cpu", torch.float32))
+    args[4] = torch.tensor([0, 1000, 5, 5], dtype=torch.int64)
+    if not kv_ops.CHECK_SLOTS:
+        torch.ops.deepinfer.reshape_and_cache_flash(*args)
+
+
+def test_wrapper_is_the_op():
+    args = kv_ops.cache_args(3, 2, 64, 3, 4, 0, 0, "nhd", False, "cpu", torch.float32)
+    a, b = _clone_caches(args), _clone_caches(args)
+    torch_kernels.reshape_and_cache_flash(*a)
+    torch.ops.deepinfer.reshape_and_cache_flash(*b)
+    assert_caches(a[2:4], b[2:4])
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [False, True], ids=["auto", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_every_backend_on_cuda(case, dtype, quant):
+    case = (*case[:-1], quant)
+    for name, fn in implementations_on(OP, "cuda"):
+        args = _clone_caches(kv_ops.cache_args(*case, "cuda", dtype))
+        want = expected_caches(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+        fn(*args)
+        assert_caches(args[2:4], want, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 32, 4096])
+@pytest.mark.parametrize("quant", [False, True], ids=["auto", "fp8"])
+def test_bench_shapes_on_cuda_with_out_of_range_slots(tokens, quant):
+    """Qwen3-8B's shapes, a quarter of the slots padded or outside the cache (never an illegal address)."""
+    for name, fn in implementations_on(OP, "cuda"):
+        k, v, kc, vc, slots = kv_ops.bench_kv(tokens, "gpu", "cuda", torch.bfloat16, fused_q_heads=32)
+        if quant:
+            kc, vc = kv_ops.make_caches(kc.shape[0], 16, 8, 128, _fp8.FP8, "cuda")
+        n = kc.shape[0] * 16
+        bad = torch.rand(tokens, device="cuda") < 0.25
+        slots = torch.where(bad, torch.randint(-5, 3 * n, (tokens,), device="cuda"), slots)
+        ks, vs = kv_ops.make_scales("cuda")
+        args = (k, v, kc, vc, slots, "fp8" if quant else "auto", ks, vs)
+        want = expected_caches(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)) if tokens <= 32 else None
+        if want is None:
+            from torch_kernels.families.kv_cache import reference
+            want = _clone_caches(tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+            reference.reshape_and_cache_flash(*want)
+            want = want[2:4]
+        fn(*args)
+        torch.cuda.synchronize()
+        assert_caches((kc, vc), want, name)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture():
+    args = kv_ops.cache_args(8, 2, 128, 4, 16, 2, 4, "kv", True, "cuda", torch.bfloat16)
+    want = expected_caches(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+    torch.ops.deepinfer.reshape_and_cache_flash(*_clone_caches(args))  # warm: compiles, selects
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.deepinfer.reshape_and_cache_flash(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_caches(args[2:4], want)
+
+
+def test_tilelang_launcher_takes_misaligned_views_value_by_value():
+    """The vector kernel only where every used stride and pointer is a vector multiple (checked on CPU
+    tensors; the kernels compile for sm_90 in tests/test_tilelang.py)."""
+    pytest.importorskip("tilelang")
+    from torch_kernels.families.kv_cache import tilelang as tl_cache
+    k, v, kc, vc, *_ = kv_ops.cache_args(4, 2, 64, 3, 4, 0, 4, "kv", False, "cpu", torch.bfloat16)
+    assert tl_cache._aligned(8, (k, v), (kc, vc))
+    qkv = torch.randn(4, 8 * 64 + 3, dtype=torch.bfloat16)
+    odd = qkv[:, 3:3 + 128].unflatten(1, (2, 64))  # rows start 3 values into a vector
+    assert not tl_cache._aligned(8, (odd, v), (kc, vc))
+    one_token = kv_ops.make_kv(1, 2, 64, torch.bfloat16, "cpu", 4)[0]  # a size-1 dim's stride is not used
+    assert tl_cache._aligned(8, (one_token, one_token), (kc, vc))
+
+
+@pytest.mark.gpu
+def test_tilelang_one_kernel_serves_every_batch_and_cache_size():
+    from torch_kernels.backends import tilelang_jit as _jit
+    from torch_kernels.families.kv_cache import tilelang as tl_cache
+    sizes = None
+    for tokens, blocks in ((1, 2), (37, 9), (300, 40), (5, 1000)):
+        args = kv_ops.cache_args(tokens, 8, 128, blocks, 16, min(tokens, 2), 32, "nhd", True, "cuda", torch.bfloat16)
+        want = _clone_caches(args)
+        from torch_kernels.families.kv_cache import reference
+        reference.reshape_and_cache_flash(*want)
+        tl_cache.reshape_and_cache_flash(*args)
+        assert_caches(args[2:4], want[2:4], f"{tokens} tokens")
+        sizes = sizes or _jit.memo_size()
+    assert _jit.memo_size() == sizes
