@@ -1,1 +1,1 @@
-"""Rotary position embedding: ``rotary_embedding``."""
+"""Rotary position embedding: ``rotary_embedding``, ``qk_rmsnorm_rope``."""

@@ -3,21 +3,37 @@
 from ...manifest import HALF, kernels, reference
 from ...spec import OPAQUE, Backend, Family, OpInfo
 
-OPS = ("rotary_embedding",)
+OPS = ("rotary_embedding", "qk_rmsnorm_rope")
 
 FAMILY = Family(
     __package__,
-    # compile 1213 GB/s against ours 3912 (8192 tokens); opaque rotates QKV views in their buffer, no copy.
-    # Triton first: 85.8 against TileLang's 86.0 µs at 16384 tokens when chosen (docs/design/rope.md)
-    ops=(OpInfo("rotary_embedding", OPAQUE, decompose_after_pointwise=True,
-                cuda_priority=(Backend.TRITON, Backend.TILELANG, Backend.FLASHINFER, Backend.TORCH)),),
+    ops=(
+        # compile 1213 GB/s against ours 3912 (8192 tokens); opaque rotates QKV views in their buffer, no copy.
+        # Triton first: 85.8 against TileLang's 86.0 µs at 16384 tokens when chosen (docs/design/rope.md)
+        OpInfo("rotary_embedding", OPAQUE, decompose_after_pointwise=True,
+               cuda_priority=(Backend.TRITON, Backend.TILELANG, Backend.FLASHINFER, Backend.TORCH)),
+        # as rotary_embedding: opaque, in place on the views of a fused qkv buffer; TileLang first, the
+        # backend of rmsnorm at head sizes (each backend equals its own rmsnorm then rotary_embedding)
+        OpInfo("qk_rmsnorm_rope", OPAQUE, decompose_after_pointwise=True,
+               cuda_priority=(Backend.TILELANG, Backend.TRITON, Backend.TORCH)),
+    ),
     kernels=(
         *reference(__package__, OPS),
-        *kernels(__package__, Backend.TRITON, OPS, "one program per (token, chunk of heads); cos/sin loaded once per program"),
-        *kernels(__package__, Backend.TILELANG, OPS,
+        *kernels(__package__, Backend.TRITON, ("rotary_embedding",),
+                 "one program per (token, chunk of heads); cos/sin loaded once per program"),
+        *kernels(__package__, Backend.TRITON, ("qk_rmsnorm_rope",),
+                 "one program per (token, chunk of heads): each head's sum of squares in the layout of the "
+                 "rmsnorm kernel's rows (so its bits), normalised and rotated in registers"),
+        *kernels(__package__, Backend.TILELANG, ("rotary_embedding",),
                  "a thread per (token, lane of pairs in 16-byte vectors): cos/sin loaded once, the lane rotated in "
                  "every head of the token (q then k); every size and stride (misaligned views value by value)"),
-        *kernels(__package__, Backend.FLASHINFER, OPS,
+        *kernels(__package__, Backend.TILELANG, ("qk_rmsnorm_rope",),
+                 "(token, head) rows in rmsnorm's row layout and reduction, several to a block; normalised rows "
+                 "through shared memory to the rotation; misaligned views via aligned copies"),
+        *kernels(__package__, Backend.FLASHINFER, ("rotary_embedding",),
                  "apply_rope_with_cos_sin_cache_inplace; key present, fp32 cache, head_size 64/128/256/512", HALF, checks=True),
     ),
+    notes=("FlashInfer 0.7.4's flashinfer.norm.fused_qk_rmsnorm_rope is no implementation of qk_rmsnorm_rope: it "
+           "normalises across all heads of a token (weights of num_heads * head_dim) and computes a 3-D "
+           "(frame, height, width) RoPE of video DiTs from a base, with no positions or cos/sin cache",),
 )

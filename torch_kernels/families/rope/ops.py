@@ -1,4 +1,5 @@
-"""The rotary embedding family: ``rotary_embedding``.
+"""The rotary embedding family: ``rotary_embedding``, and ``qk_rmsnorm_rope`` (per-head RMSNorm of query
+and key, then the same rotation).
 
 Semantics and schema of vLLM's ``_custom_ops.rotary_embedding`` (``RotaryEmbedding.forward_native``);
 the reference is ``torch_kernels/families/rope/reference.py``.
@@ -29,7 +30,7 @@ _POSITION_DTYPES = (torch.int32, torch.int64)
 CHECK_POSITIONS = True
 
 
-def _validate_heads(arg: str, x: Tensor, head_size: int) -> None:
+def _validate_heads(arg: str, x: Tensor, head_size: int, OP: str = OP) -> None:
     """``x`` is ``(T, H*head_size)`` or ``(T, H, head_size)`` with H >= 1, last dim contiguous."""
     check.require(x.dim() in (2, 3), OP, arg,
                   lambda: f"must be 2-D (num_tokens, num_heads * head_size) or 3-D (num_tokens, num_heads, head_size), got shape {tuple(x.shape)}")
@@ -46,7 +47,9 @@ def _validate_heads(arg: str, x: Tensor, head_size: int) -> None:
 
 
 def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
-                   cos_sin_cache: Tensor, is_neox: bool) -> None:
+                   cos_sin_cache: Tensor, is_neox: bool, OP: str = OP, reads: tuple = ()) -> None:
+    """The full checks of ``op`` (default ``rotary_embedding``); ``reads``: more ``(name, tensor)``
+    arguments read only, proven apart from query and key."""
     check.tensor(OP, "positions", positions)
     check.tensor(OP, "query", query)
     check.tensor(OP, "cos_sin_cache", cos_sin_cache)
@@ -56,7 +59,7 @@ def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head
     check.floating(OP, "query", query)
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 1:
         check.fail(OP, "head_size", f"must be a positive int, got {head_size!r}")
-    _validate_heads("query", query, head_size)
+    _validate_heads("query", query, head_size, OP)
     check.require(positions.shape[0] == query.shape[0], OP, "positions",
                   lambda: f"must have one position per token of 'query' ({query.shape[0]}), got shape {tuple(positions.shape)}")
     check.same_device(OP, "positions", positions, "query", query)
@@ -64,7 +67,7 @@ def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head
         check.tensor(OP, "key", key)
         if key.dtype != query.dtype:
             check.fail(OP, "key", f"must have the dtype of 'query' ({query.dtype}), got {key.dtype}", TypeError)
-        _validate_heads("key", key, head_size)
+        _validate_heads("key", key, head_size, OP)
         check.require(key.shape[0] == query.shape[0], OP, "key",
                       lambda: f"must have one row per token of 'query' ({query.shape[0]}), got shape {tuple(key.shape)}")
         check.same_device(OP, "key", key, "query", query)
@@ -83,10 +86,10 @@ def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head
     check.last_dim_contiguous(OP, "cos_sin_cache", cos_sin_cache)
     check.same_device(OP, "cos_sin_cache", cos_sin_cache, "query", query)
     check.no_overlap(OP, (("positions", positions, False), ("query", query, True), ("key", key, True),
-                          ("cos_sin_cache", cos_sin_cache, False)))
+                          ("cos_sin_cache", cos_sin_cache, False), *((n, t, False) for n, t in reads)))
 
 
-def _check_positions_in_cache(positions: Tensor, max_position: int, num_tokens: int) -> None:
+def _check_positions_in_cache(positions: Tensor, max_position: int, num_tokens: int, OP: str = OP) -> None:
     """``0 <= positions < max_position`` on the data: one reduction and one read back (a sync on CUDA)."""
     if not CHECK_POSITIONS or num_tokens == 0:
         return
@@ -105,8 +108,10 @@ def _check_positions_in_cache(positions: Tensor, max_position: int, num_tokens: 
 # slices of a fused qkv tensor); positions and cache apart from both.
 
 
-def validate(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int, cos_sin_cache: Tensor,
-             is_neox: bool) -> None:
+def _fast_ok(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int, cos_sin_cache: Tensor,
+             reads: tuple = ()) -> bool:
+    """Whether the common valid call is proven valid (then only the positions' data check remains);
+    ``reads``: ``(start, end)`` byte spans of more read-only arguments, proven apart from query and key."""
     try:
         qd, qs, ps, cs, dev = query.dtype, query.shape, positions.shape, cos_sin_cache.shape, query.device
         pd, cd, qst, cst = positions.dtype, cos_sin_cache.dtype, query.stride(), cos_sin_cache.stride()
@@ -137,11 +142,21 @@ def validate(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size:
                     # spans apart, or one row stride with key's columns between query's modulo it
                     ok = ((not (q < ke and k < qe) or kst[0] == r and t > 0 and qw <= (k - q) % (r * isz) <= r * isz - kw)
                           and not (p < qe and q < pe or p < ke and k < pe or c < qe and q < ce or c < ke and k < ce))
-            if ok:
-                _check_positions_in_cache(positions, cs[0], ps[0])
-                return
+            if ok and reads and t >= 0:
+                q, qe = query.data_ptr(), query.data_ptr() + t * r * isz + qs[1] * isz
+                k, ke = (q, qe) if key is None else (key.data_ptr(), key.data_ptr() + t * key.stride(0) * isz + key.shape[1] * isz)
+                ok = not any(a < qe and q < b or a < ke and k < b for a, b in reads)
+            return ok
     except (AttributeError, IndexError, RuntimeError, TypeError):  # not tensors, 0-d: the full checks say what
         pass
+    return False
+
+
+def validate(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int, cos_sin_cache: Tensor,
+             is_neox: bool) -> None:
+    if _fast_ok(positions, query, key, head_size, cos_sin_cache):
+        _check_positions_in_cache(positions, cos_sin_cache.shape[0], positions.shape[0])
+        return
     _validate_full(positions, query, key, head_size, cos_sin_cache, is_neox)
     _check_positions_in_cache(positions, cos_sin_cache.shape[0], positions.numel())
 
@@ -280,6 +295,174 @@ def _flashinfer(args: tuple):
                     p, q, k, hs, cache, is_neox=neox))
 
 
+# ----------------------------------------------------------------------------------------------
+# qk_rmsnorm_rope: per-head RMSNorm of query and key (rounded to their dtype), then rotary_embedding.
+
+QK_OP = "qk_rmsnorm_rope"
+
+
+def _validate_weight(arg: str, w, head_size: int, query: Tensor) -> None:
+    check.tensor(QK_OP, arg, w)
+    check.floating(QK_OP, arg, w)
+    check.require(w.dim() == 1 and w.shape[0] == head_size, QK_OP, arg,
+                  lambda: f"must have shape ({head_size},) (head_size), got {tuple(w.shape)}")
+    check.last_dim_contiguous(QK_OP, arg, w)
+    check.same_device(QK_OP, arg, w, "query", query)
+
+
+def _qk_validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight: Tensor,
+                      k_weight: Optional[Tensor], eps: float, head_size: int, cos_sin_cache: Tensor,
+                      is_neox: bool) -> None:
+    check.tensor(QK_OP, "query", query)
+    if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 1:
+        check.fail(QK_OP, "head_size", f"must be a positive int, got {head_size!r}")
+    _validate_weight("q_weight", q_weight, head_size, query)
+    if key is None and k_weight is not None:
+        check.fail(QK_OP, "k_weight", "must be None when 'key' is None")
+    if key is not None:
+        if k_weight is None:
+            check.fail(QK_OP, "k_weight", "must be given with 'key' (None only without key)")
+        _validate_weight("k_weight", k_weight, head_size, query)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0.0:
+        check.fail(QK_OP, "eps", f"must be a non-negative float, got {eps!r}")
+    _validate_full(positions, query, key, head_size, cos_sin_cache, is_neox, QK_OP,
+                   (("q_weight", q_weight), ("k_weight", k_weight)))
+
+
+def _span(w: Tensor) -> tuple:
+    return w.data_ptr(), w.data_ptr() + w.shape[0] * w.itemsize
+
+
+def qk_validate(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight: Tensor,
+                k_weight: Optional[Tensor], eps: float, head_size: int, cos_sin_cache: Tensor, is_neox: bool) -> None:
+    # The common valid call: rotary_embedding's proof, the weights' bytes apart from query's and key's.
+    try:
+        fl, dev = check.FLOATING, query.device
+        if (q_weight.dtype in fl and q_weight.dim() == 1 and q_weight.shape[0] == head_size
+                and q_weight.stride(0) == 1 and q_weight.device == dev and type(eps) is float and eps >= 0.0
+                and (key is None and k_weight is None
+                     or key is not None and k_weight.dtype in fl and k_weight.dim() == 1
+                     and k_weight.shape[0] == head_size and k_weight.stride(0) == 1 and k_weight.device == dev)):
+            reads = (_span(q_weight),) + (() if k_weight is None else (_span(k_weight),))
+            if _fast_ok(positions, query, key, head_size, cos_sin_cache, reads):
+                _check_positions_in_cache(positions, cos_sin_cache.shape[0], positions.shape[0], QK_OP)
+                return
+    except (AttributeError, IndexError, RuntimeError, TypeError):  # not tensors, 0-d: the full checks say what
+        pass
+    _qk_validate_full(positions, query, key, q_weight, k_weight, eps, head_size, cos_sin_cache, is_neox)
+    _check_positions_in_cache(positions, cos_sin_cache.shape[0], positions.numel(), QK_OP)
+
+
+def _qk_fake(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight: Tensor, k_weight: Optional[Tensor],
+             eps: float, head_size: int, cos_sin_cache: Tensor, is_neox: bool) -> None:
+    _qk_validate_full(positions, query, key, q_weight, k_weight, eps, head_size, cos_sin_cache, is_neox)
+
+
+def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight: Tensor,
+                    k_weight: Optional[Tensor], eps: float, head_size: int, cos_sin_cache: Tensor,
+                    is_neox: bool) -> None:
+    """``x = rope(round(x * rsqrt(mean(x^2) + eps) * w))`` for every head ``x`` of ``query`` (``w = q_weight``) and of ``key`` (``w = k_weight``), in place
+
+    The QK-norm of Qwen3, Gemma 3 and OLMo 2 fused with the rotary embedding (vLLM's
+    ``fused_qk_norm_rope``): each head of ``head_size`` dims is RMS-normalised over its dims in fp32
+    (fp64 for fp64 input), scaled by the weight and rounded to the input's dtype, exactly as
+    ``rmsnorm`` on ``(T*H, head_size)`` rows gives; then ``rotary_embedding`` rotates its first
+    ``r = cos_sin_cache.shape[1]`` dims (``x1, x2 = x1 * cos[p] - x2 * sin[p], x2 * cos[p] + x1 * sin[p]``
+    with ``p = positions[t]``, neox or GPT-J pairs) in fp32 and rounds once; dims ``r..head_size``
+    (partial rotary) keep the normalised value. Each backend gives, bit for bit, its own ``rmsnorm``
+    then its own ``rotary_embedding`` (:func:`unfused`).
+
+    Args:
+        positions: ``(T,)`` int32 or int64 in ``[0, max_position)``, checked as ``rotary_embedding``
+            checks them (``CHECK_POSITIONS``).
+        query: ``(T, Hq * head_size)`` or ``(T, Hq, head_size)``, fp16/bf16/fp32/fp64, last dimension
+            contiguous (rows and heads may be strided: slices of a fused qkv tensor). Normalised and
+            rotated in place.
+        key: ``(T, Hk * head_size)`` or ``(T, Hk, head_size)`` with the dtype of ``query``, or ``None``;
+            in place. ``query`` and ``key`` may be disjoint column slices of one tensor; no element may
+            share memory with another element or argument (``ValueError``).
+        q_weight: ``(head_size,)``, any float dtype, contiguous: the norm's weight of the query heads.
+        k_weight: ``(head_size,)`` likewise for the key heads; ``None`` exactly when ``key`` is ``None``.
+        eps: added to the mean of squares, non-negative (Qwen3: 1e-6).
+        head_size: dims per head.
+        cos_sin_cache: ``(max_position, r)``, float32 or the dtype of ``query``, ``r`` even and at most
+            ``head_size``; each row holds ``r/2`` cosines then ``r/2`` sines.
+        is_neox: neox (halves) pairing if True, GPT-J (interleaved) pairing if False.
+
+    Not differentiable: requesting a gradient through it raises.
+    """
+    torch.ops.deepinfer.qk_rmsnorm_rope.default(positions, query, key, q_weight, k_weight, eps, head_size,
+                                                cos_sin_cache, is_neox)
+
+
+def unfused(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight: Tensor, k_weight: Optional[Tensor],
+            eps: float, head_size: int, cos_sin_cache: Tensor, is_neox: bool, rmsnorm=None, rotary=None) -> None:
+    """The pair :func:`qk_rmsnorm_rope` equals: ``rmsnorm`` over each tensor's ``(T, H, head_size)`` heads,
+    written back, then ``rotary_embedding``; ``rmsnorm``/``rotary`` default to the registered ops (a test
+    passes one backend's)."""
+    rmsnorm = rmsnorm or torch.ops.deepinfer.rmsnorm.default
+    rotary = rotary or torch.ops.deepinfer.rotary_embedding.default
+    for x, w in ((query, q_weight), (key, k_weight)):
+        if x is not None:
+            heads = x if x.dim() == 3 else x.view(x.shape[0], x.shape[1] // head_size, head_size)
+            heads.copy_(rmsnorm(heads, w, eps))
+    rotary(positions, query, key, head_size, cos_sin_cache, is_neox)
+
+
+def make_qk_args(num_tokens: int, num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_neox: bool,
+                 layout: str = "2d", device=None, dtype=torch.float32, weight_dtype=None, cache_dtype=torch.float32,
+                 positions_dtype=torch.int64, max_position: int = 37, eps: float = 1e-6) -> tuple:
+    """:func:`make_args` with the weights (``weight_dtype`` default the dtype; around 1, as trained QK-norm
+    weights are) and ``eps``: ``(positions, query, key, q_weight, k_weight, eps, head_size, cache, is_neox)``."""
+    positions, query, key, _, cache, _ = make_args(num_tokens, num_q_heads, num_k_heads, head_size, rot_dim, is_neox,
+                                                   layout, device, dtype, cache_dtype, positions_dtype, max_position)
+    wd = weight_dtype or dtype
+    q_weight = (1 + 0.3 * torch.randn(head_size, device=device)).to(wd)
+    k_weight = (1 + 0.3 * torch.randn(head_size, device=device)).to(wd) if key is not None else None
+    return positions, query, key, q_weight, k_weight, eps, head_size, cache, is_neox
+
+
+#: (tokens, q heads, k heads, head_size, rot_dim, is_neox, layout, fp32 weights, positions dtype): one
+#: token, zero tokens, head sizes 64/128/256, partial rotary, GPT-J, odd head counts, fused qkv slices
+#: and 3-D head views, a head size that is no power of two, weights of another dtype than q/k.
+QK_SAMPLE_CASES = (
+    (1, 1, 1, 64, 64, True, "2d", False, torch.int64),
+    (3, 4, 2, 128, 128, False, "2d", True, torch.int32),
+    (5, 3, 1, 128, 64, True, "qkv", False, torch.int64),
+    (0, 4, 2, 64, 32, True, "2d", False, torch.int64),
+    (2, 5, 3, 256, 256, True, "qkv", True, torch.int64),
+    (3, 7, 1, 256, 128, False, "3d", False, torch.int32),
+    (2, 3, 1, 80, 40, False, "qkv", False, torch.int64),
+)
+
+
+def _qk_samples(device, dtype) -> Iterator[tuple]:
+    for t, hq, hk, hs, rd, neox, layout, fp32_weight, pdt in QK_SAMPLE_CASES:
+        yield make_qk_args(t, hq, hk, hs, rd, neox, layout, device, dtype, torch.float32 if fp32_weight else dtype,
+                           positions_dtype=pdt)
+
+
+def _qk_tokens(n: int, device) -> tuple:
+    return make_qk_args(n, 4, 2, 16, 16, True, "2d", device, max_position=32), (0, 1, 2)
+
+
+def _qk_bench_args(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    hq, hk, hs, max_pos = BENCH_SIZES[profile]
+    return make_qk_args(rows, hq, hk, hs, hs, True, "qkv", device, dtype, max_position=max_pos)
+
+
+def _qk_bench_nbytes(args: tuple) -> int:
+    positions, q, k, qw, kw, _, head_size, cache, _ = args
+    size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
+    # query and key read and written whole (the norm reads every dim), the weights, the positions, a cache row a token
+    return (2 * (size(q) + size(k)) + size(qw) + size(kw) + size(positions)
+            + positions.numel() * cache.shape[1] * cache.element_size())
+
+
+#: the peer: our unfused pair as the default selection serves it (rmsnorm, written back, then rotary_embedding)
+UNFUSED_PEER = Peer("unfused", unfused)
+
+
 OPS = (
     OpDef("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
           "Tensor cos_sin_cache, bool is_neox) -> ()",
@@ -287,4 +470,12 @@ OPS = (
           no_grad_reason="it rotates query and key in place; differentiate through the torch reference "
                          "(reference.py) on copies instead",
           bench=BenchCase(_bench_shape, _bench_args, _bench_nbytes, memory_bound=True, flashinfer=_flashinfer)),
+    OpDef("qk_rmsnorm_rope(Tensor positions, Tensor(a!) query, Tensor(b!)? key, Tensor q_weight, Tensor? k_weight, "
+          "float eps, int head_size, Tensor cos_sin_cache, bool is_neox) -> ()",
+          qk_validate, _qk_fake, qk_rmsnorm_rope, _qk_samples, _qk_tokens, data_arg=1,
+          no_grad_reason="it normalises and rotates query and key in place; differentiate through the torch "
+                         "reference (reference.py) on copies instead",
+          bench=BenchCase(_bench_shape, _qk_bench_args, _qk_bench_nbytes, memory_bound=True,
+                          flashinfer=lambda args: "FlashInfer 0.7.4 has no fused QK-norm with RoPE",
+                          peers=(UNFUSED_PEER,))),
 )

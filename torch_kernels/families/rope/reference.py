@@ -66,3 +66,23 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], he
     _rotate(query, head_size, cos, sin, is_neox)
     if key is not None:
         _rotate(key, head_size, cos, sin, is_neox)
+
+
+def _rms_normalize(heads: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``rmsnorm`` of every head, rounded to the heads' dtype: the norm family's reference expression
+    (``x * rsqrt(mean(x^2) + eps) * w`` in the compute dtype), so the bits are ``rmsnorm``'s."""
+    x = heads.to(torch.promote_types(heads.dtype, torch.float32))
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(x.dtype)).to(heads.dtype)
+
+
+def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight: Tensor,
+                    k_weight: Optional[Tensor], eps: float, head_size: int, cos_sin_cache: Tensor,
+                    is_neox: bool) -> None:
+    # The norm rounded to the dtype, then rotary_embedding's rotation of those values: the unfused pair.
+    cd = torch.promote_types(query.dtype, torch.float32)
+    cos, sin = _cos_sin_rows(positions, cos_sin_cache, cd).unsqueeze(-2).chunk(2, dim=-1)
+    for x, w in ((query, q_weight), (key, k_weight)):
+        if x is not None:
+            heads = _heads(x, head_size)
+            heads.copy_(_rms_normalize(heads, w, eps))
+            _rotate(x, head_size, cos, sin, is_neox)

@@ -230,3 +230,177 @@ def ci_kernels() -> Iterator[tuple]:
         (3, 1, 40, 24, False, "float16", "float32", "int64", 3, False),
     ):
         yield _NAME, _build, (q, k, hs, rot, neox, dtype, cache, pos, rank, aligned)
+    yield from ci_qk_kernels()
+
+
+# ----------------------------------------------------------------------------------------------
+# qk_rmsnorm_rope: every (token, head) of query, then of key, a row of rmsnorm's one-pass kernel (the
+# norm family's layout for rows of head_size: the same threads a row, registers, reduction and rsqrt,
+# so the same bits), rounded to the dtype into shared memory, then rotated pair by pair with the
+# rotation above (x1 cos - x2 sin, x2 cos + x1 sin in fp32 from the rounded values). Blocks
+# [0, ceil(T*Hq / rows)) take query rows, the rest key rows: one launch. Dims rot_dim.. get the rounded
+# norm. Views off the vector (strides or pointers) run on aligned copies, as rmsnorm does.
+
+_QK_NAME = "qk_rmsnorm_rope"
+
+
+def _qk_build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_neox: bool, dtype: str,
+              q_weight_dtype: str, k_weight_dtype: str, cache_dtype: str, positions_dtype: str, rank: int,
+              config: Optional[RopeConfig] = None):
+    from ..norm import tilelang as norm  # the row layout of rmsnorm at head_size: its numerics
+
+    config = config or RopeConfig.for_shape()
+    pdl = _jit.dependent_launch()
+    HQ, HK, HS, ROT, HALF = num_q_heads, num_k_heads, head_size, rot_dim, rot_dim // 2
+    VEC, TR, BM, WIDTH = norm._layout(HS, dtype, False)
+    f32 = "float32"
+    MOVED = 2 * (HQ + HK) * HS * _jit.ELEMENT_BYTES[dtype] + ROT * _jit.ELEMENT_BYTES[cache_dtype]  # bytes a token
+    Tn, P = T.dynamic("num_tokens, max_position")
+    p_s, q_st, k_st, c_s = T.dynamic("p_s, q_st, k_st, c_s", "int64")
+    if rank == 2:
+        q_sh = k_sh = HS
+        query_type = T.StridedTensor((Tn, HQ * HS), (q_st, 1), dtype)
+        key_type = T.StridedTensor((Tn, HK * HS), (k_st, 1), dtype)
+    else:
+        q_sh, k_sh = T.dynamic("q_sh, k_sh", "int64")
+        query_type = T.StridedTensor((Tn, HQ, HS), (q_st, q_sh, 1), dtype)
+        key_type = T.StridedTensor((Tn, HK, HS), (k_st, k_sh, 1), dtype)
+    # rmsnorm's fragment layout (families/norm/tilelang.py, _build): element (i, j) in thread
+    # i * TR + (j // VEC) % TR, register (j // (TR * VEC)) * VEC + j % VEC
+    rows_layout = T.Fragment((BM, WIDTH), forward_fn=lambda i, j: (
+        i * TR + j // VEC % TR, j // (TR * VEC) * VEC + j % VEC))
+    # pairs (i1, i2) of pair d: neox (d, d + r/2), GPT-J (2d, 2d + 1)
+    first, second = ((lambda d: d), (lambda d: d + HALF)) if is_neox else ((lambda d: 2 * d), (lambda d: 2 * d + 1))
+
+    @T.macro
+    def _qk_rows(X, H, Wt, row0, Tn, P, positions, cache, eps, x, sq, rstd, ys, pos):
+        rows = Tn * H
+        for i in T.Parallel(BM):  # each row's position, once (the rotation reads it per pair)
+            pos[i] = T.if_then_else(row0 + i < rows, T.cast(positions[(row0 + i) // H], "int64"), T.int64(-1))
+        T.clear(sq)
+        for i, j in T.Parallel(BM, WIDTH):  # rmsnorm's load: fp32, 0 outside the rows
+            r = row0 + i
+            ok = r < rows if WIDTH == HS else T.And(r < rows, j < HS)
+            x[i, j] = T.if_then_else(ok, T.cast(X[r // H, r % H, j], f32), T.float32(0))
+        for i, j in T.Parallel(BM, WIDTH):
+            sq[i, j] += x[i, j] * x[i, j]
+        T.reduce_sum(sq, rstd, dim=1)
+        for i in T.Parallel(BM):
+            rstd[i] = T.rsqrt(rstd[i] / HS + eps)
+        for i, j in T.Parallel(BM, WIDTH):
+            ys[i, j] = T.cast(x[i, j] * rstd[i] * T.cast(Wt[j if WIDTH == HS else T.min(j, HS - 1)], f32), dtype)
+        T.sync_threads()
+        for i, d in T.Parallel(BM, HALF):
+            r = row0 + i
+            if r < rows:
+                live = T.And(pos[i] >= 0, pos[i] < P)  # else NaN (only without the op's data check), nothing read
+                c = T.if_then_else(live, T.cast(cache[pos[i], d], f32), T.float32(float("nan")))
+                s = T.if_then_else(live, T.cast(cache[pos[i], HALF + d], f32), T.float32(float("nan")))
+                x1 = T.cast(ys[i, first(d)], f32)
+                x2 = T.cast(ys[i, second(d)], f32)
+                X[r // H, r % H, first(d)] = T.cast(x1 * c - x2 * s, dtype)
+                X[r // H, r % H, second(d)] = T.cast(x2 * c + x1 * s, dtype)
+        if ROT < HS:
+            for i, j in T.Parallel(BM, WIDTH):
+                r = row0 + i
+                if T.And(r < rows, T.And(j >= ROT, j < HS)):
+                    X[r // H, r % H, j] = ys[i, j]
+
+
+    @T.prim_func
+    def qk_norm_rope(
+        positions: T.StridedTensor((Tn,), (p_s,), positions_dtype),  # read; any stride
+        query: query_type,  # normalised and rotated in place
+        key: key_type,  # likewise; None when HK == 0
+        q_weight: T.Tensor((HS,), q_weight_dtype),  # read
+        k_weight: T.Tensor((HS,), k_weight_dtype),  # read; None when HK == 0
+        cache: T.StridedTensor((P, ROT), (c_s, 1), cache_dtype),  # read; cos then sin per row
+        eps: T.float32,
+    ):
+        T.assume(T.Or(Tn <= 1, q_st % VEC == 0))  # the launcher passes vector multiples (see the section)
+        if HK > 0:
+            T.assume(T.Or(Tn <= 1, k_st % VEC == 0))
+        if rank == 3 and HQ > 1:
+            T.assume(q_sh % VEC == 0)
+        if rank == 3 and HK > 1:
+            T.assume(k_sh % VEC == 0)
+        q = T.view(query, shape=(Tn, HQ, HS), strides=(q_st // VEC * VEC, q_sh // VEC * VEC, 1))
+        k = T.view(key, shape=(Tn, HK, HS), strides=(k_st // VEC * VEC, k_sh // VEC * VEC, 1))
+        q_blocks = T.ceildiv(Tn * HQ, BM)
+        with T.Kernel(q_blocks + T.ceildiv(Tn * HK, BM), threads=TR * BM) as block:
+            if pdl:  # before any access: see _jit.dependent_launch
+                T.pdl_sync()
+            if _jit.triggers_early(Tn, MOVED, config):
+                T.pdl_trigger()
+            x = T.alloc_fragment((BM, WIDTH), f32)
+            sq = T.alloc_fragment((BM, WIDTH), f32)
+            rstd = T.alloc_fragment((BM,), f32)
+            ys = T.alloc_shared((BM, WIDTH), dtype)  # the rows' norm rounded to the dtype
+            pos = T.alloc_shared((BM,), "int64")  # the rows' positions
+            T.annotate_layout({x: rows_layout, sq: rows_layout})
+            if HK == 0:  # no key: a null tensor, no key blocks
+                _qk_rows(q, HQ, q_weight, block * BM, Tn, P, positions, cache, eps, x, sq, rstd, ys, pos)
+            elif block < q_blocks:
+                _qk_rows(q, HQ, q_weight, block * BM, Tn, P, positions, cache, eps, x, sq, rstd, ys, pos)
+            else:
+                _qk_rows(k, HK, k_weight, (block - q_blocks) * BM, Tn, P, positions, cache, eps, x, sq, rstd, ys, pos)
+
+    return qk_norm_rope
+
+
+_qk_build.config_for = RopeConfig.for_shape  # type: ignore[attr-defined]
+_qk_function = _jit.host_functions(_QK_NAME, _qk_build)
+
+
+def _qk_aligned(x: Optional[Tensor], w: Optional[Tensor], vec: int) -> bool:
+    """Whether ``x``'s data pointer, token and head strides are multiples of ``vec`` elements (size-1
+    dims aside) and the weight 16-byte aligned."""
+    if x is None:
+        return True
+    shape, stride = x.shape, x.stride()
+    bits = x.data_ptr() // x.element_size() | (stride[0] if shape[0] > 1 else 0)
+    if x.dim() == 3 and shape[1] > 1:
+        bits |= stride[1]
+    return not bits % vec and not w.data_ptr() % 16
+
+
+def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight: Tensor,
+                    k_weight: Optional[Tensor], eps: float, head_size: int, cos_sin_cache: Tensor,
+                    is_neox: bool) -> None:
+    num_tokens = query.shape[0]
+    if num_tokens == 0:
+        return
+    vec = _jit.vector_width(head_size, _DTYPES[query.dtype])
+    if not (_qk_aligned(query, q_weight, vec) and _qk_aligned(key, k_weight, vec)
+            and (head_size % vec == 0)):  # rare: a view off the vector; aligned copies, written back
+        q, k = query.contiguous(), None if key is None else key.contiguous()
+        qk_rmsnorm_rope(positions, q, k, q_weight.clone(), None if k_weight is None else k_weight.clone(), eps,
+                        head_size, cos_sin_cache, is_neox)
+        query.copy_(q)
+        if key is not None:
+            key.copy_(k)
+        return
+    rank = query.dim()
+    if key is not None and key.dim() != rank:
+        rank, query, key = 3, _heads(query, head_size), _heads(key, head_size)
+    heads = query.shape[1] if rank == 3 else query.shape[1] // head_size
+    key_heads = 0 if key is None else key.shape[1] if rank == 3 else key.shape[1] // head_size
+    fn = _qk_function(heads, key_heads, head_size, cos_sin_cache.shape[1], bool(is_neox), _DTYPES[query.dtype],
+                      _DTYPES[q_weight.dtype], _DTYPES[(k_weight if k_weight is not None else q_weight).dtype],
+                      _DTYPES[cos_sin_cache.dtype], _POSITION_DTYPES[positions.dtype], rank)
+    fn(positions, query, key, q_weight, k_weight, cos_sin_cache, eps)
+
+
+def ci_qk_kernels() -> Iterator[tuple]:
+    """(name, build, key) of the qk_rmsnorm_rope specialisations CI compiles for sm_90: head sizes
+    64/128/256, both pairings, partial rotary, every q/k dtype, fp32 weights under bf16, 3-D heads, no
+    key, a head size that is no power of two (rows padded and masked)."""
+    for key in (
+        (32, 8, 128, 128, True, "bfloat16", "bfloat16", "bfloat16", "float32", "int64", 2),  # Qwen3-8B, the benchmark
+        (32, 8, 128, 128, False, "float16", "float32", "float32", "float16", "int32", 3),
+        (16, 2, 64, 64, True, "bfloat16", "bfloat16", "bfloat16", "float32", "int64", 2),
+        (8, 1, 256, 128, True, "float32", "float32", "float32", "float32", "int64", 3),  # partial neox
+        (8, 0, 256, 256, False, "bfloat16", "float32", "float32", "float32", "int64", 2),  # no key
+        (7, 3, 80, 40, False, "bfloat16", "bfloat16", "bfloat16", "float32", "int64", 2),  # padded rows, partial GPT-J
+    ):
+        yield _QK_NAME, _qk_build, key

@@ -171,3 +171,202 @@ def launch(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: i
 def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
                      cos_sin_cache: Tensor, is_neox: bool, *, wrap=None, config=None) -> None:
     launch(positions, query, key, head_size, cos_sin_cache, is_neox, config, wrap=wrap)
+
+
+# ----------------------------------------------------------------------------------------------
+# qk_rmsnorm_rope: each head RMS-normalised (rounded to the dtype), then rotated as above.
+#
+# Bit for bit this backend's rmsnorm on (T*H, head_size) rows, then rotary_embedding: the sum of squares
+# of a head is reduced in the layout the rmsnorm kernel gives its row (``sizePerThread`` p elements, 32
+# lanes, its warps: a different layout reduces in another order), with rmsnorm's expressions; the
+# rotation is the kernel above on the rounded values. rmsnorm's row layout: the coalescing pass gives
+# each thread min(max 16-byte vector of its accesses, row / threads) elements, its widest access being
+# its contiguous output (16 bytes of the dtype) or the weight; ours are the head tile and a tile of the
+# weight, so the same p whenever the heads are 16-byte aligned (the launcher copies the rare others).
+# A tile of BLOCK_H heads over BLOCK_H warps, one head a warp, has that layout when p * 32 is the
+# padded row (one vector a lane, one warp a row); any other row (fp32 at 256: two vectors a lane) is
+# reduced one head a tile over rmsnorm's warps.
+
+from ..norm.triton import TritonNormConfig as _NormConfig  # noqa: E402  (the rmsnorm launch our layout follows)
+
+_QK_MAX_BLOCK_H = 8  # heads a tile in the one-warp-a-head layout: 8 warps, 1024 values at head_size 128
+
+
+@dataclass(frozen=True)
+class TritonQKNormRopeConfig:
+    """How the QK-norm + rotary kernel is launched; :meth:`for_shape` is what the launcher uses."""
+
+    heads_per_program: int  # a chunk of the combined head list (query heads, then key heads)
+    block_h: int  # heads per tile: one a warp, or 1 (see the section's comment)
+    block_n: int  # the head padded to a power of two (the rmsnorm kernel's BLOCK_N)
+    block_d: int  # pairs per head per tile: the next power of two >= rot_dim/2
+    num_warps: int
+
+    @classmethod
+    def for_shape(cls, num_tokens: Optional[int], num_heads: int, head_size: int, rot_half: int, in_bytes: int,
+                  q_w_bytes: int, k_w_bytes: int) -> "TritonQKNormRopeConfig":
+        """The launcher's configuration for ``num_tokens`` tokens (``None``: traced) of ``num_heads``
+        heads, q/k elements of ``in_bytes``, the weights' elements of ``q_w_bytes`` and ``k_w_bytes``
+        (each tensor's head load takes its own layout, from its own weight)."""
+        if num_tokens is None:
+            chunks = num_heads
+        else:
+            chunks = -(-_MIN_PROGRAMS // max(num_tokens, 1)) if num_tokens < _MIN_PROGRAMS else 1
+        return cls._pick(num_heads, head_size, rot_half, in_bytes, q_w_bytes, k_w_bytes, chunks)
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def _pick(cls, num_heads: int, head_size: int, rot_half: int, in_bytes: int, q_w_bytes: int, k_w_bytes: int,
+              chunks: int) -> "TritonQKNormRopeConfig":
+        norm = _NormConfig.for_shape(None, head_size, False)
+        block_n, warps = norm.block_n, norm.num_warps
+        lanes = max(block_n // (32 * warps), 1)
+        if warps == 1 and all(min(row_vector(head_size, in_bytes, w), lanes) * 32 == block_n
+                              for w in (q_w_bytes, k_w_bytes)):
+            block_h = min(triton.next_power_of_2(num_heads), _QK_MAX_BLOCK_H)
+            warps = block_h
+        else:
+            block_h = 1
+        tiles = triton.cdiv(num_heads, block_h)
+        hpp = block_h * triton.cdiv(tiles, min(tiles, chunks))
+        return cls(hpp, block_h, block_n, triton.next_power_of_2(rot_half), warps)
+
+
+def row_vector(head_size: int, in_bytes: int, w_bytes: int) -> int:
+    """Elements of the widest vector among rmsnorm's accesses of a row (its output, its weight): 16
+    bytes of the narrower type, or 1 where the row size is not a multiple of 16 (Triton then knows
+    no alignment of a row, nor the mask's)."""
+    return 1 if head_size % 16 else 16 // min(in_bytes, w_bytes)
+
+
+@triton.jit
+def _norm_rotate_heads(
+    row_ptr,  # this token's first element of head 0
+    head_stride,  # elements between consecutive heads
+    h_start, h_end,  # the heads [h_start, h_end) of this tensor that this program takes
+    w_ptr,  # the norm's weight (head_size,), contiguous
+    eps, head_size,  # rmsnorm's eps and row size (runtime values, as rmsnorm takes them)
+    cos, sin, d, d_mask, rot_half,  # as in _rotate_heads
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK_N)
+    for h0 in range(h_start, h_end, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        live = heads < h_end
+        head_ptr = row_ptr + heads.to(tl.int64)[:, None] * head_stride
+        n_mask = live[:, None] & (cols < head_size)[None, :]
+        x = tl.load(head_ptr + cols[None, :], mask=n_mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / head_size + eps)[:, None]  # rmsnorm's expression
+        # Dims rot_dim.. keep the rounded norm (no lane stores at full rotary). The weight as a tile of
+        # the heads' shape: an access of the weight's vector width, as in rmsnorm's row (its layout).
+        w = tl.load(w_ptr + (cols[None, :] + 0 * heads[:, None]), mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(head_ptr + cols[None, :], (x * rstd * w).to(row_ptr.dtype.element_ty),
+                 mask=n_mask & (cols >= 2 * rot_half)[None, :])
+        if IS_NEOX:
+            mask = live[:, None] & d_mask[None, :]
+            p1 = head_ptr + d[None, :]
+            p2 = p1 + rot_half
+            w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(w_ptr + rot_half + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+            x1 = (x1 * rstd * w1).to(row_ptr.dtype.element_ty).to(tl.float32)  # what rmsnorm writes
+            x2 = (x2 * rstd * w2).to(row_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(p1, (x1 * cos - x2 * sin).to(row_ptr.dtype.element_ty), mask=mask)
+            tl.store(p2, (x2 * cos + x1 * sin).to(row_ptr.dtype.element_ty), mask=mask)
+        else:
+            r = tl.arange(0, 2 * BLOCK_D)
+            r_mask = r < 2 * rot_half
+            m = live[:, None] & r_mask[None, :]
+            p = head_ptr + r[None, :]
+            wr = tl.load(w_ptr + r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+            xr = tl.load(p, mask=m, other=0.0).to(tl.float32)
+            xr = (xr * rstd * wr).to(row_ptr.dtype.element_ty).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(xr, (BLOCK_H, BLOCK_D, 2)))
+            out = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), (BLOCK_H, 2 * BLOCK_D))
+            tl.store(p, out.to(row_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    pos_ptr, pos_stride,
+    q_ptr, q_tok_stride, q_head_stride,
+    k_ptr, k_tok_stride, k_head_stride,
+    qw_ptr, kw_ptr,  # the weights (head_size,); kw unused when not HAS_KEY
+    eps, head_size,
+    cache_ptr, cache_stride, max_position,
+    num_q_heads, num_k_heads, heads_per_program, rot_half,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
+    HAS_KEY: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    h_lo = tl.program_id(1) * heads_per_program
+    h_hi = h_lo + heads_per_program
+    pos = tl.load(pos_ptr + tok * pos_stride).to(tl.int64)
+    in_cache = (pos >= 0) & (pos < max_position)  # else NaN cos/sin, no read outside the cache (as above)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < rot_half
+    c_mask = d < tl.where(in_cache, rot_half, 0)
+    cache_row = cache_ptr + pos * cache_stride
+    cos = tl.load(cache_row + d, mask=c_mask, other=float("nan")).to(tl.float32)[None, :]
+    sin = tl.load(cache_row + rot_half + d, mask=c_mask, other=float("nan")).to(tl.float32)[None, :]
+    _norm_rotate_heads(q_ptr + tok * q_tok_stride, q_head_stride, h_lo, tl.minimum(h_hi, num_q_heads), qw_ptr,
+                       eps, head_size, cos, sin, d, d_mask, rot_half, BLOCK_H, BLOCK_N, BLOCK_D, IS_NEOX)
+    if HAS_KEY:
+        _norm_rotate_heads(k_ptr + tok * k_tok_stride, k_head_stride, tl.maximum(h_lo - num_q_heads, 0),
+                           tl.minimum(h_hi - num_q_heads, num_k_heads), kw_ptr, eps, head_size, cos, sin, d,
+                           d_mask, rot_half, BLOCK_H, BLOCK_N, BLOCK_D, IS_NEOX)
+
+
+def _aligned_heads(x: Optional[Tensor], head_size: int) -> bool:
+    """Whether Triton's specialisation sees ``x``'s heads 16-byte aligned: data pointer, token and
+    head strides multiples of 16 bytes / elements (what fixes the vector width of a head's load)."""
+    if x is None:
+        return True
+    _, tok, head = _heads(x, head_size)
+    return not (x.data_ptr() % 16 or tok % 16 or head % 16)
+
+
+def qk_launch(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight: Tensor, k_weight: Optional[Tensor],
+              eps: float, head_size: int, cos_sin_cache: Tensor, is_neox: bool,
+              config: Optional[TritonQKNormRopeConfig] = None, wrap=None) -> None:
+    num_tokens = query.shape[0]
+    if wrap is None and num_tokens == 0:
+        return
+    rot_half = int(cos_sin_cache.shape[1]) // 2
+    hq, q_tok, q_head = _heads(query, head_size)
+    hk, k_tok, k_head = _heads(key, head_size) if key is not None else (0, 0, 0)
+    if config is None:
+        config = TritonQKNormRopeConfig.for_shape(num_tokens if wrap is None else None, hq + hk, head_size, rot_half,
+                                                  query.element_size(), q_weight.element_size(),
+                                                  (k_weight if k_weight is not None else q_weight).element_size())
+    hpp = config.heads_per_program
+    grid = (num_tokens, triton.cdiv(hq + hk, hpp))
+    (_qk_norm_rope_kernel if wrap is None else wrap(_qk_norm_rope_kernel))[grid](
+        positions, positions.stride(0),
+        query, q_tok, q_head,
+        key if key is not None else query, k_tok, k_head,
+        q_weight, k_weight if k_weight is not None else q_weight,
+        eps, head_size,
+        cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0],
+        hq, hk, hpp, rot_half,
+        BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_D=config.block_d, IS_NEOX=bool(is_neox),
+        HAS_KEY=key is not None, num_warps=config.num_warps,
+    )
+
+
+def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight: Tensor,
+                    k_weight: Optional[Tensor], eps: float, head_size: int, cos_sin_cache: Tensor, is_neox: bool, *,
+                    wrap=None, config=None) -> None:
+    if wrap is None and query.shape[0] and head_size % 16 == 0 and not (
+            _aligned_heads(query, head_size) and _aligned_heads(key, head_size)
+            and q_weight.data_ptr() % 16 == 0 and (k_weight is None or k_weight.data_ptr() % 16 == 0)):
+        # rare: heads or weights off 16 bytes would narrow the head's vector, so its reduction order; copies
+        q, k = query.contiguous(), None if key is None else key.contiguous()
+        qk_launch(positions, q, k, q_weight.clone(), None if k_weight is None else k_weight.clone(), eps, head_size,
+                  cos_sin_cache, is_neox, config)
+        query.copy_(q)
+        if key is not None:
+            key.copy_(k)
+        return
+    qk_launch(positions, query, key, q_weight, k_weight, eps, head_size, cos_sin_cache, is_neox, config, wrap)

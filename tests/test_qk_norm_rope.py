@@ -1,0 +1,300 @@
+"""Numerics of ``qk_rmsnorm_rope``: the reference against an fp64 formula written independently of
+the project's norm and rope code; every backend bit for bit its own unfused pair (its ``rmsnorm`` on
+the heads, rounded to the dtype, then its ``rotary_embedding``), Triton in its interpreter on CPU; the
+fused qkv buffer untouched outside query and key; bad input named before anything is written."""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from torch_kernels import registry
+from torch_kernels.families.norm import reference as norm_reference
+from torch_kernels.families.rope import ops as rope
+from torch_kernels.families.rope import reference as rope_reference
+from torch_kernels.spec import Backend
+from torch_kernels.testing import assert_close
+
+from conftest import DEVICES, assert_bad_inputs_raise, implementations_on, triton_here
+
+OP = "qk_rmsnorm_rope"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+REFERENCE = registry.BY_OP[OP][Backend.TORCH].load()
+
+# (tokens, q heads, k heads (0: no key), head_size, rot_dim, is_neox, layout, fp32 weights): one token,
+# head sizes 64/128/256, GPT-J, partial rotary, zero tokens, odd head counts, fused qkv slices, 3-D head
+# views, no key, a head size that is no power of two, more key heads than query heads.
+CASES = [
+    (1, 1, 1, 64, 64, True, "2d", False),
+    (3, 4, 2, 128, 128, False, "2d", True),
+    (5, 3, 1, 128, 64, True, "qkv", False),
+    (0, 4, 2, 64, 32, True, "2d", False),
+    (2, 5, 3, 256, 256, True, "qkv", True),
+    (3, 7, 1, 256, 128, False, "3d", False),
+    (2, 3, 1, 80, 40, False, "qkv", False),
+    (4, 3, 0, 128, 128, True, "2d", False),
+    (2, 1, 3, 64, 64, False, "qkv", True),
+]
+# Qwen3-8B (32 q heads, 8 kv heads, head 128) at a decode step, 32 tokens and a prefill; partial
+# rotary; head size 64 and 256.
+GPU_CASES = [
+    (1, 32, 8, 128, 128, True, "qkv", False),
+    (32, 32, 8, 128, 128, True, "qkv", False),
+    (4096, 32, 8, 128, 128, True, "qkv", False),
+    (333, 16, 2, 128, 64, False, "2d", True),
+    (257, 28, 4, 64, 64, True, "3d", False),
+    (100, 16, 4, 256, 256, False, "qkv", True),
+    (77, 16, 4, 256, 128, True, "2d", False),
+]
+
+
+def _ids(case):
+    t, hq, hk, hs, rd, neox, layout, f32w = case
+    return f"T{t}-{hq}q{hk}k-hs{hs}-rot{rd}-{'neox' if neox else 'gptj'}-{layout}{'-f32w' if f32w else ''}"
+
+
+def _args(case, device, dtype, cache_dtype=torch.float32, positions_dtype=torch.int64, max_position=37):
+    t, hq, hk, hs, rd, neox, layout, f32w = case
+    return rope.make_qk_args(t, hq, hk, hs, rd, neox, layout, device, dtype, torch.float32 if f32w else dtype,
+                             cache_dtype, positions_dtype, max_position)
+
+
+def _copy(args):
+    """A deep copy that keeps the layout (query and key views of one fused base stay views of a copy
+    of it): (args, the base or None)."""
+    positions, q, k = args[:3]
+    base = q._base
+    if base is None:
+        return (positions, q.clone(), None if k is None else k.clone(), *args[3:]), None
+    b = base.clone()
+    view = lambda t: None if t is None else b.as_strided(t.size(), t.stride(), t.storage_offset())  # noqa: E731
+    return (positions, view(q), view(k), *args[3:]), b
+
+
+def _formula(positions, x, weight, eps, head_size, rot_dim, is_neox, dtype, base=10000.0):
+    """fp64: each head ``x / sqrt(mean(x^2) + eps) * w`` rounded to ``dtype``, then pair ``j`` (``(j, j + r/2)``
+    or ``(2j, 2j + 1)``) turned by the angle ``p * base^(-2j/r)``; the dims past ``r`` pass through."""
+    heads = (x if x.dim() == 3 else x.unflatten(-1, (-1, head_size))).double()
+    y = heads / torch.sqrt((heads * heads).sum(-1, keepdim=True) / head_size + eps) * weight.double()
+    y = y.to(dtype).double()
+    half = rot_dim // 2
+    j = torch.arange(half, dtype=torch.float64)
+    angle = positions.double()[:, None, None] * base ** (-2.0 * j / rot_dim)
+    a, b = (torch.arange(half), torch.arange(half) + half) if is_neox else (2 * torch.arange(half), 2 * torch.arange(half) + 1)
+    out = y.clone()
+    out[..., a] = y[..., a] * torch.cos(angle) - y[..., b] * torch.sin(angle)
+    out[..., b] = y[..., b] * torch.cos(angle) + y[..., a] * torch.sin(angle)
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_qk_rmsnorm_rope_reference_matches_fp64_formula(case, dtype):
+    args, _ = _copy(_args(case, "cpu", dtype, torch.float64 if dtype == torch.float64 else torch.float32,
+                          max_position=4096))
+    positions, q, k, qw, kw, eps, hs, cache, neox = args
+    want = [None if x is None else _formula(positions, x, w, eps, hs, cache.shape[1], neox, dtype)
+            for x, w in ((q, qw), (k, kw))]
+    assert REFERENCE(*args) is None
+    # one rounding of the norm before the rotation in both: the rotation's rounding (and the norm's
+    # where the fp32 value sits on a tie) apart
+    assert_close(q, want[0].to(dtype))
+    if k is not None:
+        assert_close(k, want[1].to(dtype))
+
+
+def _assert_equal(got, want, what):
+    for i, name in ((1, "query"), (2, "key")):
+        if want[i] is not None:
+            assert torch.equal(got[i], want[i]), (f"{what}: {name} differs from the unfused pair in "
+                                                  f"{(got[i] != want[i]).sum().item()} of {want[i].numel()} values, "
+                                                  f"by up to {(got[i].double() - want[i].double()).abs().max().item()}")
+
+
+def _check_pair(fused, rmsnorm, rotary, cases, device, dtypes=DTYPES):
+    """``fused(*args)`` bit for bit ``rope.unfused(*args, rmsnorm, rotary)``, the fused buffer untouched
+    past query and key."""
+    for dtype in dtypes:
+        for i, case in enumerate(cases):
+            args = _args(case, device, dtype, dtype if i % 2 else torch.float32, torch.int32 if i % 3 == 1 else torch.int64)
+            want, want_base = _copy(args)
+            rope.unfused(*want, rmsnorm=rmsnorm, rotary=rotary)
+            got, got_base = _copy(args)
+            assert fused(*got) is None
+            _assert_equal(got, want, f"{_ids(case)} {dtype}")
+            if got_base is not None:
+                assert torch.equal(got_base, want_base), f"{_ids(case)} {dtype}: fused qkv buffer"
+                v = sum(x.shape[-1] if x.dim() == 2 else x.shape[1] * x.shape[2] for x in args[1:3] if x is not None)
+                assert torch.equal(got_base[:, v:], args[1]._base[:, v:]), f"{_ids(case)}: wrote outside query and key"
+
+
+def test_qk_rmsnorm_rope_reference_is_the_unfused_reference_pair_bit_for_bit():
+    _check_pair(rope_reference.qk_rmsnorm_rope, norm_reference.rmsnorm, rope_reference.rotary_embedding, CASES, "cpu",
+                DTYPES + [torch.float64])
+
+
+def test_qk_rmsnorm_rope_registered_op_is_the_registered_pair_bit_for_bit_on_cpu():
+    _check_pair(torch.ops.deepinfer.qk_rmsnorm_rope.default, None, None, CASES, "cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qk_rmsnorm_rope_triton_is_its_unfused_pair_bit_for_bit(device):
+    """Triton's fused kernel against Triton's rmsnorm then Triton's rotary_embedding: the head's sum of
+    squares in the rmsnorm kernel's row layout (so its order), rounded, then the same rotation."""
+    triton_rope = triton_here("rope", device)
+    triton_norm = importlib.import_module("torch_kernels.families.norm.triton")
+    _check_pair(triton_rope.qk_rmsnorm_rope, triton_norm.rmsnorm, triton_rope.rotary_embedding,
+                CASES + (GPU_CASES if device == "cuda" else []), device)
+
+
+@pytest.mark.gpu
+def test_qk_rmsnorm_rope_tilelang_is_its_unfused_pair_bit_for_bit():
+    """TileLang's fused kernel against TileLang's rmsnorm then TileLang's rotary_embedding: each head a
+    row of the rmsnorm kernel's layout and reduction at head_size, rounded, then the same rotation."""
+    pytest.importorskip("tilelang")
+    tl_rope = importlib.import_module("torch_kernels.families.rope.tilelang")
+    tl_norm = importlib.import_module("torch_kernels.families.norm.tilelang")
+    _check_pair(tl_rope.qk_rmsnorm_rope, tl_norm.rmsnorm, tl_rope.rotary_embedding, CASES + GPU_CASES, "cuda")
+
+
+@pytest.mark.gpu
+def test_qk_rmsnorm_rope_misaligned_views_are_the_pair_bit_for_bit():
+    """Views off 16 bytes (one element into a buffer) run on aligned copies: still the pair, bit for bit."""
+    triton_rope = importlib.import_module("torch_kernels.families.rope.triton")
+    triton_norm = importlib.import_module("torch_kernels.families.norm.triton")
+    pairs = [(triton_rope.qk_rmsnorm_rope, triton_norm.rmsnorm, triton_rope.rotary_embedding)]
+    if importlib.util.find_spec("tilelang") is not None:
+        tl_rope = importlib.import_module("torch_kernels.families.rope.tilelang")
+        tl_norm = importlib.import_module("torch_kernels.families.norm.tilelang")
+        pairs.append((tl_rope.qk_rmsnorm_rope, tl_norm.rmsnorm, tl_rope.rotary_embedding))
+    for dtype in DTYPES:
+        buf = torch.randn(9 * (4 + 2) * 128 + 1, device="cuda", dtype=dtype)
+        q, k = buf[1:1 + 9 * 512].view(9, 512), buf[1 + 9 * 512:].view(9, 256)
+        positions = torch.randint(0, 37, (9,), device="cuda")
+        cache = rope.make_cos_sin_cache(37, 128, device="cuda")
+        qw, kw = (1 + 0.3 * torch.randn(128, device="cuda")).to(dtype), (1 + 0.3 * torch.randn(128, device="cuda")).to(dtype)
+        for fused, rmsnorm, rotary in pairs:
+            want = [positions, q.clone(), k.clone(), qw, kw, 1e-6, 128, cache, True]
+            rope.unfused(*want, rmsnorm=rmsnorm, rotary=rotary)
+            b = buf.clone()
+            got = [positions, b[1:1 + 9 * 512].view(9, 512), b[1 + 9 * 512:].view(9, 256), qw, kw, 1e-6, 128, cache, True]
+            fused(*got)
+            _assert_equal(got, want, f"misaligned {dtype} {fused.__module__}")
+            assert b[0] == buf[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qk_rmsnorm_rope_backends_match_reference(dtype, device):
+    for i, case in enumerate(CASES + (GPU_CASES if device == "cuda" else [])):
+        args = _args(case, device, dtype, dtype if i % 2 else torch.float32)
+        want, _ = _copy(args)
+        REFERENCE(*want)
+        for name, fn in implementations_on(OP, device):
+            got, _ = _copy(args)
+            assert fn(*got) is None, name
+            assert_close(got[1], want[1], msg=f"{name} {_ids(case)}: query")
+            if got[2] is not None:
+                assert_close(got[2], want[2], msg=f"{name} {_ids(case)}: key")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qk_rmsnorm_rope_triton_other_configs_are_the_pair(device):
+    """Launches other than the heuristic's (one head a tile, chunks splitting query and key heads)
+    change which program takes a head, not its bits."""
+    triton_rope = triton_here("rope", device)
+    triton_norm = importlib.import_module("torch_kernels.families.norm.triton")
+    Config = triton_rope.TritonQKNormRopeConfig
+    for case in (CASES[1], CASES[2], CASES[7]):
+        args = _args(case, device, torch.bfloat16)
+        want, _ = _copy(args)
+        rope.unfused(*want, rmsnorm=triton_norm.rmsnorm, rotary=triton_rope.rotary_embedding)
+        base = Config.for_shape(args[1].shape[0], 8, case[3], case[4] // 2, 2, 2, 2)
+        for hpp in (base.block_h, 3 * base.block_h, 64):
+            got, _ = _copy(args)
+            triton_rope.qk_rmsnorm_rope(*got, config=Config(hpp, base.block_h, base.block_n, base.block_d, base.num_warps))
+            _assert_equal(got, want, f"{_ids(case)} heads_per_program={hpp}")
+
+
+def test_qk_rmsnorm_rope_triton_layout_follows_rmsnorm():
+    """A head tile of one head a warp exactly where rmsnorm's row is one vector a lane in one warp;
+    else one head a tile over rmsnorm's warps (fp32 at 256: two vectors a lane)."""
+    Config = triton_here("rope", "cpu").TritonQKNormRopeConfig if os.environ.get("TRITON_INTERPRET") == "1" else \
+        importlib.import_module("torch_kernels.families.rope.triton").TritonQKNormRopeConfig
+    assert Config.for_shape(4096, 40, 128, 64, 2, 2, 2) == Config(40, 8, 128, 64, 8)  # one chunk of every head
+    assert Config.for_shape(1, 40, 128, 64, 2, 2, 2) == Config(8, 8, 128, 64, 8)  # one tile a program
+    assert Config.for_shape(4096, 40, 256, 128, 4, 4, 4) == Config(40, 1, 256, 128, 1)
+    assert Config.for_shape(4096, 40, 256, 128, 4, 2, 2) == Config(40, 8, 256, 128, 8)  # bf16 weights: 8 a lane
+    assert Config.for_shape(4096, 40, 256, 128, 4, 4, 2).block_h == 1  # each tensor's layout from its own weight
+    assert Config.for_shape(4096, 40, 40, 12, 2, 2, 2).block_h == 1
+
+
+def test_qk_rmsnorm_rope_without_key():
+    args = _args((3, 4, 0, 64, 32, False, "qkv", False), "cpu", torch.bfloat16)
+    assert args[2] is None and args[4] is None
+    want, _ = _copy(args)
+    rope.unfused(*want, rmsnorm=norm_reference.rmsnorm, rotary=rope_reference.rotary_embedding)
+    got, _ = _copy(args)
+    torch.ops.deepinfer.qk_rmsnorm_rope(*got)
+    assert torch.equal(got[1], want[1])
+
+
+def test_qk_rmsnorm_rope_inplace_op_refuses_autograd():
+    args = list(_args(CASES[0], "cpu", torch.float32))
+    args[1].requires_grad_()
+    with pytest.raises(RuntimeError, match=rf"deepinfer::{OP} does not support autograd"):
+        rope.qk_rmsnorm_rope(*args)
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+def _bad_cases(device):
+    positions = torch.randint(0, 16, (4,), device=device)
+    q, k = torch.randn(4, 2 * 32, device=device), torch.randn(4, 32, device=device)
+    qw, kw = torch.randn(32, device=device), torch.randn(32, device=device)
+    cache = rope.make_cos_sin_cache(16, 32, device=device)
+
+    def args(positions=positions, q=q, k=k, qw=qw, kw=kw, eps=1e-6, head_size=32, cache=cache):
+        return (positions, q, k, qw, kw, eps, head_size, cache, True)
+    return [
+        ("q_weight of another size", args(qw=torch.randn(64, device=device)), ValueError, "q_weight"),
+        ("k_weight of another size", args(kw=torch.randn(16, device=device)), ValueError, "k_weight"),
+        ("2-D q_weight", args(qw=torch.randn(1, 32, device=device)), ValueError, "q_weight"),
+        ("strided q_weight", args(qw=torch.randn(64, device=device)[::2]), ValueError, "q_weight"),
+        ("integer k_weight", args(kw=torch.ones(32, dtype=torch.int32, device=device)), TypeError, "k_weight"),
+        ("q_weight on another device", args(qw=qw.to("meta")), ValueError, "q_weight"),
+        ("k_weight without key", args(k=None), ValueError, "k_weight"),
+        ("key without k_weight", args(kw=None), ValueError, "k_weight"),
+        ("negative eps", args(eps=-1e-6), ValueError, "eps"),
+        ("NaN eps", args(eps=float("nan")), ValueError, "eps"),
+        ("head_size not dividing the query width", args(q=torch.randn(4, 70, device=device)), ValueError, "query"),
+        ("head_size not dividing the key width", args(k=torch.randn(4, 48, device=device)), ValueError, "key"),
+        ("zero head_size", args(head_size=0), ValueError, "head_size"),
+        ("odd rot_dim", args(cache=torch.randn(16, 31, device=device)), ValueError, "cos_sin_cache"),
+        ("rot_dim larger than head_size", args(cache=rope.make_cos_sin_cache(16, 64, device=device)), ValueError,
+         "cos_sin_cache"),
+        ("fp16 cache for fp32 query", args(cache=cache.half()), TypeError, "cos_sin_cache"),
+        ("key of another dtype", args(k=k.double()), TypeError, "key"),
+        ("integer query", args(q=torch.ones(4, 64, dtype=torch.int32, device=device)), TypeError, "query"),
+        ("2-D positions", args(positions=positions.view(2, 2)), ValueError, "positions"),
+        ("positions for another token count", args(positions=positions[:3]), ValueError, "positions"),
+        ("float positions", args(positions=positions.float()), TypeError, "positions"),
+        ("key that is the query", args(k=q, kw=qw), ValueError, "key"),
+        ("q_weight a view of query", args(qw=q[0, :32]), ValueError, "q_weight"),
+        ("k_weight a view of key", args(kw=k[1]), ValueError, "k_weight"),
+    ] + ([  # checked on the data where that costs no device sync (CHECK_POSITIONS)
+        ("position past the cache", args(positions=torch.tensor([0, 3, 16, 2], device=device)), ValueError, "positions"),
+    ] if device == "cpu" else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qk_rmsnorm_rope_bad_input_names_the_op_and_the_argument(device):
+    assert_bad_inputs_raise(OP, _bad_cases(device))
+
+
+def test_qk_rmsnorm_rope_bad_input_raises_at_trace_time():
+    compiled = torch.compile(lambda p, q, w, c: torch.ops.deepinfer.qk_rmsnorm_rope(p, q, None, w, None, 1e-6, 32, c, True),
+                             backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=rf"deepinfer::{OP}: argument 'q_weight' must have shape \(32,\)"):
+        compiled(torch.zeros(4, dtype=torch.int64), torch.randn(4, 64), torch.randn(16), rope.make_cos_sin_cache(16, 32))
