@@ -1,4 +1,4 @@
-"""The paged KV-cache family: ``reshape_and_cache_flash``.
+"""The paged KV-cache family: ``reshape_and_cache_flash``, ``rotary_embedding_and_cache``.
 
 Semantics and schema of vLLM's ``_custom_ops.reshape_and_cache_flash`` (``csrc/cache_kernels.cu``);
 the reference is ``torch_kernels/families/kv_cache/reference.py``.
@@ -37,12 +37,16 @@ def _is_data(t: Tensor) -> bool:
     return type(t) is Tensor and t.device.type != "meta"
 
 
+def indices_checked(t: Tensor) -> bool:
+    """Whether the eager data checks run for a call with index tensor ``t``: :data:`CHECK_SLOTS`, data
+    (not traced) and not inside a CUDA graph capture (a read back would break it)."""
+    return CHECK_SLOTS and _is_data(t) and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def check_slots(op: str, slot_mapping: Tensor, num_slots: int) -> None:
     """With :data:`CHECK_SLOTS`: every slot in ``[-1, num_slots)`` and no slot >= 0 twice, on the data."""
-    if not CHECK_SLOTS or slot_mapping.numel() == 0 or not _is_data(slot_mapping):
+    if slot_mapping.numel() == 0 or not indices_checked(slot_mapping):
         return
-    if slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing():
-        return  # a read back would break the capture; the kernels skip such slots
     s = slot_mapping
     used = torch.where(s >= 0, s, torch.arange(-2, -2 - s.shape[0], -1, device=s.device))  # -1s made distinct
     repeats = s.shape[0] - torch.unique(used).shape[0]
@@ -122,9 +126,103 @@ def _validate_full(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: T
                           ("k_scale", k_scale, False), ("v_scale", v_scale, False)))
 
 
+# The eager validators first test the common valid call in attribute reads (the full checks cost 41 µs
+# a call on the CPU machine, 37 of them the exact overlap test); anything else goes through the full
+# checks, which name the argument at fault. Memory, proven from data pointers for the common layouts:
+# every tensor's byte span apart from the written ones', or, for two tensors of one row stride (the
+# caches kv[:, 0] and kv[:, 1], the q and k slices of a qkv buffer), rows that sit apart modulo it.
+
+
+def _span(t: Tensor):
+    """``(first byte, end, row stride, row bytes)`` of a non-empty tensor (the row: all dims but the
+    first, as one extent), or ``None`` when empty."""
+    shape, stride, isz, p = t.shape, t.stride(), t.element_size(), t.data_ptr()
+    if not shape:
+        return p, p + isz, 0, isz
+    inner = 1
+    for i in range(1, len(shape)):
+        n = shape[i]
+        if not n:
+            return None
+        inner += (n - 1) * stride[i]
+    n = shape[0]
+    if not n:
+        return None
+    return p, p + ((n - 1) * stride[0] + inner) * isz, (stride[0] if n > 1 else 0) * isz, inner * isz
+
+
+def _apart(a, b) -> bool:
+    """Two spans share no byte: disjoint, or rows of one stride apart modulo it."""
+    if a is None or b is None or a[1] <= b[0] or b[1] <= a[0]:
+        return True
+    stride = a[2] or b[2]
+    if not stride or (a[2] and b[2] and a[2] != b[2]):
+        return False
+    return a[3] <= (b[0] - a[0]) % stride <= stride - b[3]
+
+
+def _rows_apart(t: Tensor) -> bool:
+    """A written 4-D cache has no two elements at one address: its strides, largest first, each at
+    least the extent of the dims inside it (any order of the first three: NHD or HND views)."""
+    shape, stride = t.shape, t.stride()
+    dims = sorted((stride[i], shape[i]) for i in range(len(shape)) if shape[i] > 1)
+    extent = 1
+    for st, n in dims:
+        if st < extent:
+            return False
+        extent += (n - 1) * st
+    return True
+
+
+def _written_apart(written, read) -> bool:
+    spans = [_span(t) for t in written]
+    others = [_span(t) for t in read]
+    for i, a in enumerate(spans):
+        if not _rows_apart(written[i]):
+            return False
+        for b in others:
+            if not _apart(a, b):
+                return False
+        for b in spans[i + 1:]:
+            if not _apart(a, b):
+                return False
+    return True
+
+
+def _cache_ok(rows: tuple, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, kv_cache_dtype: str,
+              k_scale: Tensor, v_scale: Tensor, dtype, device) -> bool:
+    """The cache arguments of a common valid call, against the ``(T, H, D)`` shape ``rows``."""
+    cd, cs = key_cache.dtype, key_cache.shape
+    if kv_cache_dtype == "auto":
+        dtype_ok = cd == dtype
+    else:
+        dtype_ok = kv_cache_dtype in KV_CACHE_DTYPES and (cd == _fp8.FP8 or cd == torch.uint8)
+    return (dtype_ok and value_cache.dtype == cd and len(cs) == 4 and cs[2] == rows[1] and cs[3] == rows[2]
+            and value_cache.shape == cs and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
+            and slot_mapping.dtype == torch.int64 and slot_mapping.shape == rows[:1]
+            and k_scale.dtype == torch.float32 and v_scale.dtype == torch.float32
+            and k_scale.numel() == 1 and v_scale.numel() == 1 and k_scale.dim() <= 1 and v_scale.dim() <= 1
+            and key_cache.device == device and value_cache.device == device and slot_mapping.device == device
+            and k_scale.device == device and v_scale.device == device)
+
+
+def _fast_ok(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
+             kv_cache_dtype: str, k_scale: Tensor, v_scale: Tensor) -> bool:
+    kd, ks = key.dtype, key.shape
+    return (kd in DTYPES and value.dtype == kd and len(ks) == 3 and value.shape == ks and key.stride(2) == 1
+            and value.stride(2) == 1 and value.device == key.device
+            and _cache_ok(ks, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, kd, key.device)
+            and _written_apart((key_cache, value_cache), (key, value, slot_mapping, k_scale, v_scale)))
+
+
 def validate(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
              kv_cache_dtype: str, k_scale: Tensor, v_scale: Tensor) -> None:
-    _validate_full(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    try:
+        ok = _fast_ok(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    except (AttributeError, IndexError, RuntimeError, TypeError):  # not tensors: the full checks say what
+        ok = False
+    if not ok:
+        _validate_full(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     check_slots(OP, slot_mapping, key_cache.shape[0] * key_cache.shape[1])
 
 
@@ -338,10 +436,306 @@ def _flashinfer(args: tuple):
                     k, v, batch, pos, (kc, vc), indices, indptr, last), prepare=prepare)
 
 
+# ----------------------------------------------------------------------------------------------
+# rotary_embedding_and_cache: rotary_embedding of query and key, then the cache write of the rotated
+# key and the value, in one pass; the key itself is left as it is.
+
+OP_ROPE = "rotary_embedding_and_cache"
+_POSITION_DTYPES = (torch.int32, torch.int64)
+
+
+def _validate_heads(arg: str, x: Tensor, head_size: int) -> None:
+    """``x`` is ``(T, H*head_size)`` or ``(T, H, head_size)`` with H >= 1, last dim contiguous."""
+    op = OP_ROPE
+    check.require(x.dim() in (2, 3), op, arg,
+                  lambda: f"must be 2-D (num_tokens, num_heads * head_size) or 3-D (num_tokens, num_heads, head_size), got shape {tuple(x.shape)}")
+    check.last_dim_contiguous(op, arg, x)
+    if x.dim() == 3:
+        check.require(x.shape[2] == head_size, op, arg,
+                      lambda: f"must have a last dimension of head_size={head_size}, got shape {tuple(x.shape)}")
+        check.require(x.shape[1] >= 1, op, arg, lambda: f"must have at least one head, got shape {tuple(x.shape)}")
+    else:
+        check.require(x.shape[1] % head_size == 0, op, arg,
+                      lambda: f"must have a width that is a multiple of head_size={head_size}, got shape {tuple(x.shape)}")
+        check.require(x.shape[1] >= head_size, op, arg,
+                      lambda: f"must have at least one head of head_size={head_size}, got shape {tuple(x.shape)}")
+
+
+def _as_heads(x: Tensor, head_size: int) -> Tensor:
+    return x if x.dim() == 3 else x.unflatten(-1, (-1, head_size))
+
+
+def _validate_rope_full(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, head_size: int,
+                        cos_sin_cache: Tensor, is_neox: bool, key_cache: Tensor, value_cache: Tensor,
+                        slot_mapping: Tensor, kv_cache_dtype: str, k_scale: Tensor, v_scale: Tensor) -> None:
+    op = OP_ROPE
+    for name, t in (("positions", positions), ("query", query), ("key", key), ("value", value),
+                    ("cos_sin_cache", cos_sin_cache)):
+        check.tensor(op, name, t)
+    if positions.dtype not in _POSITION_DTYPES:
+        check.fail(op, "positions", f"must be an int32 or int64 tensor, got {positions.dtype}", TypeError)
+    check.require(positions.dim() == 1, op, "positions", lambda: f"must be 1-D (num_tokens,), got shape {tuple(positions.shape)}")
+    if query.dtype not in DTYPES:
+        check.fail(op, "query", f"must be float16, bfloat16, float32 or float64, got {query.dtype}", TypeError)
+    if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 1:
+        check.fail(op, "head_size", f"must be a positive int, got {head_size!r}")
+    _validate_heads("query", query, head_size)
+    tokens = query.shape[0]
+    check.require(positions.shape[0] == tokens, op, "positions",
+                  lambda: f"must have one position per token of 'query' ({tokens}), got shape {tuple(positions.shape)}")
+    check.same_device(op, "positions", positions, "query", query)
+    for name, x in (("key", key), ("value", value)):
+        if x.dtype != query.dtype:
+            check.fail(op, name, f"must have the dtype of 'query' ({query.dtype}), got {x.dtype}", TypeError)
+        _validate_heads(name, x, head_size)
+        check.require(x.shape[0] == tokens, op, name,
+                      lambda x=x: f"must have one row per token of 'query' ({tokens}), got shape {tuple(x.shape)}")
+        check.same_device(op, name, x, "query", query)
+    check.same_shape(op, "value", value, "key", key)
+    if cos_sin_cache.dtype not in (torch.float32, query.dtype):
+        check.fail(op, "cos_sin_cache", f"must be float32 or the dtype of 'query' ({query.dtype}), got {cos_sin_cache.dtype}", TypeError)
+    check.require(cos_sin_cache.dim() == 2, op, "cos_sin_cache",
+                  lambda: f"must be 2-D (max_position, rot_dim), got shape {tuple(cos_sin_cache.shape)}")
+    rot_dim = cos_sin_cache.shape[1]
+    check.require(rot_dim % 2 == 0, op, "cos_sin_cache",
+                  lambda: f"must have an even rot_dim (its second dimension: cos then sin halves), got {rot_dim}")
+    check.require(rot_dim >= 2, op, "cos_sin_cache", lambda: f"must have a rot_dim (second dimension) of at least 2, got {rot_dim}")
+    check.require(rot_dim <= head_size, op, "cos_sin_cache",
+                  lambda: f"must have a rot_dim (second dimension) of at most head_size={head_size}, got {rot_dim}")
+    check.last_dim_contiguous(op, "cos_sin_cache", cos_sin_cache)
+    check.same_device(op, "cos_sin_cache", cos_sin_cache, "query", query)
+    validate_cache(op, _as_heads(key, head_size), _as_heads(value, head_size), key_cache, value_cache, slot_mapping,
+                   kv_cache_dtype, k_scale, v_scale)
+    check.no_overlap(op, (("positions", positions, False), ("query", query, True), ("key", key, False),
+                          ("value", value, False), ("cos_sin_cache", cos_sin_cache, False),
+                          ("key_cache", key_cache, True), ("value_cache", value_cache, True),
+                          ("slot_mapping", slot_mapping, False), ("k_scale", k_scale, False), ("v_scale", v_scale, False)))
+
+
+def _rope_fast_ok(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, head_size: int,
+                  cos_sin_cache: Tensor, is_neox: bool, key_cache: Tensor, value_cache: Tensor,
+                  slot_mapping: Tensor, kv_cache_dtype: str, k_scale: Tensor, v_scale: Tensor) -> bool:
+    """The common valid call in attribute reads (see the note above :func:`_span`)."""
+    qd, qs, ks, cs, dev = query.dtype, query.shape, key.shape, cos_sin_cache.shape, query.device
+    if not (type(head_size) is int and head_size > 0 and qd in DTYPES and key.dtype == qd and value.dtype == qd
+            and len(qs) == len(ks) and value.shape == ks and positions.dtype in _POSITION_DTYPES
+            and positions.shape == qs[:1] and ks[0] == qs[0] and cos_sin_cache.dtype in (torch.float32, qd)
+            and len(cs) == 2 and 0 < cs[1] <= head_size and not cs[1] & 1 and cos_sin_cache.stride(1) == 1
+            and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
+            and positions.device == dev and key.device == dev and value.device == dev and cos_sin_cache.device == dev):
+        return False
+    if len(qs) == 2:
+        if not (qs[1] and ks[1] and qs[1] % head_size == 0 and ks[1] % head_size == 0):
+            return False
+        rows = (ks[0], ks[1] // head_size, head_size)
+    elif len(qs) == 3:
+        if not (qs[2] == head_size and ks[2] == head_size and qs[1] and ks[1]):
+            return False
+        rows = ks
+    else:
+        return False
+    return (_cache_ok(rows, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, qd, dev)
+            and _written_apart((query, key_cache, value_cache),
+                               (positions, key, value, cos_sin_cache, slot_mapping, k_scale, v_scale)))
+
+
+def validate_rope(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, head_size: int,
+                  cos_sin_cache: Tensor, is_neox: bool, key_cache: Tensor, value_cache: Tensor,
+                  slot_mapping: Tensor, kv_cache_dtype: str, k_scale: Tensor, v_scale: Tensor) -> None:
+    args = (positions, query, key, value, head_size, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping,
+            kv_cache_dtype, k_scale, v_scale)
+    try:
+        ok = _rope_fast_ok(*args)
+    except (AttributeError, IndexError, RuntimeError, TypeError):  # not tensors: the full checks say what
+        ok = False
+    if not ok:
+        _validate_rope_full(*args)
+    check_slots(OP_ROPE, slot_mapping, key_cache.shape[0] * key_cache.shape[1])
+    if positions.numel() and indices_checked(positions):
+        lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+        if lo < 0 or hi >= cos_sin_cache.shape[0]:
+            check.fail(OP_ROPE, "positions", f"must lie in [0, {cos_sin_cache.shape[0]}) (the rows of 'cos_sin_cache'), "
+                                             f"got values from {lo} to {hi}")
+
+
+def _fake_rope(*args) -> None:
+    _validate_rope_full(*args)
+
+
+def rotary_embedding_and_cache(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, head_size: int,
+                               cos_sin_cache: Tensor, is_neox: bool, key_cache: Tensor, value_cache: Tensor,
+                               slot_mapping: Tensor, kv_cache_dtype: str, k_scale: Tensor, v_scale: Tensor) -> None:
+    """``rotary_embedding(positions, query, k, ...)`` on ``query`` in place and on a copy ``k`` of ``key``, then ``reshape_and_cache_flash(k, value, key_cache, value_cache, slot_mapping, ...)``, in one pass
+
+    The rotary embedding of vLLM's ``rotary_embedding`` fused with the paged KV-cache write of
+    ``reshape_and_cache_flash``: for token ``t`` at ``p = positions[t]``, every head of ``query[t]``
+    is rotated in place (``x1, x2 = x1 * cos[p] - x2 * sin[p], x2 * cos[p] + x1 * sin[p]``, neox or
+    GPT-J pairs over the first ``r = cos_sin_cache.shape[1]`` dims, computed in fp32 and rounded to the
+    dtype), and so is every head of ``key[t]``, but into the cache: the rotated key (rounded to its
+    dtype, then quantised as ``reshape_and_cache_flash`` does) and ``value[t]`` are stored at slot
+    ``slot_mapping[t]``. **``key`` itself is not written** (the schema marks it read-only): an
+    engine that needs the rotated key outside the cache calls ``rotary_embedding`` instead. Equal,
+    bit for bit on each backend, to ``rotary_embedding`` followed by ``reshape_and_cache_flash``.
+
+    Args:
+        positions: ``(T,)`` int32 or int64, in ``[0, max_position)``. Not checked on the data by
+            default (that would sync the device): a token at a position outside the cache gets NaN in
+            its rotated dims (query and cached key), on every backend; ``DEEPINFER_CHECK_KV_SLOTS=1``
+            checks positions and slots in eager calls and raises instead.
+        query: ``(T, Hq * head_size)`` or ``(T, Hq, head_size)``, fp16/bf16/fp32/fp64, last dimension
+            contiguous (rows and heads may be strided: slices of a fused qkv tensor). Rotated in place.
+        key: ``(T, Hk * head_size)`` or ``(T, Hk, head_size)``, the dtype of ``query``. Read only.
+        value: the shape and dtype of ``key``. Read only.
+        head_size: dims per head (the caches' last dimension).
+        cos_sin_cache: ``(max_position, r)``, float32 or the dtype of ``query``, ``r`` even and at most
+            ``head_size``; ``r/2`` cosines then ``r/2`` sines a row.
+        is_neox: neox (halves) pairing if True, GPT-J (interleaved) pairing if False.
+        key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale: as in
+            ``reshape_and_cache_flash`` (caches ``(num_blocks, B, Hk, head_size)``, written in place;
+            slot -1 or outside the cache: nothing written for the token, its query still rotated).
+
+    Not differentiable.
+    """
+    torch.ops.deepinfer.rotary_embedding_and_cache.default(positions, query, key, value, head_size, cos_sin_cache,
+                                                            is_neox, key_cache, value_cache, slot_mapping,
+                                                            kv_cache_dtype, k_scale, v_scale)
+
+
+def make_cos_sin_cache(max_position: int, rot_dim: int, base: float = 10000.0, device=None, dtype=torch.float32) -> Tensor:
+    """vLLM's ``RotaryEmbedding._compute_cos_sin_cache``: row ``p`` holds ``cos(p * theta_i)`` then
+    ``sin(p * theta_i)``, ``theta_i = base^(-2i/rot_dim)``, computed in fp64."""
+    inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device=device, dtype=dtype)
+
+
+def rope_args(tokens, q_heads, kv_heads, head_size, rot_dim, is_neox, layout, blocks, block_size, padded, quant,
+              device, dtype, positions_dtype=torch.int64, cache_in_dtype=False, max_position=37) -> tuple:
+    """Random arguments. ``layout``: ``"2d"`` contiguous ``(T, H*hs)`` tensors; ``"qkv"`` column slices
+    of one fused ``(T, (Hq + 2Hk) * hs)`` tensor (strided rows, as vLLM passes them); ``"3d"`` the same
+    as ``(T, H, hs)`` views."""
+    positions = torch.randint(0, max_position, (tokens,), device=device, dtype=positions_dtype)
+    cos_sin = make_cos_sin_cache(max_position, rot_dim, device=device, dtype=dtype if cache_in_dtype else torch.float32)
+    if layout == "2d":
+        q, k, v = (torch.randn(tokens, h * head_size, device=device, dtype=dtype) for h in (q_heads, kv_heads, kv_heads))
+    else:
+        qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size, device=device, dtype=dtype)
+        q, k, v = qkv.split([q_heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=1)
+        if layout == "3d":
+            q, k, v = (x.unflatten(1, (-1, head_size)) for x in (q, k, v))
+    kc, vc = make_caches(blocks, block_size, kv_heads, head_size, _fp8.FP8 if quant else dtype, device,
+                         "kv" if layout == "qkv" else "nhd")
+    slots = make_slots(tokens, blocks * block_size, padded, device)
+    ks, vs = make_scales(device)
+    if quant:
+        k, v = k * 6, v * 100
+    return positions, q, k, v, head_size, cos_sin, is_neox, kc, vc, slots, "fp8" if quant else "auto", ks, vs
+
+
+#: (tokens, q heads, kv heads, head size, rot_dim, neox, layout, blocks, block size, padded, fp8,
+#: positions dtype, cos/sin in the q dtype): one token, zero tokens, GPT-J, partial rotary, qkv slices,
+#: 3-D heads, block size 1, head sizes 64/128/256, padded slots, fp8 caches
+ROPE_CASES = (
+    (1, 1, 1, 64, 64, True, "2d", 2, 16, 0, False, torch.int64, False),
+    (0, 4, 2, 64, 32, True, "2d", 2, 16, 0, False, torch.int64, False),
+    (5, 4, 2, 128, 128, True, "qkv", 3, 16, 2, False, torch.int64, False),
+    (4, 2, 1, 128, 128, False, "2d", 4, 1, 1, False, torch.int32, True),
+    (6, 5, 3, 32, 16, False, "3d", 2, 16, 0, False, torch.int32, False),
+    (3, 3, 1, 96, 48, True, "qkv", 4, 1, 1, True, torch.int64, False),
+    (4, 2, 2, 256, 256, True, "2d", 2, 16, 1, True, torch.int64, False),
+    (2, 3, 1, 40, 24, False, "qkv", 2, 16, 0, True, torch.int64, False),
+)
+
+
+def rope_case_args(case, device, dtype) -> tuple:
+    t, hq, hk, hs, rot, neox, layout, blocks, bs, padded, quant, pdt, in_dtype = case
+    return rope_args(t, hq, hk, hs, rot, neox, layout, blocks, bs, padded, quant, device, dtype, pdt, in_dtype)
+
+
+def _rope_samples(device, dtype) -> Iterator[tuple]:
+    """fp8 caches as uint8, as in ``reshape_and_cache_flash``'s samples (opcheck's schema check)."""
+    for case in ROPE_CASES:
+        args = rope_case_args(case, device, dtype)
+        if case[10]:
+            args = (*args[:7], args[7].view(torch.uint8), args[8].view(torch.uint8), *args[9:])
+        yield args
+
+
+def _rope_tokens(n: int, device) -> tuple:
+    return rope_args(n, 4, 2, 16, 16, True, "2d", 40, 8, min(n, 1), False, device, torch.float32), (0, 1, 2, 3, 9)
+
+
+def _rope_bench_shape(tokens: int, hidden: Optional[int], profile: str):
+    hq, hk, hs, b, _ = ROPE_BENCH_SIZES[profile]
+    return tokens, None, f"{tokens}x({hq}+{hk}+{hk})x{hs} B{b}"
+
+
+#: per profile: (q heads, kv heads, head size, block size, cached positions); gpu: Qwen3-8B
+ROPE_BENCH_SIZES = {"gpu": (32, 8, 128, 16, 8192), "cpu": (4, 2, 64, 16, 256)}
+
+
+def _rope_bench_args(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    hq, hk, hs, b, max_pos = ROPE_BENCH_SIZES[profile]
+    blocks = -(-2 * max(rows, 1) // b)
+    return rope_args(rows, hq, hk, hs, hs, True, "qkv", blocks, b, 0, False, device, dtype, max_position=max_pos)
+
+
+def _rope_bench_nbytes(args: tuple) -> int:
+    positions, q, k, v, hs, cos_sin, _, kc, _, slots = args[:10]
+    rot = cos_sin.shape[1]
+    # query's rotated dims read and written, key and value read, their cache rows written, one cos/sin
+    # row a token, the positions and the slots
+    return (2 * q.numel() * q.element_size() * rot // hs + cache_nbytes(k, v, kc, slots)
+            + positions.numel() * (rot * cos_sin.element_size() + positions.element_size()))
+
+
+def _unfused(positions, q, k, v, hs, cos_sin, neox, kc, vc, slots, dt, ks, vs):
+    """Our two ops, as an engine calls them without the fused one (the key rotated in place)."""
+    torch.ops.deepinfer.rotary_embedding(positions, q, k, hs, cos_sin, neox)
+    torch.ops.deepinfer.reshape_and_cache_flash(_as_heads(k, hs), _as_heads(v, hs), kc, vc, slots, dt, ks, vs)
+
+
+def _with_own_key(args: tuple) -> tuple:
+    """The arguments with a copy of ``key``, which the unfused peers rotate in place."""
+    return (*args[:2], args[2].clone(), *args[3:])
+
+
+UNFUSED_PEER = Peer("unfused", _unfused, prepare=_with_own_key)
+
+
+def _rope_flashinfer(args: tuple):
+    try:
+        import flashinfer.page
+        import flashinfer.rope
+    except Exception as e:  # noqa: BLE001  (reported in the results)
+        return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+    if args[10] != "auto":
+        return "FlashInfer's append_paged_kv_cache has no k_scale/v_scale"
+
+    def prepare(a):  # a copy of the key (rotated in place) and the paged indices, outside the timed call
+        a = _with_own_key(a)
+        return (*a, *flashinfer_pages(a[9], a[7]))
+
+    def call(positions, q, k, v, hs, cos_sin, neox, kc, vc, slots, dt, ks, vs, batch, pos, indices, indptr, last):
+        flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, hs, cos_sin, is_neox=neox)
+        flashinfer.page.append_paged_kv_cache(_as_heads(k, hs), _as_heads(v, hs), batch, pos, (kc, vc), indices,
+                                              indptr, last)
+
+    return Peer("flashinfer rope.apply_rope_with_cos_sin_cache_inplace + page.append_paged_kv_cache", call,
+                prepare=prepare)
+
+
 OPS = (
     OpDef("reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
           "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()",
           validate, _fake, reshape_and_cache_flash, _samples, _tokens,
           no_grad_reason="it writes the caches in place", compare=compare,
           bench=BenchCase(_bench_shape, _bench_args, _bench_nbytes, memory_bound=True, flashinfer=_flashinfer)),
+    OpDef("rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor key, Tensor value, int head_size, "
+          "Tensor cos_sin_cache, bool is_neox, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
+          "str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()",
+          validate_rope, _fake_rope, rotary_embedding_and_cache, _rope_samples, _rope_tokens, data_arg=1,
+          no_grad_reason="it rotates query and writes the caches in place", compare=compare,
+          bench=BenchCase(_rope_bench_shape, _rope_bench_args, _rope_bench_nbytes, memory_bound=True,
+                          flashinfer=_rope_flashinfer, peers=(UNFUSED_PEER,))),
 )
