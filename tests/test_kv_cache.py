@@ -327,3 +327,214 @@ def test_tilelang_one_kernel_serves_every_batch_and_cache_size():
         assert_caches(args[2:4], want[2:4], f"{tokens} tokens")
         sizes = sizes or _jit.memo_size()
     assert _jit.memo_size() == sizes
+
+
+# --- rotary_embedding_and_cache -------------------------------------------------------------------
+
+ROPE_OP = "rotary_embedding_and_cache"
+ROPE_CASES = [pytest.param(c, id="-".join(str(x).replace("torch.", "") for x in c)) for c in kv_ops.ROPE_CASES]
+
+
+def _rotate_formula(x, positions, cos_sin, is_neox):
+    """Heads ``x`` ``(T, H, hs)`` rotated, token by token and head by head, in numpy fp32 (each product
+    and sum rounded to fp32, as the ops compute), returned in x's dtype; positions outside the cache NaN."""
+    import numpy as np
+    out = x.clone()
+    half = cos_sin.shape[1] // 2
+    for t, p in enumerate(positions.tolist()):
+        if 0 <= p < cos_sin.shape[0]:
+            c = cos_sin[p, :half].float().numpy()
+            s = cos_sin[p, half:].float().numpy()
+        else:
+            c = s = np.full(half, np.nan, dtype=np.float32)
+        for h in range(x.shape[1]):
+            row = x[t, h].float().numpy()
+            i1 = np.arange(half) if is_neox else 2 * np.arange(half)
+            i2 = i1 + (half if is_neox else 1)
+            x1, x2 = row[i1], row[i2]
+            new = row.copy()
+            new[i1] = x1 * c - x2 * s
+            new[i2] = x2 * c + x1 * s
+            out[t, h] = torch.from_numpy(new).to(x.dtype)
+    return out
+
+
+def expected_rope(positions, q, k, v, hs, cos_sin, neox, kc, vc, slots, dt, ks, vs):
+    heads = lambda x: x if x.dim() == 3 else x.unflatten(1, (-1, hs))  # noqa: E731
+    q_want = _rotate_formula(heads(q), positions, cos_sin, neox).reshape(q.shape)
+    k_rot = _rotate_formula(heads(k), positions, cos_sin, neox)
+    return q_want, expected_caches(k_rot, heads(v), kc, vc, slots, dt, ks, vs)
+
+
+def _clone_rope(args):
+    from torch_kernels.testing import clone_keep_strides
+    return tuple(clone_keep_strides(a) if i in (1, 2, 3, 7, 8) else a for i, a in enumerate(args))
+
+
+def _assert_same(got, want, what):
+    differ = _bits(got.cpu()) != _bits(want.cpu())
+    assert not differ.any(), f"{what}: {int(differ.sum())} of {got.numel()} values differ"
+
+
+def _assert_rotated_close(got, want, dtype, what):
+    """Rotated values within the dtype's tolerance (fp8: one e4m3 step): Triton's interpreter rounds
+    fp32 to bf16/fp16 its own way (not to nearest even), the GPU contracts to FMA."""
+    from torch_kernels.testing import assert_close
+    if got.dtype in (_fp8.FP8, torch.uint8):
+        _fp8.assert_steps(what, got.view(_fp8.FP8).cpu(), want.view(_fp8.FP8).cpu(), 1)
+    else:
+        assert_close(got.cpu(), want.cpu(), dtype, msg=what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_rope_every_backend_matches_the_loop_formula(case, dtype):
+    """Bit for bit where the backend rounds as the formula does (the reference; fp32 everywhere), else
+    within the tolerance; the value cache always exact, the key never written."""
+    for name, fn in implementations_on(ROPE_OP, "cpu"):
+        args = _clone_rope(kv_ops.rope_case_args(case, "cpu", dtype))
+        key_before = args[2].clone()
+        q_want, caches_want = expected_rope(*_clone_rope(args))
+        fn(*args)
+        if name != "triton-interpreted" or dtype == torch.float32:
+            _assert_same(args[1], q_want, f"{name} query")
+            assert_caches(args[7:9], caches_want, name)
+        else:
+            _assert_rotated_close(args[1], q_want, dtype, f"{name} query")
+            _assert_rotated_close(args[7], caches_want[0], dtype, f"{name} key_cache")
+            _assert_same(args[8], caches_want[1], f"{name} value_cache")
+        _assert_same(args[2], key_before, f"{name} key (must not be written)")
+
+
+def _unfused(positions, q, k, v, hs, cos_sin, neox, kc, vc, slots, dt, ks, vs, rope, cache):
+    rope(positions, q, k, hs, cos_sin, neox)
+    heads = lambda x: x if x.dim() == 3 else x.unflatten(1, (-1, hs))  # noqa: E731
+    cache(heads(k), heads(v), kc, vc, slots, dt, ks, vs)
+
+
+def _backend_pairs(device):
+    """(name, fused, rotary_embedding, reshape_and_cache_flash) of each backend that has all three here."""
+    from torch_kernels import registry
+    from torch_kernels.spec import Backend
+    out = []
+    for backend in (Backend.TORCH, Backend.TRITON, Backend.TILELANG):
+        specs = [registry.BY_OP[op].get(backend) for op in (ROPE_OP, "rotary_embedding", OP)]
+        if None in specs:
+            continue
+        if backend is Backend.TRITON and device == "cpu":
+            triton_here("kv_cache", "cpu")
+        elif backend is Backend.TILELANG and device == "cpu":
+            continue
+        out.append((backend.value, *(s.load() for s in specs)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_rope_fused_equals_the_unfused_pair_on_each_backend(case, dtype):
+    for name, fused, rope, cache in _backend_pairs("cpu"):
+        args = kv_ops.rope_case_args(case, "cpu", dtype)
+        a, b = _clone_rope(args), _clone_rope(args)
+        fused(*a)
+        _unfused(*b, rope, cache)
+        _assert_same(a[1], b[1], f"{name} query")
+        assert_caches(a[7:9], b[7:9], name)
+
+
+def test_rope_positions_outside_the_cache_give_nan_by_default():
+    """Unchecked (the default: no sync), a token at a position outside the cache gets NaN in its
+    rotated dims, in the query and the cached key; the other tokens are exact."""
+    for name, fn in implementations_on(ROPE_OP, "cpu"):
+        args = list(kv_ops.rope_args(4, 2, 1, 64, 32, True, "2d", 2, 4, 0, False, "cpu", torch.float32))
+        args[0] = torch.tensor([3, 37, -1, 0])  # 37 rows in the cache
+        args = _clone_rope(args)
+        q_want, caches_want = expected_rope(*_clone_rope(args))
+        if kv_ops.CHECK_SLOTS:
+            pytest.skip("DEEPINFER_CHECK_KV_SLOTS=1: positions are checked")
+        fn(*args)
+        _assert_same(args[1], q_want, f"{name} query")
+        assert_caches(args[7:9], caches_want, name)
+        row = args[1][1].unflatten(0, (2, 64))
+        assert row[:, :32].isnan().all() and not row[:, 32:].isnan().any() and not args[1][0].isnan().any()
+
+
+def test_rope_position_check_when_switched_on(checking_slots):
+    args = list(kv_ops.rope_args(4, 2, 1, 64, 64, True, "2d", 2, 4, 0, False, "cpu", torch.float32))
+    args[0] = torch.tensor([3, 37, 1, 0])
+    slots_bad = list(args)
+    slots_bad[0], slots_bad[9] = torch.tensor([3, 1, 1, 0]), torch.tensor([1, 2, 1, 0])
+    assert_bad_inputs_raise(ROPE_OP, [("position", tuple(args), ValueError, "positions"),
+                                      ("repeated slot", tuple(slots_bad), ValueError, "slot_mapping")])
+
+
+def _rope_bad_cases():
+    base = kv_ops.rope_args(4, 2, 1, 64, 32, True, "qkv", 3, 4, 1, False, "cpu", torch.float32)
+    p, q, k, v, hs, cs, neox, kc, vc, s, dt, ks, vs = base
+
+    def with_(i, x):
+        return tuple(x if j == i else y for j, y in enumerate(base))
+    return [
+        ("positions float", with_(0, p.float()), TypeError, "positions"),
+        ("positions of other length", with_(0, p[:3]), ValueError, "positions"),
+        ("query int", with_(1, q.to(torch.int32)), TypeError, "query"),
+        ("query width not heads", with_(1, q[:, :100]), ValueError, "query"),
+        ("key other dtype", with_(2, k.half()), TypeError, "key"),
+        ("key of other head size", with_(2, k[:, :32]), ValueError, "key"),
+        ("value other shape", with_(3, v.unflatten(1, (1, 64))), ValueError, "value"),
+        ("head_size 0", with_(4, 0), ValueError, "head_size"),
+        ("rot_dim odd", with_(5, cs[:, :31]), ValueError, "cos_sin_cache"),
+        ("rot_dim past head_size", with_(5, torch.randn(37, 66)), ValueError, "cos_sin_cache"),
+        ("cos_sin fp16", with_(5, cs.half()), TypeError, "cos_sin_cache"),
+        ("cache of other head count", with_(7, kv_ops.make_caches(3, 4, 2, 64, torch.float32, "cpu")[0]), ValueError, "key_cache"),
+        ("cache of other head size", with_(7, kv_ops.make_caches(3, 4, 1, 32, torch.float32, "cpu")[0]), ValueError, "key_cache"),
+        ("fp8 with a float cache", with_(10, "fp8"), TypeError, "key_cache"),
+        ("slots int32", with_(9, s.int()), TypeError, "slot_mapping"),
+        ("v_scale of 2", with_(12, torch.ones(2)), ValueError, "v_scale"),
+        ("query inside the key cache", with_(1, kc[0].flatten(1)[:, :128]), ValueError, "key_cache"),
+    ]
+
+
+def test_rope_bad_input_is_named_and_nothing_is_written():
+    assert_bad_inputs_raise(ROPE_OP, _rope_bad_cases())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_rope_every_backend_on_cuda(case, dtype):
+    """Each backend: against the formula (query within the dtype's tolerance: FMA contraction on the
+    GPU; caches exact where the rotated key is) and bit for bit against its own unfused pair."""
+    from torch_kernels.testing import assert_close
+    for name, fn in implementations_on(ROPE_OP, "cuda"):
+        args = _clone_rope(kv_ops.rope_case_args(case, "cuda", dtype))
+        q_want, _ = expected_rope(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in _clone_rope(args)))
+        key_before = args[2].clone()
+        fn(*args)
+        assert_close(args[1].cpu(), q_want, dtype, msg=f"{name} query")
+        _assert_same(args[2], key_before, f"{name} key (must not be written)")
+    for name, fused, rope, cache in _backend_pairs("cuda"):
+        args = kv_ops.rope_case_args(case, "cuda", dtype)
+        a, b = _clone_rope(args), _clone_rope(args)
+        fused(*a)
+        _unfused(*b, rope, cache)
+        _assert_same(a[1], b[1], f"{name} query")
+        assert_caches(a[7:9], b[7:9], name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 32, 4096])
+@pytest.mark.parametrize("quant", [False, True], ids=["auto", "fp8"])
+def test_rope_bench_shapes_on_cuda(tokens, quant):
+    """Qwen3-8B (32 q heads, 8 kv heads, head 128, block 16) as qkv slices, some slots padded or past
+    the cache: the fused op equals the unfused pair on each backend, bit for bit."""
+    for name, fused, rope, cache in _backend_pairs("cuda"):
+        args = list(kv_ops.rope_args(tokens, 32, 8, 128, 128, True, "qkv", -(-2 * tokens // 16), 16, 0, quant,
+                                     "cuda", torch.bfloat16, max_position=8192))
+        n = args[7].shape[0] * 16
+        bad = torch.rand(tokens, device="cuda") < 0.25
+        args[9] = torch.where(bad, torch.randint(-5, 3 * n, (tokens,), device="cuda"), args[9])
+        a, b = _clone_rope(args), _clone_rope(args)
+        fused(*a)
+        _unfused(*b, rope, cache)
+        _assert_same(a[1], b[1], f"{name} query")
+        assert_caches(a[7:9], b[7:9], name)

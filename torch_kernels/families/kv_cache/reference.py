@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ... import fp8 as _fp8
+from ... import rotary
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -76,3 +77,20 @@ def reshape_and_cache_flash(key: Tensor, value: Tensor, key_cache: Tensor, value
     k = to_cache(key, key_cache.dtype, k_scale if quant else None)
     v = to_cache(value, value_cache.dtype, v_scale if quant else None)
     write_rows(key_cache, value_cache, k, v, slot_mapping)
+
+
+def _positions_checked(positions: Tensor) -> bool:
+    """Whether the op's eager check of the positions ran (``CHECK_SLOTS``, data, outside a capture)."""
+    from . import ops as op  # loaded before any call reaches here
+    return op.indices_checked(positions)
+
+
+def rotary_embedding_and_cache(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, head_size: int,
+                               cos_sin_cache: Tensor, is_neox: bool, key_cache: Tensor, value_cache: Tensor,
+                               slot_mapping: Tensor, kv_cache_dtype: str, k_scale: Tensor, v_scale: Tensor) -> None:
+    # rotary_embedding's rotation (torch_kernels/rotary.py), then this op's cache write of the rotated key
+    cos, sin = rotary.cos_sin(positions, cos_sin_cache, rotary.compute_dtype(query.dtype), _positions_checked(positions))
+    rotary.rotate_(rotary.heads(query, head_size), cos, sin, is_neox)
+    k = rotary.rotated(rotary.heads(key, head_size), cos, sin, is_neox)
+    reshape_and_cache_flash(k, rotary.heads(value, head_size), key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                            k_scale, v_scale)

@@ -110,3 +110,153 @@ def reshape_and_cache_flash(key: Tensor, value: Tensor, key_cache: Tensor, value
         BLOCK_H=config.block_h, BLOCK_D=block_d, QUANT=kv_cache_dtype != "auto", EMULATE=_fp8.INTERPRETED,
         num_warps=config.num_warps,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# rotary_embedding_and_cache
+
+
+@triton.jit
+def _put(ptr, x, scale_ptr, mask, QUANT: tl.constexpr, EMULATE: tl.constexpr):
+    """Store ``x`` (already in the key's dtype: the value the unfused pair would have written) into a
+    cache, quantised with ``QUANT`` exactly as :func:`_store_rows` does."""
+    if QUANT:
+        s = tl.load(scale_ptr).to(tl.float32)
+        tl.store(ptr, _fp8.to_e4m3(tl.math.div_rn(x.to(tl.float32), s), ptr.dtype.element_ty, EMULATE), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_cache_kernel(
+    pos_ptr, pos_stride,  # positions (T,), int32 or int64
+    q_ptr, q_tok, q_head,  # query (T, Hq, hs) in elements, last dim contiguous: rotated in place
+    k_ptr, k_tok, k_head,  # key (T, Hk, hs): read only
+    v_ptr, v_tok, v_head,  # value (T, Hk, hs)
+    cs_ptr, cs_stride, max_position,  # cos_sin_cache (max_position, rot_dim)
+    kc_ptr, kc_blk, kc_page, kc_head,  # caches (num_blocks, B, Hk, hs)
+    vc_ptr, vc_blk, vc_page, vc_head,
+    slot_ptr, slot_stride, k_scale_ptr, v_scale_ptr,
+    num_slots, block_size, num_q_heads, num_kv_heads, head_size, rot_half,
+    BLOCK_H: tl.constexpr,  # heads a program: its chunk of query heads, or of key/value heads
+    BLOCK_D: tl.constexpr,  # next power of two >= rot_half
+    BLOCK_P: tl.constexpr,  # next power of two >= head_size - 2 * rot_half (the pass-through dims), or 1
+    BLOCK_V: tl.constexpr,  # next power of two >= head_size
+    HAS_PASS: tl.constexpr, IS_NEOX: tl.constexpr, QUANT: tl.constexpr, EMULATE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    q_chunks = tl.cdiv(num_q_heads, BLOCK_H)
+    pos = tl.load(pos_ptr + tok * pos_stride).to(tl.int64)
+    in_cache = (pos >= 0) & (pos < max_position)  # outside: NaN cos/sin, as rotary_embedding's kernels
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < rot_half
+    c_mask = d < tl.where(in_cache, rot_half, 0)
+    cache_row = cs_ptr + pos * cs_stride
+    cos = tl.load(cache_row + d, mask=c_mask, other=float("nan")).to(tl.float32)[None, :]
+    sin = tl.load(cache_row + rot_half + d, mask=c_mask, other=float("nan")).to(tl.float32)[None, :]
+    if chunk < q_chunks:  # query heads: rotary_embedding's rotation, in place
+        heads = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_ptr = q_ptr + tok * q_tok + heads.to(tl.int64)[:, None] * q_head
+        if IS_NEOX:
+            mask = (heads < num_q_heads)[:, None] & d_mask[None, :]
+            p1 = head_ptr + d[None, :]
+            p2 = p1 + rot_half
+            x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+            tl.store(p1, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(p2, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
+        else:
+            r = tl.arange(0, 2 * BLOCK_D)
+            m = (heads < num_q_heads)[:, None] & (r < 2 * rot_half)[None, :]
+            p = head_ptr + r[None, :]
+            x = tl.load(p, mask=m, other=0.0).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D, 2)))
+            out = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), (BLOCK_H, 2 * BLOCK_D))
+            tl.store(p, out.to(q_ptr.dtype.element_ty), mask=m)
+    else:  # key and value heads: the rotated key and the value into the cache, key left as it is
+        heads = (chunk - q_chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        slot = tl.load(slot_ptr + tok * slot_stride)
+        ok = (slot >= 0) & (slot < num_slots)  # -1 (padding) and slots outside the cache write nothing
+        slot = tl.where(ok, slot, 0)
+        h_mask = heads < tl.where(ok, num_kv_heads, 0)
+        h64 = heads.to(tl.int64)[:, None]
+        k_row = k_ptr + tok * k_tok + h64 * k_head
+        kc_row = kc_ptr + (slot // block_size) * kc_blk + (slot % block_size) * kc_page + h64 * kc_head
+        vc_row = vc_ptr + (slot // block_size) * vc_blk + (slot % block_size) * vc_page + h64 * vc_head
+        if IS_NEOX:
+            mask = h_mask[:, None] & d_mask[None, :]
+            x1 = tl.load(k_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(k_row + rot_half + d[None, :], mask=mask, other=0.0).to(tl.float32)
+            o1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty)
+            o2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty)
+            _put(kc_row + d[None, :], o1, k_scale_ptr, mask, QUANT, EMULATE)
+            _put(kc_row + rot_half + d[None, :], o2, k_scale_ptr, mask, QUANT, EMULATE)
+        else:
+            r = tl.arange(0, 2 * BLOCK_D)
+            m = h_mask[:, None] & (r < 2 * rot_half)[None, :]
+            x = tl.load(k_row + r[None, :], mask=m, other=0.0).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D, 2)))
+            out = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), (BLOCK_H, 2 * BLOCK_D))
+            _put(kc_row + r[None, :], out.to(k_ptr.dtype.element_ty), k_scale_ptr, m, QUANT, EMULATE)
+        if HAS_PASS:  # dims rot_dim..head_size of the key, as they are
+            e = 2 * rot_half + tl.arange(0, BLOCK_P)
+            pm = h_mask[:, None] & (e < head_size)[None, :]
+            _put(kc_row + e[None, :], tl.load(k_row + e[None, :], mask=pm), k_scale_ptr, pm, QUANT, EMULATE)
+        e = tl.arange(0, BLOCK_V)
+        vm = h_mask[:, None] & (e < head_size)[None, :]
+        v = tl.load(v_ptr + tok * v_tok + h64 * v_head + e[None, :], mask=vm)
+        _put(vc_row + e[None, :], v, v_scale_ptr, vm, QUANT, EMULATE)
+
+
+@dataclass(frozen=True)
+class TritonRopeCacheConfig:
+    """How the fused rotary + cache-write kernel is launched; :meth:`for_shape` is what the launcher uses."""
+
+    block_h: int  # heads a program (of query, or of key and value)
+    num_warps: int
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def for_shape(cls, num_tokens: int, heads: int, block_d: int) -> "TritonRopeCacheConfig":
+        block_h = 1 if num_tokens < _FEW_TOKENS else min(triton.next_power_of_2(heads), max(1, _TILE // block_d))
+        return cls(block_h, max(1, min(4, block_h * block_d // 256)))
+
+
+def _heads3(x: Tensor, head_size: int):
+    """(heads, token stride, head stride) of a validated 2-D or 3-D tensor of heads."""
+    if x.dim() == 3:
+        return int(x.shape[1]), x.stride(0), x.stride(1)
+    return int(x.shape[1]) // head_size, x.stride(0), head_size
+
+
+def rotary_embedding_and_cache(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, head_size: int,
+                               cos_sin_cache: Tensor, is_neox: bool, key_cache: Tensor, value_cache: Tensor,
+                               slot_mapping: Tensor, kv_cache_dtype: str, k_scale: Tensor, v_scale: Tensor, *,
+                               wrap=None, config: Optional[TritonRopeCacheConfig] = None) -> None:
+    tokens = query.shape[0]
+    if wrap is None and tokens == 0:
+        return
+    if key_cache.dtype == torch.uint8:  # an fp8 cache allocated as its bits
+        key_cache, value_cache = key_cache.view(torch.float8_e4m3fn), value_cache.view(torch.float8_e4m3fn)
+    hq, q_tok, q_head = _heads3(query, head_size)
+    hk, k_tok, k_head = _heads3(key, head_size)
+    _, v_tok, v_head = _heads3(value, head_size)
+    rot_half = int(cos_sin_cache.shape[1]) // 2
+    block_d = triton.next_power_of_2(rot_half)
+    passed = head_size - 2 * rot_half
+    if config is None:
+        config = TritonRopeCacheConfig.for_shape(tokens if wrap is None else 0, max(hq, hk), triton.next_power_of_2(head_size))
+    bh = config.block_h
+    grid = (tokens, triton.cdiv(hq, bh) + triton.cdiv(hk, bh))
+    (_rope_cache_kernel if wrap is None else wrap(_rope_cache_kernel))[grid](
+        positions, positions.stride(0), query, q_tok, q_head, key, k_tok, k_head, value, v_tok, v_head,
+        cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0],
+        key_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache, value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        slot_mapping, slot_mapping.stride(0), k_scale, v_scale,
+        key_cache.shape[0] * key_cache.shape[1], key_cache.shape[1], hq, hk, head_size, rot_half,
+        BLOCK_H=bh, BLOCK_D=block_d, BLOCK_P=triton.next_power_of_2(max(passed, 1)),
+        BLOCK_V=triton.next_power_of_2(head_size), HAS_PASS=passed > 0, IS_NEOX=bool(is_neox),
+        QUANT=kv_cache_dtype != "auto", EMULATE=_fp8.INTERPRETED, num_warps=config.num_warps,
+    )
