@@ -5,6 +5,7 @@ fused qkv buffer untouched outside query and key; bad input named before anythin
 
 import importlib
 import os
+import re
 
 import pytest
 import torch
@@ -298,3 +299,137 @@ def test_qk_rmsnorm_rope_bad_input_raises_at_trace_time():
                              backend="eager", fullgraph=True)
     with pytest.raises(Exception, match=rf"deepinfer::{OP}: argument 'q_weight' must have shape \(32,\)"):
         compiled(torch.zeros(4, dtype=torch.int64), torch.randn(4, 64), torch.randn(16), rope.make_cos_sin_cache(16, 32))
+
+
+# --- the reduction is rmsnorm's: the compiled sm_90 code of each backend, without a GPU -------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_TRITON_SM90 = r"""
+import json, re, sys, warnings
+warnings.filterwarnings("ignore")
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torch_kernels.families.norm import triton as norm
+from torch_kernels.families.rope import triton as rope
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+def compile_(fn, types, const, aligned, num_warps):
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in const else types[n] for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps)).asm
+
+def head_layouts(ttgir, shape):
+    defs = dict(re.findall(r"^(#\w+) = #ttg\.blocked<(.*?)>", ttgir, re.M))
+    return sorted({defs[m.group(2)] for m in re.finditer(r"tt\.load .*tensor<(\d+(?:x\d+)*)x!tt\.ptr<\w+>, (#\w+)>", ttgir)
+                   if m.group(1) == shape})
+
+def reduction(ptx):
+    # the arithmetic from the first square to the rsqrt (the int->float of N aside: hoisted in ours)
+    ops, on = [], False
+    for line in ptx.splitlines():
+        op = line.strip().split("\t")[0].split(" ")[0]
+        on = on or op in ("mul.f32", "fma.rn.f32")
+        if on and op.startswith(("mul", "fma", "add", "shfl", "rsqrt", "div")):
+            ops.append(op)
+        if op.startswith("rsqrt"):
+            break
+    return ops
+
+out = []
+for n, dt, wdt in json.loads(sys.argv[1]):
+    cfg = norm.TritonNormConfig.for_shape(1, n, False)
+    strides = ["x_row_stride", "out_row_stride", "N"] if n % 16 == 0 else []
+    asm = compile_(norm._rmsnorm_rows, dict(x_ptr="*" + dt, x_row_stride="i32", res_ptr="*" + dt, res_row_stride="i32",
+                   out_ptr="*" + dt, out_row_stride="i32", w_ptr="*" + wdt, N="i32", eps="fp32", s_ptr="*" + dt,
+                   s_row_stride="i32", s_group_stride="i32", scale_ptr="*" + dt),
+                   dict(BLOCK_N=cfg.block_n, ONE_PASS=True, HAS_RESIDUAL=False, GEMMA=False, RELOAD=False, QUANT=0,
+                        GROUP_SIZE=1, UE8M0=False, V=min(16 // BYTES[dt], cfg.block_n), NUMPY_MAX=False,
+                        EMULATE_CAST=False),
+                   ["x_ptr", "res_ptr", "out_ptr", "w_ptr", "s_ptr", "scale_ptr"] + strides, cfg.num_warps)
+    qk = rope.TritonQKNormRopeConfig.for_shape(1, 40, n, n // 4, BYTES[dt], BYTES[wdt], BYTES[wdt])
+    strides = ["q_tok_stride", "q_head_stride", "k_tok_stride", "k_head_stride", "head_size"] if n % 16 == 0 else []
+    mine = compile_(rope._qk_norm_rope_kernel, dict(pos_ptr="*i64", pos_stride="i32", q_ptr="*" + dt,
+                    q_tok_stride="i32", q_head_stride="i32", k_ptr="*" + dt, k_tok_stride="i32", k_head_stride="i32",
+                    qw_ptr="*" + wdt, kw_ptr="*" + wdt, eps="fp32", head_size="i32", cache_ptr="*fp32",
+                    cache_stride="i32", max_position="i32", num_q_heads="i32", num_k_heads="i32",
+                    heads_per_program="i32", rot_half="i32"),
+                    dict(BLOCK_H=qk.block_h, BLOCK_N=qk.block_n, BLOCK_D=qk.block_d, IS_NEOX=True, HAS_KEY=True),
+                    ["pos_ptr", "q_ptr", "k_ptr", "qw_ptr", "kw_ptr", "cache_ptr"] + strides, qk.num_warps)
+    out.append(dict(case=[n, dt, wdt], rms_layout=head_layouts(asm["ttgir"], str(cfg.block_n)),
+                    layout=head_layouts(mine["ttgir"], f"{qk.block_h}x{qk.block_n}"),
+                    rms_reduction=reduction(asm["ptx"]), reduction=reduction(mine["ptx"])))
+print(json.dumps(out))
+"""
+
+
+def _subprocess(code, env, *args):
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "PYTHONPATH": ROOT, **env})
+    assert r.returncode == 0, r.stderr[-5000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_qk_rmsnorm_rope_triton_reduces_a_head_as_rmsnorm_reduces_its_row():
+    """Compiled for sm_90: each head's load has the rmsnorm kernel's row layout (elements a lane,
+    lanes, one warp a row), and the arithmetic from the squares to the rsqrt is rmsnorm's, at head
+    sizes 64/128/256, bf16/fp16/fp32, weights of the input's dtype or fp32, a head size of 80."""
+    pytest.importorskip("triton")
+    import json
+
+    cases = [[64, "bf16", "fp32"], [128, "bf16", "bf16"], [256, "bf16", "bf16"], [128, "fp32", "fp32"],
+             [256, "fp32", "fp32"], [256, "fp16", "fp32"], [80, "bf16", "bf16"]]
+    for got in _subprocess(_TRITON_SM90, {"TRITON_INTERPRET": "0"}, json.dumps(cases)):
+        (rms,), layouts = got["rms_layout"], got["layout"]
+        spt, tpw, wpc = (re.search(rf"{k} = \[([\d, ]+)\]", rms).group(1) for k in ("sizePerThread", "threadsPerWarp",
+                                                                                     "warpsPerCTA"))
+        assert len(layouts) == 1 and re.fullmatch(  # the head dim as rmsnorm's row; heads over the other warps
+            rf"\{{sizePerThread = \[1, {spt}\], threadsPerWarp = \[1, {tpw}\], warpsPerCTA = \[\d+, {wpc}\], "
+            r"order = \[1, 0\]\}", layouts[0]), (got["case"], rms, layouts)
+        assert got["reduction"] == got["rms_reduction"], got["case"]
+
+
+_TILELANG_SM90 = r"""
+import json, os, re, sys
+from torch_kernels.backends import tilelang_jit as _jit
+from torch_kernels.families.norm import tilelang as norm
+from torch_kernels.families.rope import tilelang as rope
+
+def reduction(source):
+    # the sum of squares over a thread's registers, the lanes' all-reduce and the rsqrt
+    return [re.sub(r"\brv_\d+\b", "rv", line.strip()) for line in source.splitlines()
+            if re.match(r"\s*rstd\[0\] = ", line)]
+
+out = []
+for qk_key, rms_key in json.loads(sys.argv[1]):
+    mine = _jit.compiled("qk_rmsnorm_rope", rope._qk_build, *qk_key).get_kernel_source()
+    rms = _jit.compiled("rmsnorm", norm._build, *rms_key).get_kernel_source()
+    out.append(dict(case=qk_key, mine=reduction(mine), rms=reduction(rms)))
+print(json.dumps(out))
+"""
+
+
+def test_qk_rmsnorm_rope_tilelang_reduces_a_head_as_rmsnorm_reduces_its_row(tmp_path):
+    """Compiled for sm_90: the generated sum of squares, all-reduce and rsqrt of each (token, head)
+    row are rmsnorm's at head_size (its fragment layout), for query and key, bf16 at 128 and fp32 at 256."""
+    pytest.importorskip("tilelang")
+    import json
+
+    from torch_kernels.backends import tilelang_jit as _jit
+
+    cases = [[[32, 8, 128, 128, True, "bfloat16", "bfloat16", "bfloat16", "float32", "int64", 2],
+              [128, "bfloat16", "bfloat16", False, False]],
+             [[8, 1, 256, 128, True, "float32", "float32", "float32", "float32", "int64", 3],
+              [256, "float32", "float32", False, False]]]
+    env = {_jit.ENV_TARGET: json.dumps(_jit.SM90), "TILELANG_CACHE_DIR": str(tmp_path / "cache")}
+    for got in _subprocess(_TILELANG_SM90, env, json.dumps(cases)):
+        assert len(got["rms"]) == 4, got["rms"]  # zero, the registers, the all-reduce, the rsqrt
+        assert got["mine"] == 2 * got["rms"], got["case"]  # the query rows' and the key rows'
