@@ -273,10 +273,11 @@ def _qk_build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, 
     first, second = ((lambda d: d), (lambda d: d + HALF)) if is_neox else ((lambda d: 2 * d), (lambda d: 2 * d + 1))
 
     @T.macro
-    def _qk_rows(X, H, Wt, row0, Tn, P, positions, cache, eps, x, sq, rstd, ys, pos):
+    def _qk_rows(X, H, Wt, row0, Tn, P, positions, cache, eps, x, sq, rstd, ys, cs):
         rows = Tn * H
-        for i in T.Parallel(BM):  # each row's position, once (the rotation reads it per pair)
-            pos[i] = T.if_then_else(row0 + i < rows, T.cast(positions[(row0 + i) // H], "int64"), T.int64(-1))
+        for i, d in T.Parallel(BM, ROT):  # each row's cos/sin, NaN outside the cache (then nothing is read)
+            p = T.cast(positions[T.min(row0 + i, rows - 1) // H], "int64")
+            cs[i, d] = T.if_then_else(T.And(p >= 0, p < P), T.cast(cache[p, d], f32), T.float32(float("nan")))
         T.clear(sq)
         for i, j in T.Parallel(BM, WIDTH):  # rmsnorm's load: fp32, 0 outside the rows
             r = row0 + i
@@ -293,13 +294,10 @@ def _qk_build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, 
         for i, d in T.Parallel(BM, HALF):
             r = row0 + i
             if r < rows:
-                live = T.And(pos[i] >= 0, pos[i] < P)  # else NaN (only without the op's data check), nothing read
-                c = T.if_then_else(live, T.cast(cache[pos[i], d], f32), T.float32(float("nan")))
-                s = T.if_then_else(live, T.cast(cache[pos[i], HALF + d], f32), T.float32(float("nan")))
                 x1 = T.cast(ys[i, first(d)], f32)
                 x2 = T.cast(ys[i, second(d)], f32)
-                X[r // H, r % H, first(d)] = T.cast(x1 * c - x2 * s, dtype)
-                X[r // H, r % H, second(d)] = T.cast(x2 * c + x1 * s, dtype)
+                X[r // H, r % H, first(d)] = T.cast(x1 * cs[i, d] - x2 * cs[i, HALF + d], dtype)
+                X[r // H, r % H, second(d)] = T.cast(x2 * cs[i, d] + x1 * cs[i, HALF + d], dtype)
         if ROT < HS:
             for i, j in T.Parallel(BM, WIDTH):
                 r = row0 + i
@@ -336,14 +334,14 @@ def _qk_build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, 
             sq = T.alloc_fragment((BM, WIDTH), f32)
             rstd = T.alloc_fragment((BM,), f32)
             ys = T.alloc_shared((BM, WIDTH), dtype)  # the rows' norm rounded to the dtype
-            pos = T.alloc_shared((BM,), "int64")  # the rows' positions
+            cs = T.alloc_shared((BM, ROT), f32)  # the rows' cosines then sines
             T.annotate_layout({x: rows_layout, sq: rows_layout})
             if HK == 0:  # no key: a null tensor, no key blocks
-                _qk_rows(q, HQ, q_weight, block * BM, Tn, P, positions, cache, eps, x, sq, rstd, ys, pos)
+                _qk_rows(q, HQ, q_weight, block * BM, Tn, P, positions, cache, eps, x, sq, rstd, ys, cs)
             elif block < q_blocks:
-                _qk_rows(q, HQ, q_weight, block * BM, Tn, P, positions, cache, eps, x, sq, rstd, ys, pos)
+                _qk_rows(q, HQ, q_weight, block * BM, Tn, P, positions, cache, eps, x, sq, rstd, ys, cs)
             else:
-                _qk_rows(k, HK, k_weight, (block - q_blocks) * BM, Tn, P, positions, cache, eps, x, sq, rstd, ys, pos)
+                _qk_rows(k, HK, k_weight, (block - q_blocks) * BM, Tn, P, positions, cache, eps, x, sq, rstd, ys, cs)
 
     return qk_norm_rope
 
@@ -388,7 +386,7 @@ def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_w
     fn = _qk_function(heads, key_heads, head_size, cos_sin_cache.shape[1], bool(is_neox), _DTYPES[query.dtype],
                       _DTYPES[q_weight.dtype], _DTYPES[(k_weight if k_weight is not None else q_weight).dtype],
                       _DTYPES[cos_sin_cache.dtype], _POSITION_DTYPES[positions.dtype], rank)
-    fn(positions, query, key, q_weight, k_weight, cos_sin_cache, eps)
+    fn(positions, query, key, q_weight, q_weight if k_weight is None else k_weight, cos_sin_cache, eps)  # no key: unread
 
 
 def ci_qk_kernels() -> Iterator[tuple]:
