@@ -218,6 +218,29 @@ def test_qk_rmsnorm_rope_triton_other_configs_are_the_pair(device):
             _assert_equal(got, want, f"{_ids(case)} heads_per_program={hpp}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_qk_rmsnorm_rope_fp64_weights_are_the_pair(device):
+    """Weights of any float dtype, as rmsnorm takes them: fp64 weights under bf16 query and key."""
+    pairs = []
+    if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        triton_rope = triton_here("rope", device)
+        triton_norm = importlib.import_module("torch_kernels.families.norm.triton")
+        pairs.append((triton_rope.qk_rmsnorm_rope, triton_norm.rmsnorm, triton_rope.rotary_embedding))
+    if device == "cuda" and importlib.util.find_spec("tilelang") is not None:
+        tl_rope = importlib.import_module("torch_kernels.families.rope.tilelang")
+        tl_norm = importlib.import_module("torch_kernels.families.norm.tilelang")
+        pairs.append((tl_rope.qk_rmsnorm_rope, tl_norm.rmsnorm, tl_rope.rotary_embedding))
+    pairs.append((rope_reference.qk_rmsnorm_rope, norm_reference.rmsnorm, rope_reference.rotary_embedding))
+    for fused, rmsnorm, rotary in pairs:
+        args = list(_args((3, 4, 2, 128, 64, True, "qkv", False), device, torch.bfloat16))
+        args[3], args[4] = args[3].double(), args[4].double()
+        want, _ = _copy(args)
+        rope.unfused(*want, rmsnorm=rmsnorm, rotary=rotary)
+        got, _ = _copy(args)
+        fused(*got)
+        _assert_equal(got, want, f"fp64 weights, {fused.__module__}")
+
+
 def test_qk_rmsnorm_rope_triton_layout_follows_rmsnorm():
     """A head tile of one head a warp exactly where rmsnorm's row is one vector a lane in one warp;
     else one head a tile over rmsnorm's warps (fp32 at 256: two vectors a lane)."""

@@ -242,6 +242,7 @@ def ci_kernels() -> Iterator[tuple]:
 # norm. Views off the vector (strides or pointers) run on aligned copies, as rmsnorm does.
 
 _QK_NAME = "qk_rmsnorm_rope"
+_WEIGHT_DTYPES = {**_DTYPES, torch.float64: "float64"}  # any float weight, as rmsnorm takes it
 
 
 def _qk_build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_neox: bool, dtype: str,
@@ -384,7 +385,7 @@ def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_w
     heads = query.shape[1] if rank == 3 else query.shape[1] // head_size
     key_heads = 0 if key is None else key.shape[1] if rank == 3 else key.shape[1] // head_size
     fn = _qk_function(heads, key_heads, head_size, cos_sin_cache.shape[1], bool(is_neox), _DTYPES[query.dtype],
-                      _DTYPES[q_weight.dtype], _DTYPES[(k_weight if k_weight is not None else q_weight).dtype],
+                      _WEIGHT_DTYPES[q_weight.dtype], _WEIGHT_DTYPES[(k_weight if k_weight is not None else q_weight).dtype],
                       _DTYPES[cos_sin_cache.dtype], _POSITION_DTYPES[positions.dtype], rank)
     fn(positions, query, key, q_weight, q_weight if k_weight is None else k_weight, cos_sin_cache, eps)  # no key: unread
 
