@@ -66,9 +66,11 @@ class DecoderLayer(torch.nn.Module):
     def _attention(self, q, k, v):
         """Causal grouped-query SDPA over the T tokens (one sequence): ``(T, heads*head_dim)`` out."""
         T, hd = q.shape[0], self.cfg.head_dim
-        q, k, v = (t.reshape(T, -1, hd).transpose(0, 1) for t in (q, k, v))  # (heads, T, head_dim)
+        # (1, heads, T, head_dim): SDPA's fused kernels take 4-D inputs only (3-D ran the fp32 math path,
+        # 2.1 of 2.9 ms of the FP8 layer at 2048 tokens)
+        q, k, v = (t.reshape(1, T, -1, hd).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return out.transpose(0, 1).reshape(T, self.q_size)
+        return out.transpose(1, 2).reshape(T, self.q_size)
 
     def _ours(self, positions, hidden_states):
         cfg, ops = self.cfg, torch.ops.deepinfer
