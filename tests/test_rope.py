@@ -299,6 +299,23 @@ def test_rotary_embedding_check_positions_can_be_switched_off(monkeypatch):
     _assert_nan_at_bad_tokens(got, bad, [1])
 
 
+@pytest.mark.gpu
+def test_rotary_embedding_checks_no_positions_on_cuda_by_default(monkeypatch):
+    """On CUDA the default eager call reads no position back (no device sync): the token outside the
+    cache gets NaN in its rotated dims on the chosen backend; ``CHECK_POSITIONS = True`` raises."""
+    args = _args((3, 4, 2, 128, 64, True, "2d"), "cuda", torch.bfloat16)
+    bad = (args[0].clone(),) + args[1:]
+    bad[0][1] = 37
+    got, _ = _copy(bad)
+    torch.ops.deepinfer.rotary_embedding.default(*got)
+    _assert_nan_at_bad_tokens(got, bad, [1])
+    monkeypatch.setattr(rope, "CHECK_POSITIONS", True)
+    got, _ = _copy(bad)
+    with pytest.raises(ValueError, match=rf"^deepinfer::{OP}: argument 'positions' must lie in \[0, 37\)"):
+        torch.ops.deepinfer.rotary_embedding.default(*got)
+    assert torch.equal(got[1], bad[1])
+
+
 def _assert_nan_at_bad_tokens(got, args, bad_tokens):
     """NaN in every rotated dim of the bad tokens (pass-through dims kept), the reference elsewhere."""
     positions, hs, rot_dim = args[0], args[3], args[4].shape[1]

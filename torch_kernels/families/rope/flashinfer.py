@@ -23,8 +23,8 @@ key only, ``KernelSpec.dtypes``):
   behind it (``torch.empty(max_pos + 1, rot_dim)[:max_pos]``) is served;
 * query/key rows or heads off 16-byte alignment (16-byte loads).
 
-Positions outside the cache are read outside it, as vLLM's kernel does (the op checks them in eager
-calls, ``families/rope/ops.py``).
+FlashInfer's kernel reads a position outside the cache outside it, as vLLM's does, so this launcher
+checks the positions on the data (a device sync) on every call but inside a CUDA graph capture.
 """
 
 from typing import Optional
@@ -80,5 +80,9 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], he
                      cos_sin_cache: Tensor, is_neox: bool) -> None:
     if query.shape[0] == 0:  # a grid of 0 blocks is a launch error
         return
+    if not torch.cuda.is_current_stream_capturing():
+        from .ops import positions_in_cache  # loaded before any call reaches here
+
+        positions_in_cache(positions, cos_sin_cache.shape[0])
     _module.jit_module("rope", fi_rope.gen_rope_module, fi_rope.get_rope_module)
     fi_rope.apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache, is_neox=is_neox)

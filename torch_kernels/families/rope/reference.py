@@ -37,11 +37,11 @@ def _rotate(x: Tensor, head_size: int, cos: Tensor, sin: Tensor, is_neox: bool) 
 
 def _positions_unchecked(positions: Tensor) -> bool:
     """Whether the op's eager check of the positions did not run for this call: traced (the compiled
-    route's functional tensors), switched off (``CHECK_POSITIONS``) or inside a CUDA graph capture."""
+    route's functional tensors) or not asked for on this device (``CHECK_POSITIONS``)."""
     if type(positions) is not Tensor:
         return True
     from . import ops as op  # loaded before any call reaches here
-    return not op.CHECK_POSITIONS or positions.is_cuda and torch.cuda.is_current_stream_capturing()
+    return not op.positions_checked(positions)
 
 
 def _cos_sin_rows(positions: Tensor, cos_sin_cache: Tensor, dtype: torch.dtype) -> Tensor:
