@@ -57,6 +57,11 @@ MERGE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"early_trigger"
 ROPE_TOKENS = (1, 256, 512, 4096)
 ROPE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"early_trigger": False},
                  "tilelang, always early trigger": {"no_trigger_bytes": (0, 0)}}
+FP8_NORM_SHAPES = ((4096, 4096), (8192, 7168), (16384, 7168), (16384, 8192))  # (tokens, hidden)
+# label -> the config fields of fused_add_rmsnorm_fp8_quant's kernel it replaces ("streamed": the
+# many-token kernel at every token count, False: the one-pass kernel); docs/design/fp8.md.
+FP8_NORM_VARIANTS = {"tilelang": {}, "tilelang, no min blocks": {"epilogue_min_blocks": 1},
+                     "tilelang, one pass": {"streamed": False}, "tilelang, streamed": {"streamed": True}}
 ACT_SHAPES = tuple((t, d) for d in (4096, 7168, 8192) for t in (1, 32, 512, 1024, 2048, 4096, 16384))  # (tokens, d)
 ACT_KINDS = ("silu", "gelu_tanh")
 # label -> config fields (else the launcher's, ActivationConfig.for_shape): the tanh forms, blocks and
@@ -124,6 +129,60 @@ def norm_rows(ceiling: float) -> list:
                 got = call()
                 torch.testing.assert_close(out if kernel else got, want, atol=2e-2, rtol=2e-2)
             calls[label] = call
+        rows += harness.bandwidth_rows(op, f"{tokens}x{n}", calls, nbytes, ceiling, ROUNDS)
+    return rows
+
+
+def fp8_norm_rows(ceiling: float) -> list:
+    """fused_add_rmsnorm_fp8_quant (static and per-token scales) under each of FP8_NORM_VARIANTS, each
+    checked bit for bit against TileLang's unfused pair, beside FlashInfer's ``fused_add_rmsnorm_quant``."""
+    import flashinfer.norm
+
+    from torch_kernels.backends import tilelang_fp8 as tl_fp8
+    from torch_kernels.families.quant import tilelang as tl_quant
+
+    epilogues = {"static": tl_fp8.Epilogue("static"), "token": tl_fp8.Epilogue("token")}
+
+    def prim(n, mode, label, tokens):
+        fields = dict(FP8_NORM_VARIANTS[label])
+        base = tl_norm.NormConfig.for_shape(n, "bfloat16", True)
+        streamed = fields.pop("streamed", tokens >= base.streamed_from and tl_norm._streams(n, "bfloat16", "bfloat16", base))
+        return tl_norm._build(n, "bfloat16", "bfloat16", True, False, streamed, epilogues[mode],
+                              config=dataclasses.replace(base, **fields))
+    keys = {(tokens, n, mode, label) for tokens, n in FP8_NORM_SHAPES for mode in epilogues for label in FP8_NORM_VARIANTS}
+    fns = _compile_all({key: prim(key[1], key[2], key[3], key[0]) for key in keys})
+
+    rows = []
+    for (tokens, n), mode in itertools.product(FP8_NORM_SHAPES, epilogues):
+        op = f"fused_add_rmsnorm_fp8_quant ({mode})"
+        x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        w = 1 + 0.1 * torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        scale = torch.tensor([0.02], device="cuda") if mode == "static" else None
+        want_r, y = r.clone(), x.clone()
+        tl_norm.fused_add_rmsnorm(y, want_r, w, EPS)
+        want_q, want_s = tl_quant.scaled_fp8_quant(y, scale, scale is None)
+        nbytes = tokens * n * (2 + 2 + 2 + 1) + (tokens * 4 if scale is None else 0) + n * 2
+        calls = {}
+        for label in FP8_NORM_VARIANTS:
+            fn = fns[(tokens, n, mode, label)]
+            if isinstance(fn, str):
+                rows.append({"op": op, "shape": f"{tokens}x{n}", "impl": label, "status": fn})
+                continue
+            rr, q = r.clone(), torch.empty(tokens, n, device="cuda", dtype=torch.float8_e4m3fn)
+            s = torch.empty(1 if scale is not None else tokens, device="cuda")
+            extra = (scale,) if scale is not None else ()
+            call = lambda fn=fn, rr=rr, q=q, s=s, extra=extra: fn(x, rr, w, q, s, *extra, EPS)  # noqa: E731
+            call()
+            same = (torch.equal(rr, want_r) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+                    and torch.equal(s, want_s.view(-1)))
+            if not same:
+                rows.append({"op": op, "shape": f"{tokens}x{n}", "impl": label, "status": "differs from the unfused pair"})
+                continue
+            calls[label] = call
+        if scale is not None:
+            rr, q = r.clone(), torch.empty(tokens, n, device="cuda", dtype=torch.float8_e4m3fn)
+            calls["flashinfer api"] = lambda rr=rr, q=q: flashinfer.norm.fused_add_rmsnorm_quant(q, x, rr, w, scale, EPS)
         rows += harness.bandwidth_rows(op, f"{tokens}x{n}", calls, nbytes, ceiling, ROUNDS)
     return rows
 
@@ -289,12 +348,12 @@ def act_rows(ceiling: float) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="JSON file for the results")
-    parser.add_argument("--only", default="norm,merge,rope,act,tanh", help="comma list of norm, merge, rope, act, tanh")
+    parser.add_argument("--only", default="norm,fp8norm,merge,rope,act,tanh", help="comma list of norm, fp8norm, merge, rope, act, tanh")
     args = parser.parse_args()
     torch.manual_seed(0)
     ceiling = harness.copy_ceiling_gbps()
     rows = []
-    for name, sweep in (("merge", merge_rows), ("norm", norm_rows), ("rope", rope_rows), ("act", act_rows),
+    for name, sweep in (("merge", merge_rows), ("norm", norm_rows), ("fp8norm", fp8_norm_rows), ("rope", rope_rows), ("act", act_rows),
                         ("tanh", tanh_rows)):
         if name in args.only.split(","):
             try:
