@@ -443,6 +443,49 @@ def test_our_pairs_that_differ_are_left_alone(name):
         assert f"deepinfer.{op}" in _calls(targets), (op, targets)
 
 
+def test_fused_add_into_a_clone_adds_into_its_fresh_input_instead():
+    """A layer that clones its hidden state to keep the caller's (``residual = h.clone()``, then
+    ``fused_add_rmsnorm(o, residual)``): the fused op adds ``h`` into the projection's fresh output
+    (the residual it writes), and every output has the bits of the graph without the pass."""
+    def fn(h, wo, w):
+        residual = h.clone()
+        o = h @ wo
+        d.fused_add_rmsnorm(o, residual, w, 1e-6)
+        return (*d.scaled_fp8_quant(o, None, True), residual)
+
+    class Probe(_Capture):  # the fused op's input and the residual it writes
+        def __call__(self, graph):
+            super().__call__(graph)
+            self.calls = [(n.kwargs["input"].op, [b.target for b in n.kwargs["_all_bases"]])
+                          for n in graph.nodes if n.target is torch.ops.higher_order.auto_functionalized_v2]
+
+    args = (_random(T, H), _random(H, H) / 16, _weight())
+    torch._dynamo.reset()
+    probe = Probe()
+    with inductor_config.patch(post_grad_custom_post_pass=fp8_fusion.as_slot((passes.FP8_FUSION, probe))):
+        fused = torch.compile(fn, fullgraph=True)(*[a.clone() for a in args])
+    assert _fused_ops(probe.targets) == ["fused_add_rmsnorm_fp8_quant"], probe.targets
+    assert probe.calls == [("placeholder", [torch.ops.aten.mm.default])], probe.calls
+    unfused, _ = _compile(fn, [a.clone() for a in args], fusion=False, emulate=True)
+    _assert_equal(fused, unfused, "with the pass against without")
+    _assert_equal(fused, fn(*args), "with the pass against eager")
+
+
+def test_fused_add_keeps_a_clone_read_elsewhere():
+    """The clone is also read after the fused add (its old value): nothing is swapped, still one fused op."""
+    def fn(h, wo, w):
+        residual = h.clone()
+        o = h @ wo
+        before = residual * 2
+        d.fused_add_rmsnorm(o, residual, w, 1e-6)
+        return (*d.scaled_fp8_quant(o, None, True), residual, before)
+
+    args = (_random(T, H), _random(H, H) / 16, _weight())
+    fused, targets = _compile(fn, [a.clone() for a in args])
+    assert _fused_ops(targets) == ["fused_add_rmsnorm_fp8_quant"], targets
+    _assert_equal(fused, fn(*args), "with the pass against eager")
+
+
 # ----------------------------------------------------------------------------------------------
 # Installing, caching, dynamic shapes
 
