@@ -156,9 +156,6 @@ class FP8DecoderLayer(torch.nn.Module):
         def quant(y):
             return ops.scaled_fp8_quant(y, None, True)
 
-        # updated in place by the fused add: a copy, so that the caller's tensor (which may be a CUDA
-        # graph's input) is not written
-        residual = hidden_states.clone()
         if fused:
             x_q, x_s = ops.rmsnorm_fp8_quant(hidden_states, self.input_norm, cfg.eps, None, -1)
         else:
@@ -166,9 +163,13 @@ class FP8DecoderLayer(torch.nn.Module):
         q, k, v = self._linear(x_q, x_s, "qkv_proj").split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         ops.rotary_embedding(positions, q, k, cfg.head_dim, self.cos_sin_cache, True)
         o = self._linear(*quant(self._attention(q, k, v)), "o_proj")
-        if fused:  # residual += o; quantised rmsnorm(residual)
-            x_q, x_s = ops.fused_add_rmsnorm_fp8_quant(o, residual, self.post_norm, cfg.eps, None, -1)
-        else:  # residual += o; o = rmsnorm(residual)
+        if fused:  # o += hidden_states, the new residual in o's buffer (bit for bit the sum the other
+            # way round); quantised rmsnorm of it. The caller's tensor (maybe a CUDA graph's input) is
+            # left as it was
+            x_q, x_s = ops.fused_add_rmsnorm_fp8_quant(hidden_states, o, self.post_norm, cfg.eps, None, -1)
+            residual = o
+        else:  # residual += o on a copy of the caller's tensor; o = rmsnorm(residual)
+            residual = hidden_states.clone()
             ops.fused_add_rmsnorm(o, residual, self.post_norm, cfg.eps)
             x_q, x_s = quant(o)
         gate_up = self._linear(x_q, x_s, "gate_up_proj")
