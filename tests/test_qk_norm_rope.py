@@ -161,7 +161,9 @@ def test_qk_rmsnorm_rope_tilelang_is_its_unfused_pair_bit_for_bit():
 
 @pytest.mark.gpu
 def test_qk_rmsnorm_rope_misaligned_views_are_the_pair_bit_for_bit():
-    """Views off 16 bytes (one element into a buffer) run on aligned copies: still the pair, bit for bit."""
+    """Query, key and weights one element into their buffers (off 16 bytes): the kernels run on aligned
+    copies or count the weight's narrower loads, still the pair bit for bit; fp32 at 256 with a bf16
+    weight is where the weight's alignment sets rmsnorm's row layout."""
     triton_rope = importlib.import_module("torch_kernels.families.rope.triton")
     triton_norm = importlib.import_module("torch_kernels.families.norm.triton")
     pairs = [(triton_rope.qk_rmsnorm_rope, triton_norm.rmsnorm, triton_rope.rotary_embedding)]
@@ -169,20 +171,26 @@ def test_qk_rmsnorm_rope_misaligned_views_are_the_pair_bit_for_bit():
         tl_rope = importlib.import_module("torch_kernels.families.rope.tilelang")
         tl_norm = importlib.import_module("torch_kernels.families.norm.tilelang")
         pairs.append((tl_rope.qk_rmsnorm_rope, tl_norm.rmsnorm, tl_rope.rotary_embedding))
-    for dtype in DTYPES:
-        buf = torch.randn(9 * (4 + 2) * 128 + 1, device="cuda", dtype=dtype)
-        q, k = buf[1:1 + 9 * 512].view(9, 512), buf[1 + 9 * 512:].view(9, 256)
-        positions = torch.randint(0, 37, (9,), device="cuda")
-        cache = rope.make_cos_sin_cache(37, 128, device="cuda")
-        qw, kw = (1 + 0.3 * torch.randn(128, device="cuda")).to(dtype), (1 + 0.3 * torch.randn(128, device="cuda")).to(dtype)
-        for fused, rmsnorm, rotary in pairs:
-            want = [positions, q.clone(), k.clone(), qw, kw, 1e-6, 128, cache, True]
-            rope.unfused(*want, rmsnorm=rmsnorm, rotary=rotary)
-            b = buf.clone()
-            got = [positions, b[1:1 + 9 * 512].view(9, 512), b[1 + 9 * 512:].view(9, 256), qw, kw, 1e-6, 128, cache, True]
-            fused(*got)
-            _assert_equal(got, want, f"misaligned {dtype} {fused.__module__}")
-            assert b[0] == buf[0]
+    for dtype, wdtype, hs in ((torch.bfloat16, torch.bfloat16, 128), (torch.float16, torch.float16, 128),
+                              (torch.float32, torch.float32, 128), (torch.float32, torch.bfloat16, 256)):
+        t, hq, hk = 9, 4, 2
+        buf = torch.randn(t * (hq + hk) * hs + 1, device="cuda", dtype=dtype)
+        positions = torch.randint(0, 37, (t,), device="cuda")
+        cache = rope.make_cos_sin_cache(37, hs, device="cuda")
+        qw = (1 + 0.3 * torch.randn(hs + 1, device="cuda")).to(wdtype)[1:]
+        kw = (1 + 0.3 * torch.randn(hs + 1, device="cuda")).to(wdtype)[1:]
+        views = lambda b: (b[1:1 + t * hq * hs].view(t, hq * hs), b[1 + t * hq * hs:].view(t, hk * hs))  # noqa: E731
+        for aligned_weights in (False, True):
+            w = (qw, kw) if not aligned_weights else (qw.clone(), kw.clone())
+            for fused, rmsnorm, rotary in pairs:
+                want = [positions, *(v.clone() for v in views(buf)), *w, 1e-6, hs, cache, True]
+                rope.unfused(*want, rmsnorm=rmsnorm, rotary=rotary)
+                b = buf.clone()
+                got = [positions, *views(b), *w, 1e-6, hs, cache, True]
+                fused(*got)
+                _assert_equal(got, want, f"misaligned {dtype} {wdtype} {hs} weights aligned={aligned_weights} "
+                                         f"{fused.__module__}")
+                assert b[0] == buf[0]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -364,8 +372,9 @@ def reduction(ptx):
     return ops
 
 out = []
-for n, dt, wdt in json.loads(sys.argv[1]):
+for n, dt, wdt, w_aligned in json.loads(sys.argv[1]):
     cfg = norm.TritonNormConfig.for_shape(1, n, False)
+    w = ["w_ptr"] if w_aligned else []
     strides = ["x_row_stride", "out_row_stride", "N"] if n % 16 == 0 else []
     asm = compile_(norm._rmsnorm_rows, dict(x_ptr="*" + dt, x_row_stride="i32", res_ptr="*" + dt, res_row_stride="i32",
                    out_ptr="*" + dt, out_row_stride="i32", w_ptr="*" + wdt, N="i32", eps="fp32", s_ptr="*" + dt,
@@ -373,8 +382,9 @@ for n, dt, wdt in json.loads(sys.argv[1]):
                    dict(BLOCK_N=cfg.block_n, ONE_PASS=True, HAS_RESIDUAL=False, GEMMA=False, RELOAD=False, QUANT=0,
                         GROUP_SIZE=1, UE8M0=False, V=min(16 // BYTES[dt], cfg.block_n), NUMPY_MAX=False,
                         EMULATE_CAST=False),
-                   ["x_ptr", "res_ptr", "out_ptr", "w_ptr", "s_ptr", "scale_ptr"] + strides, cfg.num_warps)
-    qk = rope.TritonQKNormRopeConfig.for_shape(1, 40, n, n // 4, BYTES[dt], BYTES[wdt], BYTES[wdt])
+                   ["x_ptr", "res_ptr", "out_ptr", "s_ptr", "scale_ptr"] + w + strides, cfg.num_warps)
+    wb = BYTES[wdt] if w_aligned else 16  # as the launcher counts a weight off 16 bytes
+    qk = rope.TritonQKNormRopeConfig.for_shape(1, 40, n, n // 4, BYTES[dt], wb, wb)
     strides = ["q_tok_stride", "q_head_stride", "k_tok_stride", "k_head_stride", "head_size"] if n % 16 == 0 else []
     mine = compile_(rope._qk_norm_rope_kernel, dict(pos_ptr="*i64", pos_stride="i32", q_ptr="*" + dt,
                     q_tok_stride="i32", q_head_stride="i32", k_ptr="*" + dt, k_tok_stride="i32", k_head_stride="i32",
@@ -382,7 +392,8 @@ for n, dt, wdt in json.loads(sys.argv[1]):
                     cache_stride="i32", max_position="i32", num_q_heads="i32", num_k_heads="i32",
                     heads_per_program="i32", rot_half="i32"),
                     dict(BLOCK_H=qk.block_h, BLOCK_N=qk.block_n, BLOCK_D=qk.block_d, IS_NEOX=True, HAS_KEY=True),
-                    ["pos_ptr", "q_ptr", "k_ptr", "qw_ptr", "kw_ptr", "cache_ptr"] + strides, qk.num_warps)
+                    ["pos_ptr", "q_ptr", "k_ptr", "cache_ptr"] + (["qw_ptr", "kw_ptr"] if w_aligned else []) + strides,
+                    qk.num_warps)
     out.append(dict(case=[n, dt, wdt], rms_layout=head_layouts(asm["ttgir"], str(cfg.block_n)),
                     layout=head_layouts(mine["ttgir"], f"{qk.block_h}x{qk.block_n}"),
                     rms_reduction=reduction(asm["ptx"]), reduction=reduction(mine["ptx"])))
@@ -404,12 +415,14 @@ def _subprocess(code, env, *args):
 def test_qk_rmsnorm_rope_triton_reduces_a_head_as_rmsnorm_reduces_its_row():
     """Compiled for sm_90: each head's load has the rmsnorm kernel's row layout (elements a lane,
     lanes, one warp a row), and the arithmetic from the squares to the rsqrt is rmsnorm's, at head
-    sizes 64/128/256, bf16/fp16/fp32, weights of the input's dtype or fp32, a head size of 80."""
+    sizes 64/128/256, bf16/fp16/fp32, weights of the input's dtype or another (aligned or not), a head
+    size of 80."""
     pytest.importorskip("triton")
     import json
 
-    cases = [[64, "bf16", "fp32"], [128, "bf16", "bf16"], [256, "bf16", "bf16"], [128, "fp32", "fp32"],
-             [256, "fp32", "fp32"], [256, "fp16", "fp32"], [80, "bf16", "bf16"]]
+    cases = [[64, "bf16", "fp32", True], [128, "bf16", "bf16", True], [256, "bf16", "bf16", True],
+             [128, "fp32", "fp32", True], [256, "fp32", "fp32", True], [256, "fp16", "fp32", True], [80, "bf16", "bf16", True],
+             [256, "fp32", "bf16", True], [256, "fp32", "bf16", False]]  # a bf16 weight widens fp32's row, unless misaligned
     for got in _subprocess(_TRITON_SM90, {"TRITON_INTERPRET": "0"}, json.dumps(cases)):
         (rms,), layouts = got["rms_layout"], got["layout"]
         spt, tpw, wpc = (re.search(rf"{k} = \[([\d, ]+)\]", rms).group(1) for k in ("sizePerThread", "threadsPerWarp",

@@ -337,9 +337,11 @@ def qk_launch(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight:
     hq, q_tok, q_head = _heads(query, head_size)
     hk, k_tok, k_head = _heads(key, head_size) if key is not None else (0, 0, 0)
     if config is None:
+        # a weight off 16 bytes loads value by value, in rmsnorm's row as here: counted as no vector
+        w_bytes = lambda w: w.element_size() if wrap is not None or w.data_ptr() % 16 == 0 else 16  # noqa: E731
         config = TritonQKNormRopeConfig.for_shape(num_tokens if wrap is None else None, hq + hk, head_size, rot_half,
-                                                  query.element_size(), q_weight.element_size(),
-                                                  (k_weight if k_weight is not None else q_weight).element_size())
+                                                  query.element_size(), w_bytes(q_weight),
+                                                  w_bytes(k_weight if k_weight is not None else q_weight))
     hpp = config.heads_per_program
     grid = (num_tokens, triton.cdiv(hq + hk, hpp))
     (_qk_norm_rope_kernel if wrap is None else wrap(_qk_norm_rope_kernel))[grid](
@@ -359,12 +361,11 @@ def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_w
                     k_weight: Optional[Tensor], eps: float, head_size: int, cos_sin_cache: Tensor, is_neox: bool, *,
                     wrap=None, config=None) -> None:
     if wrap is None and query.shape[0] and head_size % 16 == 0 and not (
-            _aligned_heads(query, head_size) and _aligned_heads(key, head_size)
-            and q_weight.data_ptr() % 16 == 0 and (k_weight is None or k_weight.data_ptr() % 16 == 0)):
-        # rare: heads or weights off 16 bytes would narrow the head's vector, so its reduction order; copies
+            _aligned_heads(query, head_size) and _aligned_heads(key, head_size)):
+        # rare: heads off 16 bytes would narrow the head's vector (rmsnorm's row keeps its output's), so its
+        # reduction order; on contiguous copies
         q, k = query.contiguous(), None if key is None else key.contiguous()
-        qk_launch(positions, q, k, q_weight.clone(), None if k_weight is None else k_weight.clone(), eps, head_size,
-                  cos_sin_cache, is_neox, config)
+        qk_launch(positions, q, k, q_weight, k_weight, eps, head_size, cos_sin_cache, is_neox, config)
         query.copy_(q)
         if key is not None:
             key.copy_(k)
