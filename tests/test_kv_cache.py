@@ -261,6 +261,13 @@ def test_every_backend_on_cuda(case, dtype, quant):
         assert_caches(args[2:4], want, name)
 
 
+def _outside(num_slots, tokens, device):
+    """Slots that name nothing in a cache of ``num_slots``: -5..-1 or past the end, up to 3x."""
+    low = torch.randint(-5, 0, (tokens,), device=device)
+    high = torch.randint(num_slots, 3 * num_slots, (tokens,), device=device)
+    return torch.where(torch.rand(tokens, device=device) < 0.5, low, high)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 32, 4096])
 @pytest.mark.parametrize("quant", [False, True], ids=["auto", "fp8"])
@@ -272,7 +279,7 @@ def test_bench_shapes_on_cuda_with_out_of_range_slots(tokens, quant):
             kc, vc = kv_ops.make_caches(kc.shape[0], 16, 8, 128, _fp8.FP8, "cuda")
         n = kc.shape[0] * 16
         bad = torch.rand(tokens, device="cuda") < 0.25
-        slots = torch.where(bad, torch.randint(-5, 3 * n, (tokens,), device="cuda"), slots)
+        slots = torch.where(bad, _outside(n, tokens, "cuda"), slots)
         ks, vs = kv_ops.make_scales("cuda")
         args = (k, v, kc, vc, slots, "fp8" if quant else "auto", ks, vs)
         want = expected_caches(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)) if tokens <= 32 else None
@@ -532,9 +539,60 @@ def test_rope_bench_shapes_on_cuda(tokens, quant):
                                      "cuda", torch.bfloat16, max_position=8192))
         n = args[7].shape[0] * 16
         bad = torch.rand(tokens, device="cuda") < 0.25
-        args[9] = torch.where(bad, torch.randint(-5, 3 * n, (tokens,), device="cuda"), args[9])
+        args[9] = torch.where(bad, _outside(n, tokens, "cuda"), args[9])
         a, b = _clone_rope(args), _clone_rope(args)
         fused(*a)
         _unfused(*b, rope, cache)
         _assert_same(a[1], b[1], f"{name} query")
         assert_caches(a[7:9], b[7:9], name)
+
+
+@pytest.mark.gpu
+def test_rope_cuda_graph_capture():
+    """Captured with the slot and position checks on: they are skipped inside the capture (no sync)."""
+    args = kv_ops.rope_args(8, 4, 2, 128, 128, True, "qkv", 4, 16, 2, True, "cuda", torch.bfloat16)
+    want = _clone_rope(args)
+    torch.ops.deepinfer.rotary_embedding_and_cache(*_clone_rope(args))  # warm: compiles, selects
+    torch.ops.deepinfer.rotary_embedding_and_cache(*want)
+    graph = torch.cuda.CUDAGraph()
+    saved, kv_ops.CHECK_SLOTS = kv_ops.CHECK_SLOTS, True
+    try:
+        with torch.cuda.graph(graph):
+            torch.ops.deepinfer.rotary_embedding_and_cache(*args)
+    finally:
+        kv_ops.CHECK_SLOTS = saved
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_same(args[1], want[1], "query")
+    assert_caches(args[7:9], want[7:9])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [False, True], ids=["auto", "fp8"])
+def test_misaligned_views_on_cuda(quant):
+    """Rows that start 3 values into a 16-byte vector (the value-by-value kernels) on every backend; the
+    views themselves are passed (a copy would be aligned anew)."""
+    from torch_kernels.families.kv_cache import reference
+
+    def make():
+        torch.manual_seed(0)
+        buf = torch.randn(6, 3 + (4 + 2 * 2) * 64, device="cuda", dtype=torch.bfloat16)
+        q, k, v = buf[:, 3:].split([4 * 64, 2 * 64, 2 * 64], dim=1)
+        base = kv_ops.rope_args(6, 4, 2, 64, 64, False, "2d", 3, 4, 1, quant, "cuda", torch.bfloat16)
+        return (base[0], q, k, v, *base[4:])
+
+    for name, fn in implementations_on(ROPE_OP, "cuda"):
+        got, want = make(), make()
+        assert got[1].data_ptr() % 16
+        fn(*got)
+        reference.rotary_embedding_and_cache(*want)
+        _assert_rotated_close(got[1], want[1], torch.bfloat16, f"{name} query")
+        _assert_rotated_close(got[7], want[7], torch.bfloat16, f"{name} key_cache")
+        _assert_same(got[8], want[8], f"{name} value_cache")
+    for name, fn in implementations_on(OP, "cuda"):
+        got, want = make(), make()
+        got = (got[2].unflatten(1, (2, 64)), got[3].unflatten(1, (2, 64)), *got[7:])
+        want = (want[2].unflatten(1, (2, 64)), want[3].unflatten(1, (2, 64)), *want[7:])
+        fn(*got)
+        reference.reshape_and_cache_flash(*want)
+        assert_caches(got[2:4], want[2:4], name)
