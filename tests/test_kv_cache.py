@@ -165,6 +165,59 @@ def test_triton_kernel_with_each_config():
         assert_caches(args[2:4], want, str(config))
 
 
+_TRITON_SM90 = r"""
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torch_kernels.families.kv_cache import triton as kv
+
+def compile_(fn, types, const, num_warps):
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in const else types.get(n, "i64") for n in names}
+    return triton.compile(ASTSource(fn, sig, const, {}), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps)).asm["ptx"]
+
+out = []
+for dt, cache, bh, bd, quant in (("bf16", "bf16", 8, 128, False), ("bf16", "fp8e4nv", 1, 128, True),
+                                 ("fp32", "fp8e4nv", 2, 64, True), ("fp16", "fp16", 4, 256, False)):
+    types = dict(k_ptr="*" + dt, v_ptr="*" + dt, kc_ptr="*" + cache, vc_ptr="*" + cache, slot_ptr="*i64",
+                 k_scale_ptr="*fp32", v_scale_ptr="*fp32", num_heads="i32", head_size="i32")
+    ptx = compile_(kv._cache_kernel, types, dict(BLOCK_H=bh, BLOCK_D=bd, QUANT=quant, EMULATE=False), 4)
+    out.append(["cache", dt, cache, quant, "div.rn.f32" in ptx, "cvt.rn.satfinite.e4m3x2.f32" in ptx])
+for dt, cache, bh, neox, passed, quant in (("bf16", "bf16", 8, True, False, False), ("bf16", "fp8e4nv", 1, True, False, True),
+                                           ("fp16", "fp16", 2, False, True, False), ("fp32", "fp8e4nv", 4, False, True, True)):
+    types = dict(pos_ptr="*i64", q_ptr="*" + dt, k_ptr="*" + dt, v_ptr="*" + dt, cs_ptr="*fp32", kc_ptr="*" + cache,
+                 vc_ptr="*" + cache, slot_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32", num_q_heads="i32",
+                 num_kv_heads="i32", head_size="i32", rot_half="i32", max_position="i32", num_slots="i64", block_size="i32")
+    const = dict(BLOCK_H=bh, BLOCK_D=64 if not passed else 32, BLOCK_P=64 if passed else 1, BLOCK_V=128, HAS_PASS=passed,
+                 IS_NEOX=neox, QUANT=quant, EMULATE=False)
+    ptx = compile_(kv._rope_cache_kernel, types, const, 4)
+    out.append(["rope", dt, cache, quant, "div.rn.f32" in ptx, "cvt.rn.satfinite.e4m3x2.f32" in ptx])
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernels_compile_for_sm90():
+    """Both Triton kernels compile for sm_90 without a GPU (a fresh process: this one runs Triton's
+    interpreter), and the fp8 ones divide with div.rn and cast with the saturating cvt."""
+    import json
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _TRITON_SM90], cwd=root, env={**env, "PYTHONPATH": root},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(rows) == 8
+    for kernel, dt, cache, quant, div_rn, satfinite in rows:
+        assert div_rn == satfinite == quant, (kernel, dt, cache)
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 def _bad_cases():
