@@ -94,6 +94,20 @@ def test_uint8_fp8_caches_hold_the_float8_bits():
         assert_caches(as_bits[2:4], (args[2].view(torch.uint8), args[3].view(torch.uint8)), name)
 
 
+def test_reference_e4m3_bits_are_torchs_cast():
+    """The reference's arithmetic e4m3 encoding (no fp8 tensor: opcheck's schema check) against torch's
+    ``clamp(-448, 448).to(float8_e4m3fn)``: a million values over 20 binades, the specials, subnormals."""
+    from torch_kernels.families.kv_cache.reference import e4m3_bits
+    torch.manual_seed(0)
+    x = torch.randn(1 << 20) * torch.exp2(torch.randint(-14, 10, (1 << 20,)).float())
+    special = torch.tensor([0.0, -0.0, 448.0, 449.0, 464.0, -465.0, 1e30, float("inf"), -float("inf"),
+                            2.0 ** -9, 1.5 * 2 ** -9, 0.5 * 2 ** -9, -0.5 * 2 ** -9, 2.5 * 2 ** -9, 2.0 ** -6 * 1.0625])
+    x = torch.cat([x, special])
+    want = x.clamp(-448, 448).to(_fp8.FP8).view(torch.uint8)
+    assert torch.equal(e4m3_bits(x), want)
+    assert e4m3_bits(torch.tensor([float("nan"), -float("nan")])).tolist() == [0x7F, 0x7F]
+
+
 @pytest.mark.parametrize("quant", [False, True], ids=["auto", "fp8"])
 def test_out_of_range_slots_write_nothing(quant):
     """Slots past the cache and below -1 are skipped like -1, on every backend; the rest are written."""
