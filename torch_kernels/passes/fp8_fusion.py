@@ -27,6 +27,9 @@ a number it divides by (the CPU divides). A group scale is the IEEE quotient: a 
 448 on the CPU only, by a tensor of 448s everywhere. What stays the kernel's own, as it is Inductor's in
 the unrewritten graph: the order of the mean's sum and the last ulp of exp.
 
+A fused add whose residual may not be overwritten (a graph input the graph does not write back) adds
+it into its input instead where that is a fresh value nothing else reads (fp32 addition commutes).
+
 No rewrite where anything differs: another clamp bound or scale floor, a group eps other than 1e-10,
 ``x / scale`` per token, a weight multiplied after the rounding (vLLM's RMSNorm.forward_native),
 ``F.silu(a) * b`` in bf16 (rounded twice), a value of the pattern also used outside it (the bf16
