@@ -9,10 +9,10 @@ dtype. One kernel per (N, dtype, weight dtype, fused, gemma); the token count is
 
 Each row is spread over ``TR`` threads (a power of two, so the sum of squares is one butterfly
 all-reduce), about ``NormConfig.elements_per_thread`` elements each in 16-byte vectors; short rows share a
-block of :data:`_BLOCK_THREADS` threads. The row is padded to ``TR * VEC * k`` columns and the tail is
+block of ``norm_rows.BLOCK_THREADS`` threads. The row is padded to ``TR * VEC * k`` columns and the tail is
 masked, so odd hidden sizes take the same path with narrower vectors. Rows of up to
-:data:`_ONE_PASS_MAX` elements are read once and kept in registers; wider ones are summed in a first
-pass and re-read (from L2) in a second, in chunks of ``_CHUNK_THREADS * elements_per_thread``.
+``norm_rows.ONE_PASS_MAX`` elements are read once and kept in registers; wider ones are summed in a first
+pass and re-read (from L2) in a second, in chunks of ``norm_rows.CHUNK_THREADS * elements_per_thread``.
 The launch knobs are a :class:`NormConfig`, part of the compile key; :meth:`NormConfig.for_shape` picks them.
 Many-token calls take a second, streamed kernel (:func:`_build_streamed`) whose loads carry L2 hints.
 
@@ -26,7 +26,6 @@ count and the same copies, the output rounded to the dtype and quantised in regi
 ``per_token_group_quant_fp8`` bit for bit.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
@@ -36,18 +35,13 @@ from torch import Tensor
 
 from ... import fp8 as _fp8_core
 from ...backends.rows import rows_view
-from ...backends import tilelang_fp8 as _fp8, tilelang_jit as _jit
+from ...backends import norm_rows as _rows, tilelang_fp8 as _fp8, tilelang_jit as _jit
 
 _NAME = "rmsnorm"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
-# Design notes and the measurements behind each constant: docs/design/norm.md (H200, bf16).
-_MAX_THREADS = 1024
-# Short rows (TR < 128 threads) share a block of 128 threads, several rows to it.
-_BLOCK_THREADS = 128
-# One pass keeps the row in registers: 16 values at 1024 threads use 48 of 64 registers, no spills.
-_ONE_PASS_MAX = 16384
-# Wider rows: two passes over 8192-value chunks; 512 threads do not spill where 1024 did (131072).
-_CHUNK_THREADS = 512
+# Design notes and the measurements behind each constant: docs/design/norm.md (H200, bf16). The row
+# layouts (threads a row, one pass or chunks) are backends/norm_rows.py's.
+_ONE_PASS_MAX = _rows.ONE_PASS_MAX
 
 
 @dataclass(frozen=True)
@@ -98,20 +92,10 @@ _vec = _jit.vector_width
 
 def _layout(n: int, dtype: str, fused: bool = False, config: Optional[NormConfig] = None) -> Tuple[int, int, int, int]:
     """``(VEC, TR, BM, WIDTH)``: vector width, threads per row (a power of two), rows per block, and
-    columns a pass covers (the padded row, or a chunk of it when the row is wider than one pass);
-    ``config`` default :meth:`NormConfig.for_shape`."""
+    columns a pass covers (:func:`norm_rows.tilelang_layout` under ``config``, default
+    :meth:`NormConfig.for_shape`)."""
     config = config or NormConfig.for_shape(n, dtype, fused)
-    vec = _vec(n, dtype)
-    if n > _ONE_PASS_MAX:
-        return vec, _CHUNK_THREADS, 1, _CHUNK_THREADS * config.elements_per_thread
-    tr = default = 1 << min(max(round(math.log2(n / config.elements_per_thread)), 0), _MAX_THREADS.bit_length() - 1)
-    if config.tile_exactly:
-        while n % (tr * vec) and tr > 1 and 2 * n <= tr * config.exact_max_per_thread:
-            tr //= 2
-        if n % (tr * vec):  # no power of two tiles the row within the register budget
-            tr = default
-    step = tr * vec
-    return vec, tr, max(1, _BLOCK_THREADS // tr), -(-n // step) * step
+    return _rows.tilelang_layout(n, dtype, config.elements_per_thread, config.tile_exactly, config.exact_max_per_thread)
 
 
 def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, streamed: bool = False,
@@ -139,10 +123,7 @@ def _build(n: int, dtype: str, weight_dtype: str, fused: bool, gemma: bool, stre
         ok = live(row, col)
         return x if ok is True else T.if_then_else(ok, x, T.float32(0))
 
-    # Element (i, j) in thread i * TR + (j // VEC) % TR, register (j // (TR * VEC)) * VEC + j % VEC;
-    # stated, not inferred: for VEC = 1 TileLang's own inference gave each thread a whole row.
-    rows_layout = T.Fragment((BM, WIDTH), forward_fn=lambda i, j: (
-        i * TR + j // VEC % TR, j // (TR * VEC) * VEC + j % VEC))
+    rows_layout = _rows.tilelang_rows_fragment(T, BM, WIDTH, TR, VEC)
 
     def scale(w):
         """A weight value in fp32, plus one for Gemma (an expression: a named value would be a let
@@ -245,8 +226,7 @@ def _one_pass_epilogue(epi: "_fp8.Epilogue", n: int, VEC: int, TR: int, BM: int,
     wide = PASSES > 1 and (mode == "token" or G > WIDTH)  # one scale over several passes
     SEGS = 1 if mode == "token" else (n // G if wide else 1)  # scales over passes, per row
     PER_SEG = (n if mode == "token" else G) // WIDTH if wide else 1  # passes a wide scale spans (token: all)
-    rows_layout = T.Fragment((BM, WIDTH), forward_fn=lambda i, j: (
-        i * TR + j // VEC % TR, j // (TR * VEC) * VEC + j % VEC))
+    rows_layout = _rows.tilelang_rows_fragment(T, BM, WIDTH, TR, VEC)
     GW = WIDTH // NG  # a group's columns (within a pass)
     # the rows' layout, the row split in groups: a group's values on the lanes (and vectors) holding them
     groups_layout = T.Fragment((BM, NG, GW), forward_fn=lambda i, g, j: (

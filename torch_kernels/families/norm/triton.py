@@ -20,7 +20,6 @@ as the grid, and an empty grid is skipped by Triton's launcher instead of an ear
 """
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,13 +29,13 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import fp8
+from ...backends.norm_rows import TRITON_ONE_PASS_MAX, triton_num_warps
 from ...backends.rows import rows, rows_view
 from ...backends.triton_fp8 import (GROUP, GROUP_EPS, INTERPRETED, NONE, STATIC, TOKEN, abs_max, dynamic_scale,
                                     group_quantize, group_scales, mode, quantize, static_inverse, vector)
 
 # Design notes and the measurements behind each constant: docs/design/norm.md (H200, bf16).
-# 16384 fp32 values over 8 warps is 64 registers a thread, no spills; wider rows loop over chunks.
-_ONE_PASS_MAX = 16384
+_ONE_PASS_MAX = TRITON_ONE_PASS_MAX  # wider rows loop over chunks
 _CHUNK = 4096
 # The fused ops from 4096 tokens in chunks, 16 warps: 4130 against 3992 GB/s at 16384x8192 (traced: one pass).
 _FUSED_CHUNKED_MIN_TOKENS = 4096
@@ -67,14 +66,9 @@ class TritonNormConfig:
         if fused and many:
             return cls(_CHUNK, False, False, _FUSED_CHUNK_WARPS)
         if n <= _ONE_PASS_MAX:
-            return cls(triton.next_power_of_2(n), True, many, _num_warps(n))
-        return cls(_CHUNK, False, False, _num_warps(_CHUNK))
+            return cls(triton.next_power_of_2(n), True, many, triton_num_warps(n))
+        return cls(_CHUNK, False, False, triton_num_warps(_CHUNK))
 
-
-def _num_warps(n: int) -> int:
-    """About one warp per 512 elements of the row, a power of two in [1, 16] (the warp sweep:
-    docs/design/norm.md)."""
-    return 1 << min(max(round(math.log2(max(n, 1) / 512)), 0), 4)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import tilelang.language as T
 import torch
 from torch import Tensor
 
-from ...backends import tilelang_jit as _jit
+from ...backends import norm_rows as _rows, tilelang_jit as _jit
 
 _NAME = "rotary_embedding"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -248,12 +248,10 @@ _WEIGHT_DTYPES = {**_DTYPES, torch.float64: "float64"}  # any float weight, as r
 def _qk_build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_neox: bool, dtype: str,
               q_weight_dtype: str, k_weight_dtype: str, cache_dtype: str, positions_dtype: str, rank: int,
               config: Optional[RopeConfig] = None):
-    from ..norm import tilelang as norm  # the row layout of rmsnorm at head_size: its numerics
-
     config = config or RopeConfig.for_shape()
     pdl = _jit.dependent_launch()
     HQ, HK, HS, ROT, HALF = num_q_heads, num_k_heads, head_size, rot_dim, rot_dim // 2
-    VEC, TR, BM, WIDTH = norm._layout(HS, dtype, False)
+    VEC, TR, BM, WIDTH = _rows.tilelang_layout(HS, dtype)  # rmsnorm's row at head_size: its numerics
     f32 = "float32"
     MOVED = 2 * (HQ + HK) * HS * _jit.ELEMENT_BYTES[dtype] + ROT * _jit.ELEMENT_BYTES[cache_dtype]  # bytes a token
     Tn, P = T.dynamic("num_tokens, max_position")
@@ -266,10 +264,7 @@ def _qk_build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, 
         q_sh, k_sh = T.dynamic("q_sh, k_sh", "int64")
         query_type = T.StridedTensor((Tn, HQ, HS), (q_st, q_sh, 1), dtype)
         key_type = T.StridedTensor((Tn, HK, HS), (k_st, k_sh, 1), dtype)
-    # rmsnorm's fragment layout (families/norm/tilelang.py, _build): element (i, j) in thread
-    # i * TR + (j // VEC) % TR, register (j // (TR * VEC)) * VEC + j % VEC
-    rows_layout = T.Fragment((BM, WIDTH), forward_fn=lambda i, j: (
-        i * TR + j // VEC % TR, j // (TR * VEC) * VEC + j % VEC))
+    rows_layout = _rows.tilelang_rows_fragment(T, BM, WIDTH, TR, VEC)  # rmsnorm's
     # pairs (i1, i2) of pair d: neox (d, d + r/2), GPT-J (2d, 2d + 1)
     first, second = ((lambda d: d), (lambda d: d + HALF)) if is_neox else ((lambda d: 2 * d), (lambda d: 2 * d + 1))
 

@@ -187,7 +187,7 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], he
 # padded row (one vector a lane, one warp a row); any other row (fp32 at 256: two vectors a lane) is
 # reduced one head a tile over rmsnorm's warps.
 
-from ..norm.triton import TritonNormConfig as _NormConfig  # noqa: E402  (the rmsnorm launch our layout follows)
+from ...backends.norm_rows import TRITON_ONE_PASS_MAX, triton_num_warps  # noqa: E402  (rmsnorm's row launch)
 
 _QK_MAX_BLOCK_H = 8  # heads a tile in the one-warp-a-head layout: 8 warps, 1024 values at head_size 128
 
@@ -218,8 +218,10 @@ class TritonQKNormRopeConfig:
     @functools.lru_cache(maxsize=None)
     def _pick(cls, num_heads: int, head_size: int, rot_half: int, in_bytes: int, q_w_bytes: int, k_w_bytes: int,
               chunks: int) -> "TritonQKNormRopeConfig":
-        norm = _NormConfig.for_shape(None, head_size, False)
-        block_n, warps = norm.block_n, norm.num_warps
+        if head_size > TRITON_ONE_PASS_MAX:
+            raise ValueError(f"deepinfer::qk_rmsnorm_rope: argument 'head_size' must be at most {TRITON_ONE_PASS_MAX} "
+                             f"on Triton (rmsnorm's one-pass rows), got {head_size}")
+        block_n, warps = triton.next_power_of_2(head_size), triton_num_warps(head_size)  # rmsnorm's one pass
         lanes = max(block_n // (32 * warps), 1)
         if warps == 1 and all(min(row_vector(head_size, in_bytes, w), lanes) * 32 == block_n
                               for w in (q_w_bytes, k_w_bytes)):
