@@ -39,6 +39,9 @@ deepinfer::gelu_and_mul(Tensor input, str approximate="none") -> Tensor
 deepinfer::gelu_tanh_and_mul(Tensor input) -> Tensor
 deepinfer::silu_and_mul_fp8_quant(Tensor input, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
 deepinfer::rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, Tensor cos_sin_cache, bool is_neox) -> ()
+deepinfer::qk_rmsnorm_rope(Tensor positions, Tensor(a!) query, Tensor(b!)? key, Tensor q_weight, Tensor? k_weight, float eps, int head_size, Tensor cos_sin_cache, bool is_neox) -> ()
+deepinfer::reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()
+deepinfer::rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor key, Tensor value, int head_size, Tensor cos_sin_cache, bool is_neox, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()
 deepinfer::per_token_group_quant_fp8(Tensor input, int group_size, float eps=1e-10, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
 deepinfer::scaled_fp8_quant(Tensor input, Tensor? scale=None, bool per_token=False, Tensor? scale_ub=None) -> (Tensor, Tensor)
 deepinfer::topk_softmax(Tensor gating_output, int topk, bool renormalize=False) -> (Tensor, Tensor)
