@@ -210,6 +210,9 @@ gelu_and_mul: mul -> deepinfer.gelu_and_mul.default
 gelu_tanh_and_mul: mul -> deepinfer.gelu_tanh_and_mul.default
 silu_and_mul_fp8_quant: mul -> deepinfer.silu_and_mul_fp8_quant.default -> getitem -> getitem
 rotary_embedding: mul -> deepinfer.rotary_embedding.default
+qk_rmsnorm_rope: mul -> deepinfer.qk_rmsnorm_rope.default
+reshape_and_cache_flash: mul -> deepinfer.reshape_and_cache_flash.default
+rotary_embedding_and_cache: mul -> deepinfer.rotary_embedding_and_cache.default
 per_token_group_quant_fp8: mul -> deepinfer.per_token_group_quant_fp8.default -> getitem -> getitem
 scaled_fp8_quant: mul -> deepinfer.scaled_fp8_quant.default -> getitem -> getitem
 topk_softmax: mul -> deepinfer.topk_softmax.default -> getitem -> getitem
