@@ -13,26 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-
-def _heads(x: Tensor, head_size: int) -> Tensor:
-    """``(T, H*head_size)`` or ``(T, H, head_size)`` as a ``(T, H, head_size)`` view."""
-    return x if x.dim() == 3 else x.unflatten(-1, (-1, head_size))
-
-
-def _rotate(x: Tensor, head_size: int, cos: Tensor, sin: Tensor, is_neox: bool) -> None:
-    """Rotate the first ``rot_dim`` dims of every head of ``x`` in place; ``cos``/``sin`` are
-    ``(T, 1, rot_dim/2)`` in the compute dtype."""
-    heads = _heads(x, head_size)
-    rot = heads[..., :2 * cos.shape[-1]]
-    r = rot.to(cos.dtype)
-    if is_neox:  # pairs (i, i + rot_dim/2)
-        x1, x2 = r.chunk(2, dim=-1)
-    else:  # GPT-J: pairs (2i, 2i + 1)
-        x1, x2 = r[..., 0::2], r[..., 1::2]
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    out = torch.cat((o1, o2), dim=-1) if is_neox else torch.stack((o1, o2), dim=-1).flatten(-2)
-    rot.copy_(out)  # dims rot_dim..head_size are left as they are
+from ... import rotary
 
 
 def _positions_unchecked(positions: Tensor) -> bool:
@@ -44,28 +25,19 @@ def _positions_unchecked(positions: Tensor) -> bool:
     return not op.positions_checked(positions)
 
 
-def _cos_sin_rows(positions: Tensor, cos_sin_cache: Tensor, dtype: torch.dtype) -> Tensor:
-    """``cos_sin_cache[positions]`` in ``dtype``. Where the positions were not checked, NaN for one
-    outside the cache: the index is clamped into it, so no row outside is read (under
-    ``torch.compile`` -1 read the last row and ``max_position`` failed Inductor's bounds check); this
-    costs 15 µs a call on the CPU at 32 tokens, so checked calls gather directly."""
-    p = positions.reshape(-1)
-    if not _positions_unchecked(positions):
-        return cos_sin_cache.index_select(0, p).to(dtype)
-    rows = cos_sin_cache.shape[0]
-    if rows == 0:
-        return cos_sin_cache.new_full((p.shape[0], cos_sin_cache.shape[1]), float("nan"), dtype=dtype)
-    index = p.clamp(0, rows - 1)
-    return torch.where((index == p)[:, None], cos_sin_cache.index_select(0, index).to(dtype), float("nan"))
+def _cos_sin(positions: Tensor, cos_sin_cache: Tensor, dtype: torch.dtype):
+    """``rotary.cos_sin``; where the positions were not checked, NaN for one outside the cache (no row
+    outside is read: under ``torch.compile`` -1 read the last row and ``max_position`` failed Inductor's
+    bounds check); the clamp costs 15 µs a call on the CPU at 32 tokens, so checked calls gather directly."""
+    return rotary.cos_sin(positions, cos_sin_cache, dtype, checked=not _positions_unchecked(positions))
 
 
 def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
                      cos_sin_cache: Tensor, is_neox: bool) -> None:
-    cd = torch.promote_types(query.dtype, torch.float32)
-    cos, sin = _cos_sin_rows(positions, cos_sin_cache, cd).unsqueeze(-2).chunk(2, dim=-1)
-    _rotate(query, head_size, cos, sin, is_neox)
-    if key is not None:
-        _rotate(key, head_size, cos, sin, is_neox)
+    cos, sin = _cos_sin(positions, cos_sin_cache, rotary.compute_dtype(query.dtype))
+    for x in (query, key):
+        if x is not None:
+            rotary.rotate_(rotary.heads(x, head_size), cos, sin, is_neox)
 
 
 def _rms_normalize(heads: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -79,10 +51,9 @@ def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_w
                     k_weight: Optional[Tensor], eps: float, head_size: int, cos_sin_cache: Tensor,
                     is_neox: bool) -> None:
     # The norm rounded to the dtype, then rotary_embedding's rotation of those values: the unfused pair.
-    cd = torch.promote_types(query.dtype, torch.float32)
-    cos, sin = _cos_sin_rows(positions, cos_sin_cache, cd).unsqueeze(-2).chunk(2, dim=-1)
+    cos, sin = _cos_sin(positions, cos_sin_cache, rotary.compute_dtype(query.dtype))
     for x, w in ((query, q_weight), (key, k_weight)):
         if x is not None:
-            heads = _heads(x, head_size)
+            heads = rotary.heads(x, head_size)
             heads.copy_(_rms_normalize(heads, w, eps))
-            _rotate(x, head_size, cos, sin, is_neox)
+            rotary.rotate_(heads, cos, sin, is_neox)
