@@ -72,26 +72,35 @@ class DecoderLayer(torch.nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return out.transpose(1, 2).reshape(T, self.q_size)
 
-    def _ours(self, positions, hidden_states):
+    def _rope_attention(self, positions, q, k, v):
+        """``rotary_embedding`` in place on the q and k views, then :meth:`_attention`."""
+        torch.ops.deepinfer.rotary_embedding(positions, q, k, self.cfg.head_dim, self.cos_sin_cache, True)
+        return self._attention(q, k, v)
+
+    def _plain_rope_attention(self, positions, q, k, v):
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        hd = self.cfg.head_dim
+        return self._attention(_rope(q, cos, sin, hd), _rope(k, cos, sin, hd), v)
+
+    def _ours(self, positions, hidden_states, attend=None):
+        """``attend(positions, q, k, v)``: the rotary embedding and the attention (default
+        :meth:`_rope_attention`), over the projection's q, k and v views."""
         cfg, ops = self.cfg, torch.ops.deepinfer
         # updated in place by fused_add_rmsnorm: a copy, so that the caller's tensor (which may be a
         # CUDA graph's input) is not written
         residual = hidden_states.clone()
         h = ops.rmsnorm(hidden_states, self.input_norm, cfg.eps)
         q, k, v = F.linear(h, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        ops.rotary_embedding(positions, q, k, cfg.head_dim, self.cos_sin_cache, True)
-        o = F.linear(self._attention(q, k, v), self.o_proj)
+        o = F.linear((attend or self._rope_attention)(positions, q, k, v), self.o_proj)
         ops.fused_add_rmsnorm(o, residual, self.post_norm, cfg.eps)  # residual += o; o = rmsnorm(residual)
         return F.linear(ops.silu_and_mul(F.linear(o, self.gate_up_proj)), self.down_proj), residual
 
-    def _plain(self, positions, hidden_states):
+    def _plain(self, positions, hidden_states, attend=None):
         cfg = self.cfg
         residual = hidden_states
         h = _rmsnorm(hidden_states, self.input_norm, cfg.eps)
         q, k, v = F.linear(h, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
-        q, k = _rope(q, cos, sin, cfg.head_dim), _rope(k, cos, sin, cfg.head_dim)
-        residual = residual + F.linear(self._attention(q, k, v), self.o_proj)
+        residual = residual + F.linear((attend or self._plain_rope_attention)(positions, q, k, v), self.o_proj)
         gate, up = F.linear(_rmsnorm(residual, self.post_norm, cfg.eps), self.gate_up_proj).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj), residual
 
