@@ -62,3 +62,11 @@ def rotated(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
     """The heads of ``x`` ``(T, H, head_size)`` rotated, as a new tensor (``x`` is not written)."""
     rot = rotated_dims(x, cos, sin, is_neox)
     return rot if rot.shape[-1] == x.shape[-1] else torch.cat((rot, x[..., rot.shape[-1]:]), dim=-1)
+
+
+def make_cos_sin_cache(max_position: int, rot_dim: int, base: float = 10000.0, device=None, dtype=torch.float32) -> Tensor:
+    """vLLM's ``RotaryEmbedding._compute_cos_sin_cache``: ``(max_position, rot_dim)``, row ``p`` holding
+    ``cos(p * theta_i)`` then ``sin(p * theta_i)``, ``theta_i = base^(-2i/rot_dim)``, computed in fp64."""
+    inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device=device, dtype=dtype)

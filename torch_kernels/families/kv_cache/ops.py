@@ -21,6 +21,7 @@ from torch import Tensor
 from ... import checks as check
 from ... import fp8 as _fp8
 from ...opdef import BenchCase, OpDef, Peer
+from ...rotary import make_cos_sin_cache  # noqa: F401  (callers build caches with it)
 
 OP = "reshape_and_cache_flash"
 #: ``kv_cache_dtype`` values: the cache in the key's dtype, or float8_e4m3fn with per-tensor scales
@@ -616,14 +617,6 @@ def rotary_embedding_and_cache(positions: Tensor, query: Tensor, key: Tensor, va
     torch.ops.deepinfer.rotary_embedding_and_cache.default(positions, query, key, value, head_size, cos_sin_cache,
                                                             is_neox, key_cache, value_cache, slot_mapping,
                                                             kv_cache_dtype, k_scale, v_scale)
-
-
-def make_cos_sin_cache(max_position: int, rot_dim: int, base: float = 10000.0, device=None, dtype=torch.float32) -> Tensor:
-    """vLLM's ``RotaryEmbedding._compute_cos_sin_cache``: row ``p`` holds ``cos(p * theta_i)`` then
-    ``sin(p * theta_i)``, ``theta_i = base^(-2i/rot_dim)``, computed in fp64."""
-    inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
-    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device=device, dtype=dtype)
 
 
 def rope_args(tokens, q_heads, kv_heads, head_size, rot_dim, is_neox, layout, blocks, block_size, padded, quant,

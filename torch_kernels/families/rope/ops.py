@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ... import checks as check
 from ...opdef import BenchCase, OpDef, Peer
+from ...rotary import make_cos_sin_cache  # noqa: F401  (callers build caches with it)
 
 OP = "rotary_embedding"
 _POSITION_DTYPES = (torch.int32, torch.int64)
@@ -212,14 +213,6 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], he
 
 # ----------------------------------------------------------------------------------------------
 # Sample arguments for opcheck, the self-check and the tests: awkward shapes, never zeros.
-
-
-def make_cos_sin_cache(max_position: int, rot_dim: int, base: float = 10000.0, device=None, dtype=torch.float32) -> Tensor:
-    """vLLM's ``RotaryEmbedding._compute_cos_sin_cache``: ``(max_position, rot_dim)``, row ``p`` holding
-    ``cos(p * theta_i)`` then ``sin(p * theta_i)``, ``theta_i = base^(-2i/rot_dim)``, computed in fp64."""
-    inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
-    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device=device, dtype=dtype)
 
 
 def make_args(num_tokens: int, num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_neox: bool,

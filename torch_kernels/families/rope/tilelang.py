@@ -135,7 +135,7 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
                         cos[v] = T.cast(c[pos, lane * VEC + v], "float32")
                     for v in per_access(VEC):
                         sin[v] = T.cast(c[pos, HALF + lane * VEC + v], "float32")
-                else:  # only without the op's data check (inside a CUDA graph capture)
+                else:  # a position outside the cache: unchecked on CUDA (ops.CHECK_POSITIONS)
                     for v in T.unroll(VEC):
                         cos[v] = T.float32(float("nan"))
                         sin[v] = T.float32(float("nan"))
