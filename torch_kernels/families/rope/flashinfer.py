@@ -80,7 +80,7 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], he
                      cos_sin_cache: Tensor, is_neox: bool) -> None:
     if query.shape[0] == 0:  # a grid of 0 blocks is a launch error
         return
-    if not torch.cuda.is_current_stream_capturing():
+    if not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
         from .ops import positions_in_cache  # loaded before any call reaches here
 
         positions_in_cache(positions, cos_sin_cache.shape[0])
