@@ -19,7 +19,8 @@ from torch_kernels.testing import TOP_P_SLACK, assert_close, assert_ids_kept
 from conftest import DEVICES, arg_names, assert_bad_inputs_raise, family_ops, implementations_on
 
 SAMPLING = "top_k_top_p_sampling_from_probs"
-OPS = family_ops("sampling")
+# the probability filters; the logits ops and min-p are tested in tests/test_sampling_ops.py
+OPS = [op for op in family_ops("sampling") if set(arg_names(op)) <= {"probs", "top_k", "top_p", "seed", "offset"}]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FLT_MAX = torch.finfo(torch.float32).max
 

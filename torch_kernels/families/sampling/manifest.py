@@ -3,7 +3,9 @@
 from ...manifest import kernels, reference
 from ...spec import DECOMPOSE, INDUCTOR_TRITON, OPAQUE, Backend, Family, OpInfo
 
-OPS = ("top_k_renorm_probs", "top_p_renorm_probs", "top_k_top_p_sampling_from_probs")
+PROBS_OPS = ("top_k_renorm_probs", "top_p_renorm_probs", "top_k_top_p_sampling_from_probs")
+LOGITS_OPS = ("softmax", "top_k_mask_logits")
+OPS = PROBS_OPS + LOGITS_OPS
 
 _NO_ROUTE = (
     (DECOMPOSE, "the reference sorts the vocabulary; torch.compile of it failed in Inductor (SplitScan codegen on "
@@ -13,12 +15,21 @@ _NO_ROUTE = (
 
 FAMILY = Family(
     __package__,
-    ops=tuple(OpInfo(op, OPAQUE, no_compile_route=_NO_ROUTE) for op in OPS),
+    ops=(*(OpInfo(op, OPAQUE, no_compile_route=_NO_ROUTE) for op in PROBS_OPS),
+         OpInfo("softmax", OPAQUE, no_compile_route=(
+             (DECOMPOSE, "opaque as the family's other ops until Inductor's softmax is measured beside the kernel"),
+             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton"))),
+         OpInfo("top_k_mask_logits", OPAQUE, no_compile_route=(
+             (DECOMPOSE, "the reference sorts each row to find its k-th largest logit"),
+             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton")))),
     kernels=(
         *reference(__package__, OPS),
-        *kernels(__package__, Backend.TRITON, OPS,
+        *kernels(__package__, Backend.TRITON, PROBS_OPS,
                  "one program per row: candidate buffer in one read (top_k <= 1024), else multi-pivot passes; "
                  "bit-exact with the reference", ("float32",)),
+        *kernels(__package__, Backend.TRITON, LOGITS_OPS,
+                 "one program per row: softmax in two passes (online max and sum); top-k mask by 16-pivot counts "
+                 "over order keys, exact", ("float32", "float16", "bfloat16")),
         # FlashInfer decides the top-p boundary in fp32 (a token within ~1e-6 of it may go either way)
         *kernels(__package__, Backend.FLASHINFER, ("top_k_top_p_sampling_from_probs",),
                  "top_k_renorm_probs + top_p_sampling_from_probs: same kept set, FlashInfer's random stream",

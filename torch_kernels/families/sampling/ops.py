@@ -1,4 +1,5 @@
-"""The sampling family: ``top_k_renorm_probs``, ``top_p_renorm_probs``, ``top_k_top_p_sampling_from_probs``.
+"""The sampling family: ``top_k_renorm_probs``, ``top_p_renorm_probs``, ``top_k_top_p_sampling_from_probs``,
+and the logits ops ``softmax``, ``top_k_mask_logits`` (their definitions near the end).
 
 Semantics of FlashInfer's ``flashinfer.sampling`` (top-k first, then top-p on the renormalised
 survivors; thresholds keep ties), made exact so that the torch and Triton backends return the same kept set
@@ -9,6 +10,7 @@ Randomness comes only from the ``seed``/``offset`` tensors: a CUDA graph capture
 replay draws afresh after the caller updates ``offset`` in place.
 """
 
+import math
 from typing import Dict, Iterator, Optional, Union
 
 import torch
@@ -387,6 +389,236 @@ def _bench(op: str, args, reads: int, compare=None) -> BenchCase:
     return BenchCase(_bench_shape, args, _bench_nbytes(reads), flashinfer=_flashinfer(op), compare=compare, axis="rows")
 
 
+# ----------------------------------------------------------------------------------------------
+# The logits ops, FlashInfer's ``softmax`` and ``top_k_mask_logits``. Each schema takes its per-row
+# parameter as FlashInfer's own ops do, an optional tensor beside the scalar that serves where it is
+# None; the wrapper takes either (``temperature=0.7`` or a ``(B,)`` tensor), so a scalar never
+# becomes a tensor on the host.
+
+_LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TEMPERATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _validate_logits(op: str, logits: Tensor) -> None:
+    check.tensor(op, "logits", logits)
+    if logits.dtype not in _LOGIT_DTYPES:
+        check.fail(op, "logits", f"must be float32, float16 or bfloat16, got {logits.dtype}", TypeError)
+    if logits.dim() != 2:
+        check.fail(op, "logits", f"must be 2-D (batch, vocab), got shape {tuple(logits.shape)}")
+    check.last_dim_contiguous(op, "logits", logits)
+    check.require(logits.shape[1] >= 1, op, "logits", "must have a vocabulary (dimension 1) of at least 1")
+    check.require(logits.shape[1] <= _MAX_VOCAB, op, "logits",
+                  lambda: f"must have a vocabulary of at most {_MAX_VOCAB}, got {logits.shape[1]}")
+
+
+def _validate_row_values(op: str, arg: str, t: Tensor, dtypes, what: str, logits: Tensor) -> None:
+    check.tensor(op, arg, t)
+    if t.dtype not in dtypes:
+        check.fail(op, arg, f"must be {what}, got {t.dtype}", TypeError)
+    check.require(t.dim() == 1 and t.shape[0] == logits.shape[0], op, arg,
+                  lambda: f"must have shape ({logits.shape[0]},), one value per row of 'logits', got {tuple(t.shape)}")
+    check.same_device(op, arg, t, "logits", logits)
+
+
+def _temperature_ok(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _full_softmax(logits: Tensor, maybe_temperature_arr: Optional[Tensor] = None, temperature_val: float = 1.0) -> None:
+    op = "softmax"
+    _validate_logits(op, logits)
+    if maybe_temperature_arr is not None:
+        _validate_row_values(op, "maybe_temperature_arr", maybe_temperature_arr, _TEMPERATURE_DTYPES,
+                             "float16, bfloat16, float32 or float64", logits)
+    if not _temperature_ok(temperature_val):
+        check.fail(op, "temperature_val", f"must be a finite float >= 0, got {temperature_val!r}")
+
+
+def _logits_ok(logits: Tensor) -> bool:
+    return (logits.dtype in _LOGIT_DTYPES and logits.dim() == 2 and logits.stride(1) == 1
+            and 1 <= logits.shape[1] <= _MAX_VOCAB)
+
+
+def validate_softmax(logits: Tensor, maybe_temperature_arr: Optional[Tensor] = None, temperature_val: float = 1.0) -> None:
+    try:
+        if _logits_ok(logits) and _temperature_ok(temperature_val) and (
+                maybe_temperature_arr is None or (maybe_temperature_arr.dtype in _TEMPERATURE_DTYPES
+                                                  and maybe_temperature_arr.shape == logits.shape[:1]
+                                                  and maybe_temperature_arr.device == logits.device)):
+            return
+    except (AttributeError, IndexError, RuntimeError):
+        pass
+    _full_softmax(logits, maybe_temperature_arr, temperature_val)
+
+
+def _fake_softmax(logits: Tensor, maybe_temperature_arr: Optional[Tensor] = None, temperature_val: float = 1.0) -> Tensor:
+    _full_softmax(logits, maybe_temperature_arr, temperature_val)
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+def _full_top_k_mask(logits: Tensor, maybe_top_k_arr: Optional[Tensor] = None, top_k_val: int = 0) -> None:
+    op = "top_k_mask_logits"
+    _validate_logits(op, logits)
+    if maybe_top_k_arr is not None:
+        _validate_row_values(op, "maybe_top_k_arr", maybe_top_k_arr, _INDEX_DTYPES, "int32 or int64", logits)
+
+
+def validate_top_k_mask(logits: Tensor, maybe_top_k_arr: Optional[Tensor] = None, top_k_val: int = 0) -> None:
+    try:
+        if _logits_ok(logits) and (maybe_top_k_arr is None or (maybe_top_k_arr.dtype in _INDEX_DTYPES
+                                                               and maybe_top_k_arr.shape == logits.shape[:1]
+                                                               and maybe_top_k_arr.device == logits.device)):
+            return
+    except (AttributeError, IndexError, RuntimeError):
+        pass
+    _full_top_k_mask(logits, maybe_top_k_arr, top_k_val)
+
+
+def _fake_top_k_mask(logits: Tensor, maybe_top_k_arr: Optional[Tensor] = None, top_k_val: int = 0) -> Tensor:
+    _full_top_k_mask(logits, maybe_top_k_arr, top_k_val)
+    return logits.new_empty(logits.shape)
+
+
+def _tensor_or_scalar(op: str, arg: str, value, kind: type, what: str):
+    """``(tensor, scalar)`` for a schema's ``maybe_<arg>_arr`` and ``<arg>_val``: FlashInfer's split."""
+    if isinstance(value, Tensor):
+        return value, kind(0)
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        check.fail(op, arg, f"must be {what} or a (batch,) tensor, got {type(value).__name__}", TypeError)
+    return None, kind(value)
+
+
+def softmax(logits: Tensor, temperature: Union[float, Tensor, None] = 1.0) -> Tensor:
+    """``out[b] = exp(x[b] - max(x[b])) / sum(exp(x[b] - max(x[b])))``, ``x[b] = logits[b] * (1 / t[b])``
+
+    FlashInfer's ``flashinfer.sampling.softmax``: the probabilities of each row at its temperature,
+    computed in fp32 (``1 / t`` rounded to fp32, and 0 where ``t == 0``, as FlashInfer: such a row is
+    uniform over its finite logits). Numerically stable (the row's maximum is subtracted). A ``-inf``
+    logit gives probability 0 at any temperature; a row whose logits are all ``-inf`` returns NaN, as
+    FlashInfer's kernel and ``torch.softmax`` do; a NaN or ``+inf`` logit makes its row NaN.
+
+    Args:
+        logits: ``(B, V)`` float32, float16 or bfloat16, last dimension contiguous (rows may be strided).
+        temperature: a float ``>= 0`` for every row (``None``: 1), or a ``(B,)`` float16/bfloat16/
+            float32/float64 tensor on the device of ``logits``, one temperature a row (read as fp32).
+            The op's schema takes the two forms as ``maybe_temperature_arr`` and ``temperature_val``.
+
+    Returns:
+        ``(B, V)`` float32 probabilities, contiguous. Not differentiable.
+    """
+    arr, val = _tensor_or_scalar("softmax", "temperature", 1.0 if temperature is None else temperature, float,
+                                 "a float")
+    return torch.ops.deepinfer.softmax.default(logits, arr, val if arr is None else 1.0)
+
+
+def top_k_mask_logits(logits: Tensor, top_k: Union[int, Tensor]) -> Tensor:
+    """``out = where(logits >= kth_largest(logits, top_k), logits, -inf)`` per row
+
+    FlashInfer's ``flashinfer.sampling.top_k_mask_logits``: keep each row's ``top_k`` largest logits
+    and set the rest to ``-inf``. Ties are kept, as FlashInfer's pivot keeps them: every logit equal
+    to the k-th largest stays, so a row may keep more than ``top_k``. ``top_k <= 0`` or ``>= V``
+    keeps the whole row (the output equals the input). NaN ranks as ``-inf``; a kept value is copied
+    unchanged. The result is exact (a comparison of the values): every backend returns the same.
+
+    Args:
+        logits: ``(B, V)`` float32, float16 or bfloat16, last dimension contiguous (rows may be strided).
+        top_k: an int for every row, or a ``(B,)`` int32/int64 tensor on the device of ``logits``. The
+            op's schema takes the two forms as ``maybe_top_k_arr`` and ``top_k_val``.
+
+    Returns:
+        ``(B, V)`` in the dtype of ``logits``, contiguous. Not differentiable.
+    """
+    arr, val = _tensor_or_scalar("top_k_mask_logits", "top_k", top_k, int, "an int")
+    return torch.ops.deepinfer.top_k_mask_logits.default(logits, arr, val)
+
+
+def _logit_dtype(dtype) -> torch.dtype:
+    return dtype if dtype in _LOGIT_DTYPES else torch.float32
+
+
+def _logits(rows: int, vocab: int, device, dtype, stride=None, scale: float = 3.0) -> Tensor:
+    return (torch.randn(rows, stride or vocab, device=device) * scale).to(_logit_dtype(dtype))[:, :vocab]
+
+
+def _logit_inputs(device, dtype):
+    """(logits, per-row tensor maker or None, scalar): one logit, one row of Llama 2's vocabulary, rows of
+    1000 with -inf entries, zero rows, strided rows of an odd vocabulary, ties (bf16 rounds randn * 3
+    to ~300 distinct values)."""
+    masked = _logits(3, 1000, device, dtype)
+    masked[0, ::3] = float("-inf")
+    masked[2, :999] = float("-inf")  # one finite logit
+    yield _logits(1, 1, device, dtype), None, 1
+    yield _logits(1, 32000, device, dtype), None, 50
+    yield masked, "per-row", 5
+    yield _logits(0, 64, device, dtype), "per-row", 3
+    yield _logits(4, 301, device, dtype, stride=384), "per-row", 17
+    yield _logits(2, 129, device, dtype, scale=1.0).round(), None, 3  # ~7 distinct values a row
+
+
+def _samples_softmax(device, dtype) -> Iterator[tuple]:
+    for i, (logits, per_row, _) in enumerate(_logit_inputs(device, dtype)):
+        if per_row:
+            t = torch.rand(logits.shape[0], device=device) * 2 + 0.1
+            t[:1] = 0.0 if i == 4 else t[:1]  # temperature 0: uniform over the finite logits
+            yield logits, t.to((torch.float32, torch.bfloat16, torch.float64)[i % 3]), 1.0
+        else:
+            yield logits, None, (1.0, 0.7, 1.3)[i % 3]
+
+
+def _samples_top_k_mask(device, dtype) -> Iterator[tuple]:
+    for i, (logits, per_row, k) in enumerate(_logit_inputs(device, dtype)):
+        B, V = logits.shape
+        if per_row:
+            ks = torch.tensor([k, 0, V, -1, 1][:B] if B else [], device=device)
+            yield logits, ks.to((torch.int32, torch.int64)[i % 2]), 0
+        else:
+            yield logits, None, k
+
+
+def _tokens_softmax(n: int, device) -> tuple:
+    return (torch.randn(n, 64, device=device) * 3, torch.full((n,), 0.8, device=device), 1.0), (0, 1)
+
+
+def _tokens_top_k_mask(n: int, device) -> tuple:
+    return (torch.randn(n, 64, device=device) * 3, torch.full((n,), 8, dtype=torch.int32, device=device), 0), (0, 1)
+
+
+#: the benchmark's temperature (a scalar: the common call; FlashInfer's kernel reads either form alike)
+BENCH_TEMPERATURE = 0.7
+
+
+def _bench_args_softmax(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    logits = torch.randn(rows, BENCH_SIZES[profile][0], device=device) * 3
+    return logits.to(_logit_dtype(dtype)), None, BENCH_TEMPERATURE
+
+
+def _bench_args_top_k_mask(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    logits = torch.randn(rows, BENCH_SIZES[profile][0], device=device) * 3
+    return logits.to(_logit_dtype(dtype)), None, BENCH_TOP_K
+
+
+def _bench_nbytes_softmax(args: tuple) -> int:
+    return args[0].numel() * (args[0].element_size() + 4)  # read the logits, write fp32 probabilities
+
+
+def _bench_nbytes_top_k_mask(args: tuple) -> int:
+    return 2 * args[0].numel() * args[0].element_size()  # read the logits, write them masked
+
+
+def _flashinfer_logits(op: str):
+    def peer(args: tuple):
+        try:
+            import flashinfer.sampling as fs
+        except Exception as e:  # noqa: BLE001  (reported in the results)
+            return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+        if op == "softmax":
+            return Peer("flashinfer.sampling.softmax",
+                        lambda logits, arr, val: fs.softmax(logits, arr if arr is not None else val))
+        return Peer("flashinfer.sampling.top_k_mask_logits",
+                    lambda logits, arr, val: fs.top_k_mask_logits(logits, arr if arr is not None else val))
+    return peer
+
+
 _NO_GRAD = "top-k/top-p filtering and sampling are not differentiable (data-dependent thresholds, integer ids)"
 
 OPS = (
@@ -400,4 +632,14 @@ OPS = (
           validate_sampling, _fake_sampling, top_k_top_p_sampling_from_probs, _samples_sampling, _tokens_sampling,
           no_grad_reason=_NO_GRAD, compare=compare_samples,
           bench=_bench("top_k_top_p_sampling_from_probs", _bench_args_sampling, 1, _bench_compare_samples)),
+    OpDef("softmax(Tensor logits, Tensor? maybe_temperature_arr=None, float temperature_val=1.0) -> Tensor",
+          validate_softmax, _fake_softmax, softmax, _samples_softmax, _tokens_softmax,
+          no_grad_reason="it is an inference kernel",
+          bench=BenchCase(_bench_shape, _bench_args_softmax, _bench_nbytes_softmax, memory_bound=True,
+                          flashinfer=_flashinfer_logits("softmax"), axis="rows")),
+    OpDef("top_k_mask_logits(Tensor logits, Tensor? maybe_top_k_arr=None, int top_k_val=0) -> Tensor",
+          validate_top_k_mask, _fake_top_k_mask, top_k_mask_logits, _samples_top_k_mask, _tokens_top_k_mask,
+          no_grad_reason=_NO_GRAD,
+          bench=BenchCase(_bench_shape, _bench_args_top_k_mask, _bench_nbytes_top_k_mask,
+                          flashinfer=_flashinfer_logits("top_k_mask_logits"), axis="rows")),
 )

@@ -1,4 +1,6 @@
-"""Reference sampling family: ``top_k_renorm_probs``, ``top_p_renorm_probs``, ``top_k_top_p_sampling_from_probs``.
+"""Reference sampling family: ``top_k_renorm_probs``, ``top_p_renorm_probs``, ``top_k_top_p_sampling_from_probs``
+(below), and the logits ops ``softmax``, ``top_k_mask_logits`` (at the end; their wrappers' docstrings in
+``ops.py`` define them).
 
 The semantics every backend reproduces EXACTLY (the kept sets and the sampled ids are bit-identical;
 only the renormalised values differ, by rounding):
@@ -160,3 +162,52 @@ def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor,
         return torch.empty(0, dtype=torch.int32, device=probs.device)
     _, q, kept, mass = _filtered(probs, top_k, top_p)
     return sample_kept(q, kept, mass, random_bits31(B, seed, offset, probs.device))
+
+
+# ----------------------------------------------------------------------------------------------
+# Logits ops (FlashInfer's ``softmax``, ``top_k_mask_logits``): each takes its per-row parameter as an
+# optional tensor beside a scalar used where the tensor is None, as FlashInfer's own ops do.
+
+
+def inverse_temperature(temperature_arr, temperature_val: float, rows: int, device) -> Tensor:
+    """``(rows, 1)`` fp32 ``1 / t`` (FlashInfer: 0 where ``t == 0``), ``t`` read as fp32."""
+    if temperature_arr is None:
+        t = torch.full((rows, 1), temperature_val, dtype=torch.float32, device=device)
+    else:
+        t = temperature_arr.float().reshape(rows, 1)
+    return torch.where(t == 0, 0.0, 1.0 / t)
+
+
+def softmax(logits: Tensor, maybe_temperature_arr=None, temperature_val: float = 1.0) -> Tensor:
+    B, V = logits.shape
+    x = logits.float() * inverse_temperature(maybe_temperature_arr, temperature_val, B, logits.device)
+    x = torch.where(logits == float("-inf"), float("-inf"), x)  # -inf stays -inf at any temperature
+    m = x.amax(-1, keepdim=True)  # all -inf: -inf, and exp(-inf - -inf) is NaN, as FlashInfer's
+    e = torch.exp(x - m)
+    return (e / e.sum(-1, keepdim=True)).contiguous()
+
+
+def order_key(logits: Tensor) -> Tensor:
+    """int32 keys that order like the fp32 values (NaN as -inf): ``a >= b`` iff ``key(a) >= key(b)``."""
+    x = logits.float()
+    bits = torch.where(torch.isnan(x), float("-inf"), x).view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def top_k_keep_from(keys: Tensor, k: Tensor) -> Tensor:
+    """``(B, 1)`` the k-th largest key per row; ``k`` ``(B,)`` in ``[1, V]``."""
+    return keys.sort(-1, descending=True).values.gather(-1, (k.long() - 1).unsqueeze(-1))
+
+
+def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0) -> Tensor:
+    B, V = logits.shape
+    if B == 0:
+        return logits.new_empty(logits.shape)
+    if maybe_top_k_arr is None:
+        k = torch.full((B,), top_k_val, dtype=torch.int64, device=logits.device)
+    else:
+        k = maybe_top_k_arr.long()
+    k = torch.where((k > 0) & (k < V), k, V)
+    keys = order_key(logits)
+    kept = keys >= top_k_keep_from(keys, k)
+    return torch.where(kept, logits, float("-inf")).contiguous()

@@ -1,0 +1,109 @@
+"""Triton logits ops: ``softmax`` (two passes over the row, the max and sum online) and
+``top_k_mask_logits`` (the k-th largest by multi-pivot counts over order keys, then a masked copy);
+one program per row, the reference's semantics (``reference.softmax``, ``reference.top_k_mask_logits``)."""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_CHUNK = 2048  # values a step: 16 a thread at 4 warps
+_NP = 16  # pivots a counting pass: 4 bits of the 32-bit key a pass, 8 passes at most
+
+
+@triton.jit
+def _softmax_kernel(x_ptr, x_stride, t_ptr, t_val, out_ptr, out_stride, V,
+                    HAS_T: tl.constexpr, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    if HAS_T:
+        t = tl.load(t_ptr + row).to(tl.float32)
+    else:
+        t = t_val
+    inv = tl.where(t == 0.0, 0.0, 1.0 / tl.where(t == 0.0, 1.0, t))  # FlashInfer: 1/t taken as 0 at t = 0
+    offs = tl.arange(0, CHUNK)
+    m = tl.full((), -float("inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        raw = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        x = tl.where(raw == -float("inf"), -float("inf"), raw * inv)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        # -inf values add nothing; a chunk and running max both -inf would give exp(NaN)
+        scale = tl.where(m_new == -float("inf"), 0.0, tl.exp(m - m_new))
+        e = tl.where(x == -float("inf"), 0.0, tl.exp(x - m_new))
+        s = s * scale + tl.sum(e, axis=0)
+        m = m_new
+    inv_s = 1.0 / s
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        mask = cols < V
+        raw = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        x = tl.where(raw == -float("inf"), -float("inf"), raw * inv)
+        tl.store(out_ptr + row * out_stride + cols, tl.exp(x - m) * inv_s, mask=mask)  # all -inf: NaN
+
+
+@triton.jit
+def _order_key(raw):
+    """int32 keys ordering like the fp32 values, NaN as -inf (``reference.order_key``)."""
+    x = raw.to(tl.float32)
+    x = tl.where(x != x, -float("inf"), x)
+    b = x.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _top_k_mask_kernel(x_ptr, x_stride, k_ptr, k_val, out_ptr, out_stride, V,
+                       HAS_K: tl.constexpr, CHUNK: tl.constexpr, NP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    o_row = out_ptr + row * out_stride
+    if HAS_K:
+        k = tl.load(k_ptr + row).to(tl.int64)
+    else:
+        k = tl.full((), 0, tl.int64) + k_val  # k_val == 1 arrives as a constexpr
+    offs = tl.arange(0, CHUNK)
+    # the largest t with count(key >= t) >= k: count(>= lo) >= k, count(>= hi) < k (int64 bounds)
+    lo = tl.full((), -2147483648, tl.int64)
+    hi = tl.full((), 2147483648, tl.int64)
+    if (k > 0) & (k < V):
+        j = tl.arange(1, NP + 1).to(tl.int64)
+        while hi - lo > 1:
+            step = (hi - lo + NP) // (NP + 1)
+            piv = tl.minimum(lo + j * step, hi)  # NP pivots in (lo, hi], hi counts below k
+            cnt = tl.zeros((NP,), tl.int64)
+            for start in range(0, V, CHUNK):
+                cols = start + offs
+                key = _order_key(tl.load(x_row + cols, mask=cols < V, other=-float("inf")))
+                key = tl.where(cols < V, key.to(tl.int64), -4294967296)  # past the row: below every pivot
+                cnt += tl.sum((key[:, None] >= piv[None, :]).to(tl.int64), axis=0)
+            ok = cnt >= k
+            lo = tl.maximum(lo, tl.max(tl.where(ok, piv, lo), axis=0))
+            hi = tl.min(tl.where(ok, hi, piv), axis=0)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        mask = cols < V
+        raw = tl.load(x_row + cols, mask=mask, other=0.0)
+        keep = _order_key(raw).to(tl.int64) >= lo
+        tl.store(o_row + cols, tl.where(keep, raw, -float("inf")).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def softmax(logits: Tensor, maybe_temperature_arr=None, temperature_val: float = 1.0) -> Tensor:
+    B, V = logits.shape
+    out = torch.empty((B, V), dtype=torch.float32, device=logits.device)
+    if B:
+        has_t = maybe_temperature_arr is not None
+        _softmax_kernel[(B,)](logits, logits.stride(0), maybe_temperature_arr if has_t else out, float(temperature_val),
+                              out, out.stride(0), V, HAS_T=has_t, CHUNK=_CHUNK, num_warps=4)
+    return out
+
+
+def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0) -> Tensor:
+    B, V = logits.shape
+    out = torch.empty((B, V), dtype=logits.dtype, device=logits.device)
+    if B:
+        has_k = maybe_top_k_arr is not None
+        k_val = max(min(int(top_k_val), V), -1)  # the kernel takes an int32 scalar; every k outside (0, V) keeps all
+        _top_k_mask_kernel[(B,)](logits, logits.stride(0), maybe_top_k_arr if has_k else out, k_val,
+                                 out, out.stride(0), V, HAS_K=has_k, CHUNK=_CHUNK, NP=_NP, num_warps=4)
+    return out
