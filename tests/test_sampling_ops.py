@@ -275,3 +275,241 @@ def test_flashinfer_agrees(dtype):
         for k in (1, 50, torch.randint(1, vocab, (rows,), device="cuda", dtype=torch.int32)):
             got, want = torch_kernels.top_k_mask_logits(logits, k), fs.top_k_mask_logits(logits, k)
             assert torch.equal(got, want), f"top_k_mask_logits {vocab} {dtype} k={k if isinstance(k, int) else 'per-row'}"
+
+
+# ------------------------------------------------------------------------------------------------
+# min-p sampling: the kept set against an independent formula, every backend exactly, the sampled
+# distribution (chi-square, both random sources), determinism, bad input, CUDA graphs.
+
+MIN_P = "min_p_sampling_from_probs"
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def _softmax(rows, vocab, device, scale=3.0, stride=None):
+    return torch.softmax(torch.randn(rows, stride or vocab, device=device) * scale, -1)[:, :vocab]
+
+
+def _min_p_formula(probs, min_p):
+    """(kept, renormalised fp64 rows): kept iff ``p >= fp32(min_p * max p)`` (the pivot's one fp32
+    product, as FlashInfer's kernel), the largest always; NaN and negatives 0, +inf FLT_MAX."""
+    p = probs.double().nan_to_num(nan=0.0, posinf=FLT_MAX).clamp(min=0.0)
+    B, _ = p.shape
+    mp = min_p.float().tolist() if isinstance(min_p, torch.Tensor) else [min_p] * B
+    kept = torch.zeros_like(p, dtype=torch.bool)
+    for b in range(B):
+        m = p[b].max()
+        pivot = (torch.tensor(mp[b], dtype=torch.float32) * m.float()).double().item()
+        pivot = m.item() if math.isnan(pivot) or pivot > m else max(pivot, 0.0)
+        kept[b] = p[b] >= pivot
+    kp = torch.where(kept, p, 0.0)
+    s = kp.sum(-1, keepdim=True)
+    return kept, torch.where(s > 0, kp / s.clamp(min=1e-300), 0.0)
+
+
+def _odd_probs(rows, vocab, device):
+    p = _softmax(rows, vocab, device)
+    p[0, :6] = torch.tensor([math.nan, -0.5, -0.0, 0.0, 1e-30, 1e-40])
+    p[1] = 0.0
+    p[2, 7] = math.inf
+    p[3] = torch.randint(0, 4, (vocab,)).float() / 4  # ties at the largest and at the pivot
+    return p
+
+
+def _min_p_cases(device):
+    yield _softmax(6, 1000, device), [0.1, 0.0, 1.0, -1.0, math.nan, 0.5]
+    yield _softmax(3, 257, device, scale=1.0), [0.05, 0.9, 0.3]
+    yield _odd_probs(4, 200, device), [0.2, 0.2, 0.5, 0.75]
+    yield _softmax(1, 1, device), [0.5]
+    yield _softmax(0, 64, device), []
+
+
+def test_min_p_kept_set_matches_independent_formula():
+    from torch_kernels.families.sampling.ops import min_p_kept_set
+    torch.manual_seed(10)
+    for probs, mps in _min_p_cases("cpu"):
+        for min_p in [torch.tensor(mps, dtype=torch.float32)] + mps[:2]:
+            arr, val = (min_p, 0.0) if isinstance(min_p, torch.Tensor) else (None, min_p)
+            want, _ = _min_p_formula(probs, min_p)
+            got = min_p_kept_set(probs, arr, val)
+            rows = (got != want).any(-1).nonzero().flatten().tolist()
+            assert not rows, f"min_p {min_p}: kept sets differ in rows {rows}"
+    ties = torch.tensor([[0.4, 0.2, 0.4, 0.1, 0.04]])
+    assert min_p_kept_set(ties, None, 0.5).tolist() == [[True, True, True, False, False]]  # 0.2 = 0.5 * 0.4 kept
+    assert min_p_kept_set(ties, None, 2.0).tolist() == [[True, False, True, False, False]]  # the largest, ties too
+
+
+def _min_p_args(probs, min_p, seed=1234, offset=5):
+    device = probs.device
+    arr, val = (min_p.to(device), 0.0) if isinstance(min_p, torch.Tensor) else (None, min_p)
+    return probs, arr, val, torch.tensor(seed, device=device), torch.tensor([offset], device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_p_backends_match_reference(device):
+    torch.manual_seed(11)
+    ref = registry.BY_OP[MIN_P][Backend.TORCH].load()
+    backends = implementations_on(MIN_P, device)
+    cases = [tuple(a) for a in ops.BY_NAME[MIN_P].samples(device, torch.float32)]
+    for probs, mps in _min_p_cases(device):
+        cases += [_min_p_args(probs, torch.tensor(mps)), _min_p_args(probs, 0.1, seed=-3, offset=2**33)]
+    if device == "cuda":
+        for vocab, rows in ((128256, 64), (32000, 5), (256000, 2)):
+            probs = _softmax(rows, vocab, device, stride=vocab + 64)
+            cases += [_min_p_args(probs, 0.05), _min_p_args(probs, torch.rand(rows) * 0.3)]
+    for args in cases:
+        before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        want = ref(*args)
+        for name, fn in backends:
+            got = fn(*args)
+            assert got.dtype == torch.int32 and torch.equal(got.cpu(), want.cpu()), f"{name} {tuple(args[0].shape)}"
+        assert all(not isinstance(b, torch.Tensor) or torch.equal(b.nan_to_num(), a.nan_to_num())
+                   for b, a in zip(before, args)), "an input was clobbered"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_p_sampled_ids_are_always_kept(device):
+    torch.manual_seed(12)
+    base = torch.cat([_softmax(2, 300, device, scale=2.0), _odd_probs(4, 300, device)[[0, 2, 3]]])
+    min_p = torch.tensor([0.1, 0.02, 0.3, 0.6, 0.5])
+    kept, _ = _min_p_formula(base.cpu(), min_p)
+    reps = 256
+    probs, mp, row_kept = base.repeat(reps, 1), min_p.to(device).repeat(reps), kept.to(device).repeat(reps, 1)
+    for offset in range(4):
+        ids = torch_kernels.min_p_sampling_from_probs(probs, mp, torch.tensor(5, device=device),
+                                                      torch.tensor(offset, device=device))
+        assert row_kept.gather(1, ids.long()[:, None]).all(), f"offset {offset}: a token outside the kept set"
+        ids = torch_kernels.min_p_sampling_from_probs(probs, mp)  # torch's generator
+        assert row_kept.gather(1, ids.long()[:, None]).all(), "torch's generator: a token outside the kept set"
+
+
+def _chi_square_critical(dof: int, z: float = 4.265) -> float:
+    """The upper 1e-5 quantile of chi-square(dof), Wilson-Hilferty: a correct sampler fails once in 10^5."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def _chi_square(counts, expected_probs):
+    exp = expected_probs * counts.sum()
+    return (((counts - exp) ** 2) / exp).sum().item()
+
+
+@pytest.mark.parametrize("source", ["seed_offset", "torch_generator"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_p_distribution_chi_square(device, source):
+    """100k draws of one row (fixed seeds): the counts match the kept, renormalised probabilities, and
+    the same counts reject two wrong distributions (a tenth of the mass spread uniformly; the two
+    largest probabilities swapped), so the test has the power to fail."""
+    torch.manual_seed(13)
+    V = 40
+    row = _softmax(1, V, device, scale=1.0)
+    min_p = 0.3
+    kept, expected = _min_p_formula(row.cpu(), min_p)
+    n_kept = int(kept.sum())
+    assert 5 <= n_kept < 30, n_kept  # the filter bites
+    reps, draws = 10000, 10
+    probs = row.repeat(reps, 1)
+    counts = torch.zeros(V, dtype=torch.float64)
+    for step in range(draws):
+        if source == "seed_offset":
+            ids = torch_kernels.min_p_sampling_from_probs(probs, min_p, torch.tensor(7, device=device),
+                                                          torch.tensor(step, device=device))
+        else:
+            ids = torch_kernels.min_p_sampling_from_probs(probs, min_p)
+        counts += torch.bincount(ids.long().cpu(), minlength=V).double()
+    assert counts[~kept[0]].sum() == 0
+    k = kept[0]
+    critical = _chi_square_critical(n_kept - 1)
+    chi2 = _chi_square(counts[k], expected[0][k])
+    assert chi2 < critical, f"chi-square {chi2:.1f} with {n_kept - 1} degrees of freedom (critical {critical:.1f})"
+    wrong = [expected[0][k] * 0.9 + 0.1 / n_kept]  # a tenth of the mass spread uniformly
+    swapped = expected[0][k].clone()
+    top2 = swapped.topk(2).indices
+    swapped[top2] = swapped[top2.flip(0)]
+    if not torch.equal(swapped, expected[0][k]):
+        wrong.append(swapped)
+    for w in wrong:
+        assert _chi_square(counts[k], w) > critical, "the chi-square test cannot tell a wrong distribution"
+
+
+def test_min_p_is_deterministic_per_seed_and_offset_and_follows_torch_seed():
+    torch.manual_seed(14)
+    probs = _softmax(64, 500, "cpu", scale=0.5)
+
+    def draw(seed, offset, rows=64, shape=()):
+        return torch_kernels.min_p_sampling_from_probs(probs[:rows], 0.05, torch.full(shape, seed, dtype=torch.int64),
+                                                       torch.full(shape, offset, dtype=torch.int64))
+    a = draw(1, 0)
+    assert torch.equal(a, draw(1, 0)) and torch.equal(a, draw(1, 0, shape=(1,)))
+    assert torch.equal(a, torch_kernels.min_p_sampling_from_probs(probs, 0.05, 1, 0)), "int seed and offset"
+    assert torch.equal(a[:5], draw(1, 0, rows=5)), "a row's stream depends on the batch size"
+    for other in (draw(1, 1), draw(2, 0), draw(1, 2**32), draw(-1, 0)):
+        assert (other != a).sum() > 32, "another seed or offset gave (nearly) the same draws"
+    torch.manual_seed(0)
+    g1, g2 = torch_kernels.min_p_sampling_from_probs(probs, 0.05), torch_kernels.min_p_sampling_from_probs(probs, 0.05)
+    torch.manual_seed(0)
+    assert torch.equal(g1, torch_kernels.min_p_sampling_from_probs(probs, 0.05)), "torch.manual_seed reproduces"
+    assert (g1 != g2).sum() > 32, "consecutive draws from torch's generator repeat"
+
+
+def _min_p_bad_cases(device):
+    probs = _softmax(4, 64, device)
+    mp, seed, offset = torch.full((4,), 0.1, device=device), torch.tensor(1, device=device), torch.tensor([0], device=device)
+    return [
+        ("1-D probs", (probs[0], mp[:1], 0.0, seed, offset), ValueError, "probs"),
+        ("fp16 probs", (probs.half(), mp, 0.0, seed, offset), TypeError, "probs"),
+        ("non-contiguous vocabulary", (_softmax(64, 4, device).t(), mp, 0.0, seed, offset), ValueError, "probs"),
+        ("empty vocabulary", (probs[:, :0], mp, 0.0, seed, offset), ValueError, "probs"),
+        ("min_p of the wrong length", (probs, mp[:3], 0.0, seed, offset), ValueError, "maybe_min_p_arr"),
+        ("fp64 min_p", (probs, mp.double(), 0.0, seed, offset), TypeError, "maybe_min_p_arr"),
+        ("min_p on another device", (probs, mp.to("meta"), 0.0, seed, offset), ValueError, "maybe_min_p_arr"),
+        ("int32 seed", (probs, None, 0.1, seed.int(), offset), TypeError, "seed"),
+        ("two seeds", (probs, None, 0.1, torch.tensor([1, 2], device=device), offset), ValueError, "seed"),
+        ("float offset", (probs, None, 0.1, seed, offset.float()), TypeError, "offset"),
+        ("offset on another device", (probs, None, 0.1, seed, offset.to("meta")), ValueError, "offset"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_p_bad_input_names_the_op_and_the_argument(device):
+    assert_bad_inputs_raise(MIN_P, _min_p_bad_cases(device))
+    probs = _softmax(2, 8, device)
+    for kwargs, arg in (({"seed": 1}, "offset"), ({"offset": torch.tensor(0, device=device)}, "seed"),
+                        ({"seed": 1.5, "offset": 0}, "seed"), ({"min_p": "0.1"}, "min_p")):
+        with pytest.raises(TypeError, match=rf"^deepinfer::{MIN_P}: argument '{arg}' "):
+            torch_kernels.min_p_sampling_from_probs(probs, **{"min_p": 0.1, **kwargs})
+
+
+@pytest.mark.gpu
+def test_min_p_cuda_graph_replays_draw_afresh():
+    torch.manual_seed(15)
+    probs = _softmax(64, 128256, "cuda")
+    kept, _ = _min_p_formula(probs.cpu(), 0.05)
+    seed, offset = torch.tensor(11, device="cuda"), torch.tensor(0, device="cuda")
+    torch_kernels.min_p_sampling_from_probs(probs, 0.05, seed, offset)  # compile outside the capture
+    torch_kernels.min_p_sampling_from_probs(probs, 0.05)
+    torch.cuda.synchronize()
+    given, drawn = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(given):
+        out = torch_kernels.min_p_sampling_from_probs(probs, 0.05, seed, offset)
+    with torch.cuda.graph(drawn):
+        out_g = torch_kernels.min_p_sampling_from_probs(probs, 0.05)  # torch's generator inside the graph
+    seen = []
+    for step in (3, 4):
+        offset.fill_(step)
+        given.replay()
+        assert torch.equal(out, reference.min_p_sampling_from_probs(probs, None, 0.05, seed, offset))
+        drawn.replay()
+        assert kept.cuda().gather(1, out_g.long()[:, None]).all()
+        seen.append(out_g.clone())
+    assert not torch.equal(seen[0], seen[1]), "a replay drew the same ids from torch's generator"
+
+
+@pytest.mark.gpu
+def test_min_p_flashinfer_keeps_the_same_set():
+    fs = pytest.importorskip("flashinfer.sampling")
+    torch.manual_seed(16)
+    for vocab, rows in ((128256, 64), (32000, 5)):
+        probs = _softmax(rows, vocab, "cuda")
+        for min_p in (0.05, torch.rand(rows, device="cuda") * 0.5):
+            kept, _ = _min_p_formula(probs.cpu(), min_p.cpu() if isinstance(min_p, torch.Tensor) else min_p)
+            ids = fs.min_p_sampling_from_probs(probs, min_p, deterministic=True, seed=1, offset=0)
+            assert kept.cuda().gather(1, ids.long()[:, None]).all(), "FlashInfer drew outside our kept set"

@@ -5,7 +5,7 @@ from ...spec import DECOMPOSE, INDUCTOR_TRITON, OPAQUE, Backend, Family, OpInfo
 
 PROBS_OPS = ("top_k_renorm_probs", "top_p_renorm_probs", "top_k_top_p_sampling_from_probs")
 LOGITS_OPS = ("softmax", "top_k_mask_logits")
-OPS = PROBS_OPS + LOGITS_OPS
+OPS = PROBS_OPS + LOGITS_OPS + ("min_p_sampling_from_probs",)
 
 _NO_ROUTE = (
     (DECOMPOSE, "the reference sorts the vocabulary; torch.compile of it failed in Inductor (SplitScan codegen on "
@@ -21,7 +21,8 @@ FAMILY = Family(
              (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton"))),
          OpInfo("top_k_mask_logits", OPAQUE, no_compile_route=(
              (DECOMPOSE, "the reference sorts each row to find its k-th largest logit"),
-             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton")))),
+             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton"))),
+         OpInfo("min_p_sampling_from_probs", OPAQUE, no_compile_route=_NO_ROUTE)),
     kernels=(
         *reference(__package__, OPS),
         *kernels(__package__, Backend.TRITON, PROBS_OPS,
@@ -30,6 +31,9 @@ FAMILY = Family(
         *kernels(__package__, Backend.TRITON, LOGITS_OPS,
                  "one program per row: softmax in two passes (online max and sum); top-k mask by 16-pivot counts "
                  "over order keys, exact", ("float32", "float16", "bfloat16")),
+        *kernels(__package__, Backend.TRITON, ("min_p_sampling_from_probs",),
+                 "one program per row: max, kept mass, draw in three passes; bit-exact with the reference",
+                 ("float32",)),
         # FlashInfer decides the top-p boundary in fp32 (a token within ~1e-6 of it may go either way)
         *kernels(__package__, Backend.FLASHINFER, ("top_k_top_p_sampling_from_probs",),
                  "top_k_renorm_probs + top_p_sampling_from_probs: same kept set, FlashInfer's random stream",

@@ -1,5 +1,6 @@
 """The sampling family: ``top_k_renorm_probs``, ``top_p_renorm_probs``, ``top_k_top_p_sampling_from_probs``,
-and the logits ops ``softmax``, ``top_k_mask_logits`` (their definitions near the end).
+and the logits ops ``softmax``, ``top_k_mask_logits``, and ``min_p_sampling_from_probs`` (their
+definitions near the end).
 
 Semantics of FlashInfer's ``flashinfer.sampling`` (top-k first, then top-p on the renormalised
 survivors; thresholds keep ties), made exact so that the torch and Triton backends return the same kept set
@@ -619,6 +620,142 @@ def _flashinfer_logits(op: str):
     return peer
 
 
+# ----------------------------------------------------------------------------------------------
+# min-p sampling (FlashInfer's ``min_p_sampling_from_probs``): the family's exact masses and Philox
+# stream; ``min_p`` a scalar or a per-row tensor as the logits ops take theirs.
+
+
+def _full_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: float, seed: Tensor, offset: Tensor) -> None:
+    op = "min_p_sampling_from_probs"
+    _validate_probs(op, probs)
+    if maybe_min_p_arr is not None:
+        _validate_per_row(op, "maybe_min_p_arr", maybe_min_p_arr, (torch.float32,), "float32", probs)
+    _validate_scalar(op, "seed", seed, probs)
+    _validate_scalar(op, "offset", offset, probs)
+
+
+def validate_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: float, seed: Tensor,
+                   offset: Tensor) -> None:
+    try:
+        if (_probs_ok(probs) and seed.dtype == torch.int64 and offset.dtype == torch.int64
+                and seed.numel() == 1 and offset.numel() == 1 and seed.dim() <= 1 and offset.dim() <= 1
+                and probs.device == seed.device == offset.device
+                and (maybe_min_p_arr is None or (maybe_min_p_arr.dtype == torch.float32
+                                                 and maybe_min_p_arr.shape == probs.shape[:1]
+                                                 and maybe_min_p_arr.device == probs.device))):
+            return
+    except (AttributeError, IndexError, RuntimeError):
+        pass
+    _full_min_p(probs, maybe_min_p_arr, min_p_val, seed, offset)
+
+
+def _fake_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: float, seed: Tensor, offset: Tensor) -> Tensor:
+    _full_min_p(probs, maybe_min_p_arr, min_p_val, seed, offset)
+    return probs.new_empty(probs.shape[:1], dtype=torch.int32)
+
+
+def _seed_offset(op: str, probs: Tensor, seed, offset):
+    """One-element int64 tensors; both ``None``: a seed drawn by torch's generator of the device."""
+    if seed is None and offset is None:
+        # a torch random op: it advances the device's generator and replays afresh in a CUDA graph
+        seed = torch.randint(-2**63, 2**63 - 1, (), dtype=torch.int64, device=probs.device)
+        return seed, torch.zeros((), dtype=torch.int64, device=probs.device)
+    out = []
+    for arg, value in (("seed", seed), ("offset", offset)):
+        if value is None:
+            check.fail(op, arg, "must be given with the other of 'seed' and 'offset', or both left None", TypeError)
+        if not isinstance(value, Tensor):
+            if isinstance(value, bool) or not isinstance(value, int):
+                check.fail(op, arg, f"must be an int or an int64 tensor, got {type(value).__name__}", TypeError)
+            value = torch.full((), value, dtype=torch.int64, device=probs.device)
+        out.append(value)
+    return tuple(out)
+
+
+def min_p_sampling_from_probs(probs: Tensor, min_p: Union[float, Tensor], seed=None, offset=None) -> Tensor:
+    """``ids[b] ~ where(p >= min_p[b] * max(p[b]), p, 0)`` renormalised, drawn with Philox(seed, offset, b)
+
+    FlashInfer's ``min_p_sampling_from_probs``: one token id per row from the tokens whose probability
+    is at least ``min_p`` times the row's largest (the pivot ``fp32(min_p * max)``, as FlashInfer's
+    kernel; ``min_p <= 0`` keeps every token, ``min_p >= 1`` or NaN the largest value and its ties). A
+    token outside the kept set is never returned. The draw is the family's: the kept masses in 64-bit
+    fixed point, the inverse CDF in token order at a 31-bit uniform from Philox4x32-10 with counter
+    ``(row, offset, 0)`` and key ``seed`` (``top_k_top_p_sampling_from_probs``), identical on every
+    device and backend. Without ``seed`` and ``offset`` a seed is drawn on the device with torch's
+    generator (``torch.manual_seed`` makes it reproducible; a CUDA graph replays a fresh draw).
+
+    Args:
+        probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.
+            NaN and negative values count as 0, ``+inf`` as the largest fp32.
+        min_p: a float for every row, or a ``(B,)`` float32 tensor on the device of ``probs``. The op's
+            schema takes the two forms as ``maybe_min_p_arr`` and ``min_p_val``.
+        seed, offset: both ``None``, or each an int or an int64 tensor of one element on the device of
+            ``probs`` (read on the device: advance ``offset`` in place between steps of a CUDA graph).
+            The registered op takes them as tensors, always.
+
+    Returns:
+        ``(B,)`` int32 token ids. A row with no positive probability returns 0. Not differentiable.
+    """
+    op = "min_p_sampling_from_probs"
+    arr, val = _tensor_or_scalar(op, "min_p", min_p, float, "a float")
+    seed, offset = _seed_offset(op, probs, seed, offset)
+    return torch.ops.deepinfer.min_p_sampling_from_probs.default(probs, arr, val, seed, offset)
+
+
+def _samples_min_p(device, dtype) -> Iterator[tuple]:
+    for i, (probs, _, top_p) in enumerate(_sample_inputs(device)):
+        shape = () if i % 2 else (1,)
+        seed, offset = _scalar(99 + i, device, shape), _scalar(3 * i, device, shape)
+        if i % 2:
+            yield probs, (1 - top_p) * 0.5, 0.0, seed, offset  # per-row: 0.05 to 0.5, and 0
+        else:
+            yield probs, None, (0.1, 0.0, 1.0)[i // 2 % 3], seed, offset
+
+
+def _tokens_min_p(n: int, device) -> tuple:
+    probs, _, _ = _tokens_args(n, device)
+    return (probs, torch.full((n,), 0.1, device=device), 0.0, _scalar(42, device), _scalar(n, device)), (0, 1)
+
+
+BENCH_MIN_P = 0.1
+
+
+def _bench_args_min_p(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    probs, _, _ = _bench_inputs(rows, profile, device)
+    return probs, None, BENCH_MIN_P, torch.tensor(1234, device=device), torch.tensor(0, device=device)
+
+
+def min_p_kept_set(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: float) -> Tensor:
+    """``(B, V)`` bool: the tokens the reference's min-p filter keeps."""
+    from . import reference
+
+    bits = reference.value_bits(probs)
+    return bits >= reference.min_p_threshold(bits, maybe_min_p_arr, min_p_val)
+
+
+def _bench_compare_min_p(got: list, want: list, dtype, args: tuple) -> Optional[str]:
+    """The reference's ids, or, from another random stream, ids all in the reference's kept set."""
+    try:
+        compare_samples(got, want, dtype)
+        return None
+    except AssertionError:
+        inside = min_p_kept_set(*args[:3]).gather(1, got[0].long()[:, None]).float().mean().item()
+        if inside < 1.0:
+            raise AssertionError(f"{inside:.1%} of the ids in the kept set") from None
+        return "another random stream; every id in the kept set"
+
+
+def _flashinfer_min_p(args: tuple):
+    try:
+        import flashinfer.sampling as fs
+    except Exception as e:  # noqa: BLE001  (reported in the results)
+        return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+    seed, offset = int(args[3]), int(args[4])  # ints: graph capture reads no generator state
+    return Peer("flashinfer.sampling.min_p_sampling_from_probs",
+                lambda probs, arr, val, *_: fs.min_p_sampling_from_probs(
+                    probs, arr if arr is not None else val, deterministic=True, seed=seed, offset=offset))
+
+
 _NO_GRAD = "top-k/top-p filtering and sampling are not differentiable (data-dependent thresholds, integer ids)"
 
 OPS = (
@@ -642,4 +779,10 @@ OPS = (
           no_grad_reason=_NO_GRAD,
           bench=BenchCase(_bench_shape, _bench_args_top_k_mask, _bench_nbytes_top_k_mask,
                           flashinfer=_flashinfer_logits("top_k_mask_logits"), axis="rows")),
+    OpDef("min_p_sampling_from_probs(Tensor probs, Tensor? maybe_min_p_arr, float min_p_val, Tensor seed, Tensor offset) "
+          "-> Tensor",
+          validate_min_p, _fake_min_p, min_p_sampling_from_probs, _samples_min_p, _tokens_min_p,
+          no_grad_reason=_NO_GRAD, compare=compare_samples,
+          bench=BenchCase(_bench_shape, _bench_args_min_p, _bench_nbytes(1), flashinfer=_flashinfer_min_p,
+                          compare=_bench_compare_min_p, axis="rows")),
 )

@@ -1,6 +1,6 @@
 """Reference sampling family: ``top_k_renorm_probs``, ``top_p_renorm_probs``, ``top_k_top_p_sampling_from_probs``
-(below), and the logits ops ``softmax``, ``top_k_mask_logits`` (at the end; their wrappers' docstrings in
-``ops.py`` define them).
+(below), and the logits ops ``softmax``, ``top_k_mask_logits`` and ``min_p_sampling_from_probs`` (at the
+end; their wrappers' docstrings in ``ops.py`` define them, min-p with the masses and stream below).
 
 The semantics every backend reproduces EXACTLY (the kept sets and the sampled ids are bit-identical;
 only the renormalised values differ, by rounding):
@@ -211,3 +211,30 @@ def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0) 
     keys = order_key(logits)
     kept = keys >= top_k_keep_from(keys, k)
     return torch.where(kept, logits, float("-inf")).contiguous()
+
+
+def min_p_threshold(bits: Tensor, maybe_min_p_arr, min_p_val: float) -> Tensor:
+    """``(B, 1)`` int32: the pattern of ``min(fp32(min_p * max(p)), max(p))`` (0 where not positive):
+    FlashInfer's pivot, kept ``p >= pivot``; the largest value is kept whatever ``min_p`` (NaN, > 1)."""
+    B = bits.shape[0]
+    m_bits = bits.amax(-1, keepdim=True)
+    m = m_bits.view(torch.float32)
+    if maybe_min_p_arr is None:
+        min_p = torch.full((B, 1), min_p_val, dtype=torch.float32, device=bits.device)
+    else:
+        min_p = maybe_min_p_arr.float().reshape(B, 1)
+    pivot = min_p * m
+    below_max = pivot <= m  # NaN (min_p NaN) and pivots above the largest keep the largest only
+    pivot = torch.where(pivot > 0, pivot, 0.0)
+    return torch.where(below_max, pivot.view(torch.int32), m_bits)
+
+
+def min_p_sampling_from_probs(probs: Tensor, maybe_min_p_arr, min_p_val: float, seed: Tensor, offset: Tensor) -> Tensor:
+    B = probs.shape[0]
+    if B == 0:
+        return torch.empty(0, dtype=torch.int32, device=probs.device)
+    bits = value_bits(probs)
+    q = fixed_point(bits, bits.amax(-1, keepdim=True), fixed_point_bits(probs.shape[1]))
+    kept = bits >= min_p_threshold(bits, maybe_min_p_arr, min_p_val)
+    mass = torch.where(kept, q, 0).sum(-1)
+    return sample_kept(q, kept, mass, random_bits31(B, seed, offset, probs.device))

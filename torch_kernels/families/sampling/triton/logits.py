@@ -1,11 +1,16 @@
-"""Triton logits ops: ``softmax`` (two passes over the row, the max and sum online) and
-``top_k_mask_logits`` (the k-th largest by multi-pivot counts over order keys, then a masked copy);
-one program per row, the reference's semantics (``reference.softmax``, ``reference.top_k_mask_logits``)."""
+"""Triton logits ops and min-p sampling: ``softmax`` (two passes over the row, the max and sum online),
+``top_k_mask_logits`` (the k-th largest by multi-pivot counts over order keys, then a masked copy),
+``min_p_sampling_from_probs`` (three passes: max, kept mass, the draw); one program per row, the
+reference's semantics exactly (``reference.softmax``, ``reference.top_k_mask_logits``,
+``reference.min_p_sampling_from_probs``: the same fixed-point masses and Philox stream as the family)."""
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from ..reference import fixed_point_bits
+from ._common import _fixed, _random_bits31, _target, _value_bits
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
 _NP = 16  # pivots a counting pass: 4 bits of the 32-bit key a pass, 8 passes at most
@@ -106,4 +111,54 @@ def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0) 
         k_val = max(min(int(top_k_val), V), -1)  # the kernel takes an int32 scalar; every k outside (0, V) keeps all
         _top_k_mask_kernel[(B,)](logits, logits.stride(0), maybe_top_k_arr if has_k else out, k_val,
                                  out, out.stride(0), V, HAS_K=has_k, CHUNK=_CHUNK, NP=_NP, num_warps=4)
+    return out
+
+
+@triton.jit
+def _min_p_kernel(p_ptr, p_stride, mp_ptr, mp_val, seed_ptr, offset_ptr, out_ptr, V, q_bits,
+                  HAS_MP: tl.constexpr, CHUNK: tl.constexpr):
+    """Three passes: the row's largest pattern, the kept mass (``bits >= pivot``, fixed point), the
+    first token whose cumulative kept mass exceeds the target (``reference.min_p_sampling_from_probs``)."""
+    row = tl.program_id(0).to(tl.int64)
+    p_row = p_ptr + row * p_stride
+    offs = tl.arange(0, CHUNK)
+    mx = tl.full((), -1, tl.int32)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        mx = tl.maximum(mx, tl.max(_value_bits(p_row, cols, cols < V), axis=0))
+    if HAS_MP:
+        min_p = tl.load(mp_ptr + row).to(tl.float32)
+    else:
+        min_p = mp_val
+    m = mx.to(tl.float32, bitcast=True)
+    pivot = min_p * m
+    below_max = pivot <= m  # NaN or min_p > 1: the largest only
+    pivot = tl.where(pivot > 0, pivot, 0.0)
+    thr = tl.where(below_max, pivot.to(tl.int32, bitcast=True), mx)
+    e_max = tl.maximum(mx >> 23, 1)
+    mass = tl.zeros((), tl.int64)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        b = _value_bits(p_row, cols, cols < V)
+        mass += tl.sum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
+    target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
+    base = tl.zeros((), tl.int64)
+    token = tl.full((), 2147483647, tl.int32)
+    for start in range(0, V, CHUNK):
+        if token == 2147483647:
+            cols = start + offs
+            b = _value_bits(p_row, cols, cols < V)
+            cum = base + tl.cumsum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
+            token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
+            base = tl.max(cum, axis=0)
+    tl.store(out_ptr + row, tl.where(token == 2147483647, 0, token))  # no mass: 0, as the reference
+
+
+def min_p_sampling_from_probs(probs: Tensor, maybe_min_p_arr, min_p_val: float, seed: Tensor, offset: Tensor) -> Tensor:
+    B, V = probs.shape
+    out = torch.empty(B, dtype=torch.int32, device=probs.device)
+    if B:
+        has_mp = maybe_min_p_arr is not None
+        _min_p_kernel[(B,)](probs, probs.stride(0), maybe_min_p_arr if has_mp else out, float(min_p_val), seed, offset,
+                            out, V, fixed_point_bits(V), HAS_MP=has_mp, CHUNK=_CHUNK, num_warps=4)
     return out
