@@ -105,6 +105,9 @@ def test_top_k_mask_keeps_ties_and_keeps_all_outside_range():
     assert torch.equal(torch_kernels.top_k_mask_logits(nan_row, 2), torch.tensor([[NINF, 1.0, 2.0, NINF]]))
     three = torch_kernels.top_k_mask_logits(nan_row, 3)
     assert three[0, 0].isnan() and torch.equal(three[0, 1:], nan_row[0, 1:])
+    zeros = torch.tensor([[1.0, -0.0, 0.0, -1.0, -0.0]])  # -0.0 == 0.0: a tie at the 2nd largest, kept as -0.0
+    got = torch_kernels.top_k_mask_logits(zeros, 2)
+    assert torch.equal(got, torch.tensor([[1.0, 0.0, 0.0, NINF, 0.0]])) and torch.equal(got.signbit(), zeros.signbit())
 
 
 def test_softmax_edge_rows():
@@ -191,10 +194,12 @@ def test_triton_edge_rows_match_reference(device):
     for rows in (x, late):
         for t in (None, torch.tensor([0.0, 0.5, 1.0, 2.0, 0.0][:rows.shape[0]], device=device)):
             _compare("softmax", "triton", triton_logits.softmax(rows, t, 1.0), reference.softmax(rows, t, 1.0))
-    ties = torch.tensor([[3.0, 1.0, 3.0, 2.0, 3.0], [math.nan, 1.0, 2.0, NINF, 2.0]], device=device)
+    ties = torch.tensor([[3.0, 1.0, 3.0, 2.0, 3.0], [math.nan, 1.0, 2.0, NINF, 2.0], [1.0, -0.0, 0.0, -1.0, -0.0]],
+                        device=device)
     for k in (-5, 0, 1, 2, 3, 4, 5, 2**40):
-        _compare("top_k_mask_logits", f"triton k={k}", triton_logits.top_k_mask_logits(ties, None, k),
-                 reference.top_k_mask_logits(ties, None, k))
+        got, want = triton_logits.top_k_mask_logits(ties, None, k), reference.top_k_mask_logits(ties, None, k)
+        _compare("top_k_mask_logits", f"triton k={k}", got, want)
+        assert torch.equal(got.signbit(), want.signbit()), f"triton k={k}: the sign of a kept zero"
     for dtype in (torch.bfloat16, torch.float16):  # the extremes of the order keys
         big = torch.tensor([[torch.finfo(dtype).max, -torch.finfo(dtype).max, 0.0, -0.0, torch.finfo(dtype).tiny,
                              -torch.finfo(dtype).tiny, math.inf, NINF]], device=device, dtype=dtype)

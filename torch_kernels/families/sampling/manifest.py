@@ -22,7 +22,10 @@ FAMILY = Family(
          OpInfo("top_k_mask_logits", OPAQUE, no_compile_route=(
              (DECOMPOSE, "the reference sorts each row to find its k-th largest logit"),
              (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton"))),
-         OpInfo("min_p_sampling_from_probs", OPAQUE, no_compile_route=_NO_ROUTE)),
+         OpInfo("min_p_sampling_from_probs", OPAQUE, no_compile_route=(
+             (DECOMPOSE, "its draw is the family's int64 cumsum, on which Inductor failed for "
+                         "top_k_top_p_sampling_from_probs (SplitScan codegen)"),
+             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton")))),
     kernels=(
         *reference(__package__, OPS),
         *kernels(__package__, Backend.TRITON, PROBS_OPS,

@@ -518,8 +518,8 @@ def top_k_mask_logits(logits: Tensor, top_k: Union[int, Tensor]) -> Tensor:
     FlashInfer's ``flashinfer.sampling.top_k_mask_logits``: keep each row's ``top_k`` largest logits
     and set the rest to ``-inf``. Ties are kept, as FlashInfer's pivot keeps them: every logit equal
     to the k-th largest stays, so a row may keep more than ``top_k``. ``top_k <= 0`` or ``>= V``
-    keeps the whole row (the output equals the input). NaN ranks as ``-inf``; a kept value is copied
-    unchanged. The result is exact (a comparison of the values): every backend returns the same.
+    keeps the whole row (the output equals the input). NaN ranks as ``-inf``, ``-0.0`` ties with
+    ``0.0``; a kept value is copied unchanged. The result is exact (a comparison of the values): every backend returns the same.
 
     Args:
         logits: ``(B, V)`` float32, float16 or bfloat16, last dimension contiguous (rows may be strided).

@@ -188,9 +188,10 @@ def softmax(logits: Tensor, maybe_temperature_arr=None, temperature_val: float =
 
 
 def order_key(logits: Tensor) -> Tensor:
-    """int32 keys that order like the fp32 values (NaN as -inf): ``a >= b`` iff ``key(a) >= key(b)``."""
+    """int32 keys that order like the fp32 values (NaN as -inf, -0.0 as +0.0): ``a >= b`` iff
+    ``key(a) >= key(b)``."""
     x = logits.float()
-    bits = torch.where(torch.isnan(x), float("-inf"), x).view(torch.int32)
+    bits = torch.where(torch.isnan(x), float("-inf"), torch.where(x == 0, 0.0, x)).view(torch.int32)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 

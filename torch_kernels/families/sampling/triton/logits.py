@@ -52,7 +52,7 @@ def _softmax_kernel(x_ptr, x_stride, t_ptr, t_val, out_ptr, out_stride, V,
 def _order_key(raw):
     """int32 keys ordering like the fp32 values, NaN as -inf (``reference.order_key``)."""
     x = raw.to(tl.float32)
-    x = tl.where(x != x, -float("inf"), x)
+    x = tl.where(x != x, -float("inf"), tl.where(x == 0.0, 0.0, x))  # -0.0 ties with +0.0
     b = x.to(tl.int32, bitcast=True)
     return b ^ ((b >> 31) & 0x7FFFFFFF)
 
@@ -76,12 +76,14 @@ def _top_k_mask_kernel(x_ptr, x_stride, k_ptr, k_val, out_ptr, out_stride, V,
         while hi - lo > 1:
             step = (hi - lo + NP) // (NP + 1)
             piv = tl.minimum(lo + j * step, hi)  # NP pivots in (lo, hi], hi counts below k
-            cnt = tl.zeros((NP,), tl.int64)
+            # int32 compares: a pivot at 2^31 and one at 2^31 - 1 both count 0 (+inf's key is 0x7f800000)
+            piv32 = tl.minimum(piv, 2147483647).to(tl.int32)
+            cnt = tl.zeros((NP,), tl.int32)
             for start in range(0, V, CHUNK):
                 cols = start + offs
                 key = _order_key(tl.load(x_row + cols, mask=cols < V, other=-float("inf")))
-                key = tl.where(cols < V, key.to(tl.int64), -4294967296)  # past the row: below every pivot
-                cnt += tl.sum((key[:, None] >= piv[None, :]).to(tl.int64), axis=0)
+                key = tl.where(cols < V, key, -2147483648)  # past the row: below every pivot (> lo >= -2^31)
+                cnt += tl.sum((key[:, None] >= piv32[None, :]).to(tl.int32), axis=0)
             ok = cnt >= k
             lo = tl.maximum(lo, tl.max(tl.where(ok, piv, lo), axis=0))
             hi = tl.min(tl.where(ok, hi, piv), axis=0)
