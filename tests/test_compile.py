@@ -220,7 +220,10 @@ grouped_topk: mul -> deepinfer.grouped_topk.default -> getitem -> getitem
 merge_attn_states: mul -> deepinfer.merge_attn_states.default -> getitem -> getitem
 top_k_renorm_probs: mul -> deepinfer.top_k_renorm_probs.default
 top_p_renorm_probs: mul -> deepinfer.top_p_renorm_probs.default
-top_k_top_p_sampling_from_probs: mul -> deepinfer.top_k_top_p_sampling_from_probs.default""")
+top_k_top_p_sampling_from_probs: mul -> deepinfer.top_k_top_p_sampling_from_probs.default
+softmax: mul -> deepinfer.softmax.default
+top_k_mask_logits: mul -> deepinfer.top_k_mask_logits.default
+min_p_sampling_from_probs: mul -> deepinfer.min_p_sampling_from_probs.default""")
 
 
 # --- the rule under AOTAutograd (CPU: decompose and opaque) ------------------------------------------------

@@ -49,7 +49,10 @@ deepinfer::grouped_topk(Tensor gating_output, int topk, bool renormalize, int nu
 deepinfer::merge_attn_states(Tensor v_a, Tensor lse_a, Tensor v_b, Tensor lse_b) -> (Tensor, Tensor)
 deepinfer::top_k_renorm_probs(Tensor probs, Tensor top_k) -> Tensor
 deepinfer::top_p_renorm_probs(Tensor probs, Tensor top_p) -> Tensor
-deepinfer::top_k_top_p_sampling_from_probs(Tensor probs, Tensor top_k, Tensor top_p, Tensor seed, Tensor offset) -> Tensor""")
+deepinfer::top_k_top_p_sampling_from_probs(Tensor probs, Tensor top_k, Tensor top_p, Tensor seed, Tensor offset) -> Tensor
+deepinfer::softmax(Tensor logits, Tensor? maybe_temperature_arr=None, float temperature_val=1.) -> Tensor
+deepinfer::top_k_mask_logits(Tensor logits, Tensor? maybe_top_k_arr=None, int top_k_val=0) -> Tensor
+deepinfer::min_p_sampling_from_probs(Tensor probs, Tensor? maybe_min_p_arr, float min_p_val, Tensor seed, Tensor offset) -> Tensor""")
 
 
 @pytest.mark.parametrize("device", DEVICES)
