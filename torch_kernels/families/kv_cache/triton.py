@@ -22,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...backends import triton_fp8 as _fp8
+from ...backends.triton_rotary import cos_sin, rotate_tile
 
 # Elements a program moves per tensor when many tokens: 8 heads of 128 (Qwen3-8B's kv heads) in one.
 _TILE = 1024
@@ -148,32 +149,13 @@ def _rope_cache_kernel(
     chunk = tl.program_id(1)
     q_chunks = tl.cdiv(num_q_heads, BLOCK_H)
     pos = tl.load(pos_ptr + tok * pos_stride).to(tl.int64)
-    in_cache = (pos >= 0) & (pos < max_position)  # outside: NaN cos/sin, as rotary_embedding's kernels
     d = tl.arange(0, BLOCK_D)
     d_mask = d < rot_half
-    c_mask = d < tl.where(in_cache, rot_half, 0)
-    cache_row = cs_ptr + pos * cs_stride
-    cos = tl.load(cache_row + d, mask=c_mask, other=float("nan")).to(tl.float32)[None, :]
-    sin = tl.load(cache_row + rot_half + d, mask=c_mask, other=float("nan")).to(tl.float32)[None, :]
+    cos, sin = cos_sin(cs_ptr, cs_stride, pos, max_position, d, rot_half)  # outside the cache: NaN
     if chunk < q_chunks:  # query heads: rotary_embedding's rotation, in place
         heads = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-        head_ptr = q_ptr + tok * q_tok + heads.to(tl.int64)[:, None] * q_head
-        if IS_NEOX:
-            mask = (heads < num_q_heads)[:, None] & d_mask[None, :]
-            p1 = head_ptr + d[None, :]
-            p2 = p1 + rot_half
-            x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-            tl.store(p1, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(p2, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mask)
-        else:
-            r = tl.arange(0, 2 * BLOCK_D)
-            m = (heads < num_q_heads)[:, None] & (r < 2 * rot_half)[None, :]
-            p = head_ptr + r[None, :]
-            x = tl.load(p, mask=m, other=0.0).to(tl.float32)
-            x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D, 2)))
-            out = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), (BLOCK_H, 2 * BLOCK_D))
-            tl.store(p, out.to(q_ptr.dtype.element_ty), mask=m)
+        rotate_tile(q_ptr + tok * q_tok + heads.to(tl.int64)[:, None] * q_head, heads < num_q_heads, cos, sin, d,
+                    d_mask, rot_half, BLOCK_H, BLOCK_D, IS_NEOX)
     else:  # key and value heads: the rotated key and the value into the cache, key left as it is
         heads = (chunk - q_chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
         slot = tl.load(slot_ptr + tok * slot_stride)

@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...backends.triton_rotary import cos_sin, rotate_tile
+
 # 1024 pairs a tile over 4 warps: a 16-byte vector of bf16 per half-row at head size 128 (untuned:
 # `bench_rope.py --sweep`; docs/design/rope.md).
 _TILE_PAIRS = 1024
@@ -78,26 +80,8 @@ def _rotate_heads(
 ):
     for h0 in range(h_start, h_end, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
-        head_ptr = row_ptr + heads.to(tl.int64)[:, None] * head_stride
-        if IS_NEOX:
-            mask = (heads < h_end)[:, None] & d_mask[None, :]
-            # Two contiguous half-rows per head: vector loads.
-            p1 = head_ptr + d[None, :]
-            p2 = p1 + rot_half
-            x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-            tl.store(p1, (x1 * cos - x2 * sin).to(row_ptr.dtype.element_ty), mask=mask)
-            tl.store(p2, (x2 * cos + x1 * sin).to(row_ptr.dtype.element_ty), mask=mask)
-        else:
-            # GPT-J: the contiguous row as a (BLOCK_H, 2 * BLOCK_D) tile of 16-byte vectors, split in
-            # registers (renames in the sm_90 PTX); a (BLOCK_H, BLOCK_D, 2) load was 4-byte, 2.6x slower.
-            r = tl.arange(0, 2 * BLOCK_D)
-            m = (heads < h_end)[:, None] & (r < 2 * rot_half)[None, :]
-            p = head_ptr + r[None, :]
-            x = tl.load(p, mask=m, other=0.0).to(tl.float32)
-            x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D, 2)))
-            out = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), (BLOCK_H, 2 * BLOCK_D))
-            tl.store(p, out.to(row_ptr.dtype.element_ty), mask=m)
+        rotate_tile(row_ptr + heads.to(tl.int64)[:, None] * head_stride, heads < h_end, cos, sin, d, d_mask, rot_half,
+                    BLOCK_H, BLOCK_D, IS_NEOX)
 
 
 @triton.jit
@@ -119,17 +103,10 @@ def _rope_kernel(
     h_lo = tl.program_id(1) * heads_per_program
     h_hi = h_lo + heads_per_program
     pos = tl.load(pos_ptr + tok * pos_stride).to(tl.int64)
-    # The op validates positions in eager calls; inside a CUDA graph capture it cannot (that needs a
-    # sync), so an out-of-range position must still read nothing: it gets NaN cos/sin instead, a loud
-    # wrong answer rather than an illegal address.
-    in_cache = (pos >= 0) & (pos < max_position)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < rot_half
-    # One comparison for both conditions (a scalar & vector mask also trips the interpreter).
-    c_mask = d < tl.where(in_cache, rot_half, 0)
-    cache_row = cache_ptr + pos * cache_stride
-    cos = tl.load(cache_row + d, mask=c_mask, other=float("nan")).to(tl.float32)[None, :]
-    sin = tl.load(cache_row + rot_half + d, mask=c_mask, other=float("nan")).to(tl.float32)[None, :]
+    # positions are not checked on CUDA (a sync): one outside the cache reads nothing, NaN cos/sin
+    cos, sin = cos_sin(cache_ptr, cache_stride, pos, max_position, d, rot_half)
     _rotate_heads(q_ptr + tok * q_tok_stride, q_head_stride, h_lo, tl.minimum(h_hi, num_q_heads),
                   cos, sin, d, d_mask, rot_half, BLOCK_H, BLOCK_D, IS_NEOX)
     if HAS_KEY:
@@ -305,13 +282,9 @@ def _qk_norm_rope_kernel(
     h_lo = tl.program_id(1) * heads_per_program
     h_hi = h_lo + heads_per_program
     pos = tl.load(pos_ptr + tok * pos_stride).to(tl.int64)
-    in_cache = (pos >= 0) & (pos < max_position)  # else NaN cos/sin, no read outside the cache (as above)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < rot_half
-    c_mask = d < tl.where(in_cache, rot_half, 0)
-    cache_row = cache_ptr + pos * cache_stride
-    cos = tl.load(cache_row + d, mask=c_mask, other=float("nan")).to(tl.float32)[None, :]
-    sin = tl.load(cache_row + rot_half + d, mask=c_mask, other=float("nan")).to(tl.float32)[None, :]
+    cos, sin = cos_sin(cache_ptr, cache_stride, pos, max_position, d, rot_half)
     _norm_rotate_heads(q_ptr + tok * q_tok_stride, q_head_stride, h_lo, tl.minimum(h_hi, num_q_heads), qw_ptr,
                        eps, head_size, cos, sin, d, d_mask, rot_half, BLOCK_H, BLOCK_N, BLOCK_D, IS_NEOX)
     if HAS_KEY:
