@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from torch_kernels import dispatch, registry
-from torch_kernels.backends import tilelang_jit as _jit
+from torch_kernels.backends import norm_rows, tilelang_jit as _jit
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
@@ -442,12 +442,12 @@ def test_norm_layouts(dtype):
         config = norm.NormConfig.for_shape(n, dtype, fused)
         vec, tr, bm, width = norm._layout(n, dtype, fused)
         assert vec * _jit.ELEMENT_BYTES[dtype] <= 16 and n % vec == 0 and vec & (vec - 1) == 0, n
-        assert tr & (tr - 1) == 0 and tr * bm <= norm._MAX_THREADS, n  # the row sum is one butterfly
+        assert tr & (tr - 1) == 0 and tr * bm <= norm_rows.MAX_THREADS, n  # the row sum is one butterfly
         assert width % (tr * vec) == 0, n  # whole stripes of vectors
         per_thread = width // tr
         if n <= norm._ONE_PASS_MAX:
             assert width >= n and width - n < tr * vec, n  # one pass, less than a stripe of padding
-            assert bm == 1 or tr * bm == norm._BLOCK_THREADS, n
+            assert bm == 1 or tr * bm == norm_rows.BLOCK_THREADS, n
             # at most twice the target a thread, or a row tiled exactly with up to the exact-tiling budget
             assert per_thread <= 2 * config.elements_per_thread or (
                 width == n and per_thread <= config.exact_max_per_thread), n
