@@ -48,6 +48,23 @@ def last_dim_contiguous(op: str, arg: str, t: Tensor) -> None:
         fail(op, arg, f"must be contiguous in its last dimension, got strides {tuple(t.stride())}")
 
 
+def heads(op: str, arg: str, x: Tensor, head_size: int) -> None:
+    """``x`` is ``(T, H*head_size)`` or ``(T, H, head_size)`` with H >= 1, last dim contiguous (the
+    query and key of the rotary ops)."""
+    require(x.dim() in (2, 3), op, arg,
+            lambda: f"must be 2-D (num_tokens, num_heads * head_size) or 3-D (num_tokens, num_heads, head_size), got shape {tuple(x.shape)}")
+    last_dim_contiguous(op, arg, x)
+    if x.dim() == 3:
+        require(x.shape[2] == head_size, op, arg,
+                lambda: f"must have a last dimension of head_size={head_size}, got shape {tuple(x.shape)}")
+        require(x.shape[1] >= 1, op, arg, lambda: f"must have at least one head, got shape {tuple(x.shape)}")
+    else:
+        require(x.shape[1] % head_size == 0, op, arg,
+                lambda: f"must have a width that is a multiple of head_size={head_size}, got shape {tuple(x.shape)}")
+        require(x.shape[1] >= head_size, op, arg,
+                lambda: f"must have at least one head of head_size={head_size}, got shape {tuple(x.shape)}")
+
+
 def same_shape(op: str, arg: str, t: Tensor, ref_arg: str, ref: Tensor) -> None:
     msg = lambda: f"must have the shape of '{ref_arg}' {tuple(ref.shape)}, got {tuple(t.shape)}"  # noqa: E731
     require(t.dim() == ref.dim(), op, arg, msg)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ... import checks as check
 from ... import fp8 as _fp8
+from ... import rotary
 from ...opdef import BenchCase, OpDef, Peer
 from ...rotary import make_cos_sin_cache  # noqa: F401  (callers build caches with it)
 
@@ -462,27 +463,6 @@ OP_ROPE = "rotary_embedding_and_cache"
 _POSITION_DTYPES = (torch.int32, torch.int64)
 
 
-def _validate_heads(arg: str, x: Tensor, head_size: int) -> None:
-    """``x`` is ``(T, H*head_size)`` or ``(T, H, head_size)`` with H >= 1, last dim contiguous."""
-    op = OP_ROPE
-    check.require(x.dim() in (2, 3), op, arg,
-                  lambda: f"must be 2-D (num_tokens, num_heads * head_size) or 3-D (num_tokens, num_heads, head_size), got shape {tuple(x.shape)}")
-    check.last_dim_contiguous(op, arg, x)
-    if x.dim() == 3:
-        check.require(x.shape[2] == head_size, op, arg,
-                      lambda: f"must have a last dimension of head_size={head_size}, got shape {tuple(x.shape)}")
-        check.require(x.shape[1] >= 1, op, arg, lambda: f"must have at least one head, got shape {tuple(x.shape)}")
-    else:
-        check.require(x.shape[1] % head_size == 0, op, arg,
-                      lambda: f"must have a width that is a multiple of head_size={head_size}, got shape {tuple(x.shape)}")
-        check.require(x.shape[1] >= head_size, op, arg,
-                      lambda: f"must have at least one head of head_size={head_size}, got shape {tuple(x.shape)}")
-
-
-def _as_heads(x: Tensor, head_size: int) -> Tensor:
-    return x if x.dim() == 3 else x.unflatten(-1, (-1, head_size))
-
-
 def _validate_rope_full(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, head_size: int,
                         cos_sin_cache: Tensor, is_neox: bool, key_cache: Tensor, value_cache: Tensor,
                         slot_mapping: Tensor, kv_cache_dtype: str, k_scale: Tensor, v_scale: Tensor) -> None:
@@ -497,7 +477,7 @@ def _validate_rope_full(positions: Tensor, query: Tensor, key: Tensor, value: Te
         check.fail(op, "query", f"must be float16, bfloat16, float32 or float64, got {query.dtype}", TypeError)
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 1:
         check.fail(op, "head_size", f"must be a positive int, got {head_size!r}")
-    _validate_heads("query", query, head_size)
+    check.heads(OP_ROPE, "query", query, head_size)
     tokens = query.shape[0]
     check.require(positions.shape[0] == tokens, op, "positions",
                   lambda: f"must have one position per token of 'query' ({tokens}), got shape {tuple(positions.shape)}")
@@ -505,7 +485,7 @@ def _validate_rope_full(positions: Tensor, query: Tensor, key: Tensor, value: Te
     for name, x in (("key", key), ("value", value)):
         if x.dtype != query.dtype:
             check.fail(op, name, f"must have the dtype of 'query' ({query.dtype}), got {x.dtype}", TypeError)
-        _validate_heads(name, x, head_size)
+        check.heads(OP_ROPE, name, x, head_size)
         check.require(x.shape[0] == tokens, op, name,
                       lambda x=x: f"must have one row per token of 'query' ({tokens}), got shape {tuple(x.shape)}")
         check.same_device(op, name, x, "query", query)
@@ -522,7 +502,7 @@ def _validate_rope_full(positions: Tensor, query: Tensor, key: Tensor, value: Te
                   lambda: f"must have a rot_dim (second dimension) of at most head_size={head_size}, got {rot_dim}")
     check.last_dim_contiguous(op, "cos_sin_cache", cos_sin_cache)
     check.same_device(op, "cos_sin_cache", cos_sin_cache, "query", query)
-    validate_cache(op, _as_heads(key, head_size), _as_heads(value, head_size), key_cache, value_cache, slot_mapping,
+    validate_cache(op, rotary.heads(key, head_size), rotary.heads(value, head_size), key_cache, value_cache, slot_mapping,
                    kv_cache_dtype, k_scale, v_scale)
     check.no_overlap(op, (("positions", positions, False), ("query", query, True), ("key", key, False),
                           ("value", value, False), ("cos_sin_cache", cos_sin_cache, False),
@@ -702,7 +682,7 @@ def _rope_bench_nbytes(args: tuple) -> int:
 def _unfused(positions, q, k, v, hs, cos_sin, neox, kc, vc, slots, dt, ks, vs):
     """Our two ops, as an engine calls them without the fused one (the key rotated in place)."""
     torch.ops.deepinfer.rotary_embedding(positions, q, k, hs, cos_sin, neox)
-    torch.ops.deepinfer.reshape_and_cache_flash(_as_heads(k, hs), _as_heads(v, hs), kc, vc, slots, dt, ks, vs)
+    torch.ops.deepinfer.reshape_and_cache_flash(rotary.heads(k, hs), rotary.heads(v, hs), kc, vc, slots, dt, ks, vs)
 
 
 def _with_own_key(args: tuple) -> tuple:
@@ -728,7 +708,7 @@ def _rope_flashinfer(args: tuple):
 
     def call(positions, q, k, v, hs, cos_sin, neox, kc, vc, slots, dt, ks, vs, batch, pos, indices, indptr, last):
         flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, hs, cos_sin, is_neox=neox)
-        flashinfer.page.append_paged_kv_cache(_as_heads(k, hs), _as_heads(v, hs), batch, pos, (kc, vc), indices,
+        flashinfer.page.append_paged_kv_cache(rotary.heads(k, hs), rotary.heads(v, hs), batch, pos, (kc, vc), indices,
                                               indptr, last)
 
     return Peer("flashinfer rope.apply_rope_with_cos_sin_cache_inplace + page.append_paged_kv_cache", call,

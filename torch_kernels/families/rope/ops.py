@@ -29,22 +29,6 @@ _POSITION_DTYPES = (torch.int32, torch.int64)
 CHECK_POSITIONS = None
 
 
-def _validate_heads(arg: str, x: Tensor, head_size: int, OP: str = OP) -> None:
-    """``x`` is ``(T, H*head_size)`` or ``(T, H, head_size)`` with H >= 1, last dim contiguous."""
-    check.require(x.dim() in (2, 3), OP, arg,
-                  lambda: f"must be 2-D (num_tokens, num_heads * head_size) or 3-D (num_tokens, num_heads, head_size), got shape {tuple(x.shape)}")
-    check.last_dim_contiguous(OP, arg, x)
-    if x.dim() == 3:
-        check.require(x.shape[2] == head_size, OP, arg,
-                      lambda: f"must have a last dimension of head_size={head_size}, got shape {tuple(x.shape)}")
-        check.require(x.shape[1] >= 1, OP, arg, lambda: f"must have at least one head, got shape {tuple(x.shape)}")
-    else:
-        check.require(x.shape[1] % head_size == 0, OP, arg,
-                      lambda: f"must have a width that is a multiple of head_size={head_size}, got shape {tuple(x.shape)}")
-        check.require(x.shape[1] >= head_size, OP, arg,
-                      lambda: f"must have at least one head of head_size={head_size}, got shape {tuple(x.shape)}")
-
-
 def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
                    cos_sin_cache: Tensor, is_neox: bool, OP: str = OP, reads: tuple = ()) -> None:
     """The full checks of ``op`` (default ``rotary_embedding``); ``reads``: more ``(name, tensor)``
@@ -58,7 +42,7 @@ def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head
     check.floating(OP, "query", query)
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 1:
         check.fail(OP, "head_size", f"must be a positive int, got {head_size!r}")
-    _validate_heads("query", query, head_size, OP)
+    check.heads(OP, "query", query, head_size)
     check.require(positions.shape[0] == query.shape[0], OP, "positions",
                   lambda: f"must have one position per token of 'query' ({query.shape[0]}), got shape {tuple(positions.shape)}")
     check.same_device(OP, "positions", positions, "query", query)
@@ -66,7 +50,7 @@ def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head
         check.tensor(OP, "key", key)
         if key.dtype != query.dtype:
             check.fail(OP, "key", f"must have the dtype of 'query' ({query.dtype}), got {key.dtype}", TypeError)
-        _validate_heads("key", key, head_size, OP)
+        check.heads(OP, "key", key, head_size)
         check.require(key.shape[0] == query.shape[0], OP, "key",
                       lambda: f"must have one row per token of 'query' ({query.shape[0]}), got shape {tuple(key.shape)}")
         check.same_device(OP, "key", key, "query", query)
