@@ -129,6 +129,9 @@ def test_backends_large_values_and_nonfinite(op, approximate, device):
         x = _rows((3, 40), None, torch.float32, device)
         x[0, 3] = poison
         x[1, 25] = poison
+        # its gate kept moderate: below about -5.5 the gelu rounds to 0 in some backends and not in
+        # others, and 0 * inf is NaN where tiny * inf is inf
+        x[1, 5] = 0.75
         _check_backends(op, approximate, device, torch.float32, x)
 
 
