@@ -7,6 +7,8 @@
 * A :class:`~torch_kernels.KernelUnavailableError` raised by a test (the selected backend lacks an
   op under ``DEEPINFER_OPS_STRICT``) turns into a skip that names the op, as in the DeepInfer
   dispatcher: a partial port reports what it lacks instead of failing.
+* Each test draws its random inputs from a seed of its own, fixed by its name so that a failure
+  reproduces; ``DEEPINFER_TEST_SEED=k`` draws another set of inputs for every test.
 """
 
 import os
@@ -52,6 +54,12 @@ def _keep_shard(config, items):
         (keep if zlib.crc32(name.encode()) % int(n) == int(i) else drop).append(item)
     items[:] = keep
     config.hook.pytest_deselected(items=drop)
+
+
+@pytest.fixture(autouse=True)
+def _seed_per_test(request):
+    offset = int(os.environ.get("DEEPINFER_TEST_SEED", "0"))
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()) + offset)
 
 
 @pytest.hookimpl(wrapper=True)
