@@ -469,3 +469,39 @@ def test_qk_rmsnorm_rope_tilelang_reduces_a_head_as_rmsnorm_reduces_its_row(tmp_
     for got in _subprocess(_TILELANG_SM90, env, json.dumps(cases)):
         assert len(got["rms"]) == 4, got["rms"]  # zero, the registers, the all-reduce, the rsqrt
         assert got["mine"] == 2 * got["rms"], got["case"]  # the query rows' and the key rows'
+
+
+_TILELANG_ROTATIONS = r"""
+import json, re
+from torch_kernels.backends import tilelang_jit as _jit
+from torch_kernels.families.kv_cache import tilelang as kv
+from torch_kernels.families.rope import tilelang as rope
+
+kernels = {
+    "rotary_embedding": (rope._build, (4, 2, 64, 64, True, "float32", "float32", "int64", 2, True)),
+    "qk_rmsnorm_rope": (rope._qk_build, (1, 1, 64, 64, True, "float32", "float32", "float32", "float32", "int64", 2)),
+    "rotary_embedding_and_cache": (kv._build_rope, (4, 2, 64, 64, True, "float32", "float32", "int64", "float32", True)),
+}
+out = {}
+for name, (build, key) in kernels.items():
+    source = _jit.compiled(name, build, *key).get_kernel_source()
+    out[name] = dict(sub=len(re.findall(r"__fsub_rn\(__fmul_rn\(", source)), add=len(re.findall(r"__fadd_rn\(__fmul_rn\(", source)))
+print(json.dumps(out))
+"""
+
+
+def test_tilelang_rotations_round_each_product(tmp_path):
+    """Compiled for sm_90: every TileLang kernel that rotates (rope's two, the KV cache's fused write)
+    writes ``x1 cos - x2 sin`` and ``x2 cos + x1 sin`` with rounded fp32 calls, which nvcc cannot fuse
+    into a multiply-add as the surrounding code happens to schedule it (it did, differently in the
+    fused kernel, one fp32 ulp from rotary_embedding's), so that they turn a pair to the same bits."""
+    pytest.importorskip("tilelang")
+    import json
+
+    from torch_kernels.backends import tilelang_jit as _jit
+
+    env = {_jit.ENV_TARGET: json.dumps(_jit.SM90), "TILELANG_CACHE_DIR": str(tmp_path / "cache")}
+    got = _subprocess(_TILELANG_ROTATIONS, env)
+    assert set(got) == {"rotary_embedding", "qk_rmsnorm_rope", "rotary_embedding_and_cache"}
+    for name, counts in got.items():
+        assert counts["sub"] >= 1 and counts["sub"] == counts["add"], (name, counts)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ...backends import tilelang_fp8 as _fp8
 from ...backends import tilelang_jit as _jit
+from ...backends.tilelang_rotary import turned_first, turned_second
 
 _NAME = "reshape_and_cache_flash"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -270,8 +271,8 @@ def _build_rope(q_heads: int, kv_heads: int, head_size: int, rot_dim: int, is_ne
                     for i in T.unroll(VEC):
                         x1 = T.cast(x[it, i * STEP], "float32")
                         x2 = T.cast(x[it, i * STEP + OTHER], "float32")
-                        x[it, i * STEP] = T.cast(x1 * cos[i] - x2 * sin[i], dtype)
-                        x[it, i * STEP + OTHER] = T.cast(x2 * cos[i] + x1 * sin[i], dtype)
+                        x[it, i * STEP] = T.cast(turned_first(x1, x2, cos[i], sin[i]), dtype)
+                        x[it, i * STEP + OTHER] = T.cast(turned_second(x1, x2, cos[i], sin[i]), dtype)
                     if h < HQ:
                         for sg in T.unroll(SEGS):
                             for e in per_access(SEG):

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ...backends import norm_rows as _rows, tilelang_jit as _jit
+from ...backends.tilelang_rotary import turned_first, turned_second
 
 _NAME = "rotary_embedding"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -153,8 +154,8 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
                     for i in T.unroll(VEC):
                         x1 = T.cast(x[it, i * STEP], "float32")
                         x2 = T.cast(x[it, i * STEP + OTHER], "float32")
-                        x[it, i * STEP] = T.cast(x1 * cos[i] - x2 * sin[i], dtype)
-                        x[it, i * STEP + OTHER] = T.cast(x2 * cos[i] + x1 * sin[i], dtype)
+                        x[it, i * STEP] = T.cast(turned_first(x1, x2, cos[i], sin[i]), dtype)
+                        x[it, i * STEP + OTHER] = T.cast(turned_second(x1, x2, cos[i], sin[i]), dtype)
                     for s in T.unroll(SEGS):
                         if h < HQ:
                             for v in per_access(SEG):
@@ -236,8 +237,8 @@ def ci_kernels() -> Iterator[tuple]:
 # ----------------------------------------------------------------------------------------------
 # qk_rmsnorm_rope: every (token, head) of query, then of key, a row of rmsnorm's one-pass kernel (the
 # norm family's layout for rows of head_size: the same threads a row, registers, reduction and rsqrt,
-# so the same bits), rounded to the dtype into shared memory, then rotated pair by pair with the
-# rotation above (x1 cos - x2 sin, x2 cos + x1 sin in fp32 from the rounded values). Blocks
+# so the same bits), rounded to the dtype into shared memory, rotated there pair by pair with the
+# rotation above (backends/tilelang_rotary.py, from the rounded values), then stored whole. Blocks
 # [0, ceil(T*Hq / rows)) take query rows, the rest key rows: one launch. Dims rot_dim.. get the rounded
 # norm. Views off the vector (strides or pointers) run on aligned copies, as rmsnorm does.
 
@@ -287,19 +288,17 @@ def _qk_build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, 
         for i, j in T.Parallel(BM, WIDTH):
             ys[i, j] = T.cast(x[i, j] * rstd[i] * T.cast(Wt[j if WIDTH == HS else T.min(j, HS - 1)], f32), dtype)
         T.sync_threads()
-        for i, d in T.Parallel(BM, HALF):
+        for i, d in T.Parallel(BM, HALF):  # each pair turned in place by the one iteration that reads it
+            x1 = T.cast(ys[i, first(d)], f32)
+            x2 = T.cast(ys[i, second(d)], f32)
+            ys[i, first(d)] = T.cast(turned_first(x1, x2, cs[i, d], cs[i, HALF + d]), dtype)
+            ys[i, second(d)] = T.cast(turned_second(x1, x2, cs[i, d], cs[i, HALF + d]), dtype)
+        T.sync_threads()
+        # the rows stored whole from shared memory: vector stores (the rounded fp32 calls above are scalar)
+        for i, j in T.Parallel(BM, WIDTH):
             r = row0 + i
-            if r < rows:
-                x1 = T.cast(ys[i, first(d)], f32)
-                x2 = T.cast(ys[i, second(d)], f32)
-                X[r // H, r % H, first(d)] = T.cast(x1 * cs[i, d] - x2 * cs[i, HALF + d], dtype)
-                X[r // H, r % H, second(d)] = T.cast(x2 * cs[i, d] + x1 * cs[i, HALF + d], dtype)
-        if ROT < HS:
-            for i, j in T.Parallel(BM, WIDTH):
-                r = row0 + i
-                if T.And(r < rows, T.And(j >= ROT, j < HS)):
-                    X[r // H, r % H, j] = ys[i, j]
-
+            if (r < rows) if WIDTH == HS else T.And(r < rows, j < HS):
+                X[r // H, r % H, j] = ys[i, j]
 
     @T.prim_func
     def qk_norm_rope(
