@@ -193,6 +193,36 @@ def test_qk_rmsnorm_rope_misaligned_views_are_the_pair_bit_for_bit():
                 assert b[0] == buf[0]
 
 
+def test_qk_rmsnorm_rope_tilelang_launcher_runs_misaligned_views_on_aligned_copies(monkeypatch):
+    """On CPU, the kernel stood in by the reference: query and key views one element into their buffer
+    (contiguous, so ``.contiguous()`` would return them unchanged) reach the kernel as aligned copies,
+    whose results land in the views and nowhere else of the buffer."""
+    pytest.importorskip("tilelang")
+    tl_rope = importlib.import_module("torch_kernels.families.rope.tilelang")
+    calls = []
+
+    def kernel(*key):
+        def run(positions, q, k, qw, kw, cache, eps):
+            vec = tl_rope._jit.vector_width(key[2], tl_rope._DTYPES[q.dtype])
+            assert tl_rope._qk_aligned(q, qw, vec) and tl_rope._qk_aligned(k, kw, vec), "a misaligned tensor reached the kernel"
+            calls.append(key)
+            REFERENCE(positions, q, k, qw, kw, eps, key[2], cache, key[4])
+        return run
+
+    monkeypatch.setattr(tl_rope, "_qk_function", kernel)
+    t, hq, hk, hs = 5, 4, 2, 128
+    buf = torch.randn(t * (hq + hk) * hs + 1, dtype=torch.bfloat16)
+    views = lambda b: (b[1:1 + t * hq * hs].view(t, hq * hs), b[1 + t * hq * hs:].view(t, hk * hs))  # noqa: E731
+    positions = torch.randint(0, 37, (t,))
+    cache = rope.make_cos_sin_cache(37, hs)
+    qw, kw = (1 + 0.3 * torch.randn(hs, dtype=torch.bfloat16) for _ in range(2))
+    want = buf.clone()
+    REFERENCE(positions, *views(want), qw, kw, 1e-6, hs, cache, True)
+    got = buf.clone()
+    assert tl_rope.qk_rmsnorm_rope(positions, *views(got), qw, kw, 1e-6, hs, cache, True) is None
+    assert len(calls) == 1 and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_qk_rmsnorm_rope_backends_match_reference(dtype, device):

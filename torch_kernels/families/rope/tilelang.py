@@ -366,7 +366,9 @@ def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_w
     vec = _jit.vector_width(head_size, _DTYPES[query.dtype])
     if not (_qk_aligned(query, q_weight, vec) and _qk_aligned(key, k_weight, vec)
             and (head_size % vec == 0)):  # rare: a view off the vector; aligned copies, written back
-        q, k = query.contiguous(), None if key is None else key.contiguous()
+        # clones, not .contiguous(): a contiguous view one element into its buffer is its own .contiguous()
+        q, k = query.clone(memory_format=torch.contiguous_format), None if key is None else key.clone(
+            memory_format=torch.contiguous_format)
         qk_rmsnorm_rope(positions, q, k, q_weight.clone(), None if k_weight is None else k_weight.clone(), eps,
                         head_size, cos_sin_cache, is_neox)
         query.copy_(q)
