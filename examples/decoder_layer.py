@@ -91,7 +91,8 @@ class DecoderLayer(torch.nn.Module):
         residual = hidden_states.clone()
         h = ops.rmsnorm(hidden_states, self.input_norm, cfg.eps)
         q, k, v = F.linear(h, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        o = F.linear((attend or self._rope_attention)(positions, q, k, v), self.o_proj)
+        attend = self._rope_attention if attend is None else attend
+        o = F.linear(attend(positions, q, k, v), self.o_proj)
         ops.fused_add_rmsnorm(o, residual, self.post_norm, cfg.eps)  # residual += o; o = rmsnorm(residual)
         return F.linear(ops.silu_and_mul(F.linear(o, self.gate_up_proj)), self.down_proj), residual
 
@@ -100,7 +101,8 @@ class DecoderLayer(torch.nn.Module):
         residual = hidden_states
         h = _rmsnorm(hidden_states, self.input_norm, cfg.eps)
         q, k, v = F.linear(h, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        residual = residual + F.linear((attend or self._plain_rope_attention)(positions, q, k, v), self.o_proj)
+        attend = self._plain_rope_attention if attend is None else attend
+        residual = residual + F.linear(attend(positions, q, k, v), self.o_proj)
         gate, up = F.linear(_rmsnorm(residual, self.post_norm, cfg.eps), self.gate_up_proj).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj), residual
 
