@@ -47,9 +47,9 @@ deepinfer::scaled_fp8_quant(Tensor input, Tensor? scale=None, bool per_token=Fal
 deepinfer::topk_softmax(Tensor gating_output, int topk, bool renormalize=False) -> (Tensor, Tensor)
 deepinfer::grouped_topk(Tensor gating_output, int topk, bool renormalize, int num_expert_group, int topk_group, str scoring_func="softmax", Tensor? e_score_correction_bias=None, float routed_scaling_factor=1.) -> (Tensor, Tensor)
 deepinfer::merge_attn_states(Tensor v_a, Tensor lse_a, Tensor v_b, Tensor lse_b) -> (Tensor, Tensor)
-deepinfer::top_k_renorm_probs(Tensor probs, Tensor top_k) -> Tensor
-deepinfer::top_p_renorm_probs(Tensor probs, Tensor top_p) -> Tensor
-deepinfer::top_k_top_p_sampling_from_probs(Tensor probs, Tensor top_k, Tensor top_p, Tensor seed, Tensor offset) -> Tensor
+deepinfer::top_k_renorm_probs(Tensor probs, Tensor? maybe_top_k_arr, int top_k_val=0) -> Tensor
+deepinfer::top_p_renorm_probs(Tensor probs, Tensor? maybe_top_p_arr, float top_p_val=1.) -> Tensor
+deepinfer::top_k_top_p_sampling_from_probs(Tensor probs, Tensor? maybe_top_k_arr, Tensor? maybe_top_p_arr, Tensor seed, Tensor offset, int top_k_val=0, float top_p_val=1.) -> Tensor
 deepinfer::softmax(Tensor logits, Tensor? maybe_temperature_arr=None, float temperature_val=1.) -> Tensor
 deepinfer::top_k_mask_logits(Tensor logits, Tensor? maybe_top_k_arr=None, int top_k_val=0) -> Tensor
 deepinfer::min_p_sampling_from_probs(Tensor probs, Tensor? maybe_min_p_arr, float min_p_val, Tensor seed, Tensor offset) -> Tensor""")

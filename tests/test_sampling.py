@@ -20,8 +20,16 @@ from conftest import DEVICES, arg_names, assert_bad_inputs_raise, family_ops, im
 
 SAMPLING = "top_k_top_p_sampling_from_probs"
 # the probability filters; the logits ops and min-p are tested in tests/test_sampling_ops.py
-OPS = [op for op in family_ops("sampling") if set(arg_names(op)) <= {"probs", "top_k", "top_p", "seed", "offset"}]
+OPS = [op for op in family_ops("sampling") if set(arg_names(op)) <= {"probs", "maybe_top_k_arr", "top_k_val", "maybe_top_p_arr",
+                                                                   "top_p_val", "seed", "offset"}]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _params(op):
+    """The op's per-call arguments by what they are: its schema's ``maybe_top_k_arr`` / ``maybe_top_p_arr``
+    as ``top_k`` / ``top_p`` (a per-row tensor here; the scalar forms have their own test), no ``*_val``."""
+    return [{"maybe_top_k_arr": "top_k", "maybe_top_p_arr": "top_p"}.get(n, n) for n in arg_names(op)
+            if not n.endswith("_val")]
 FLT_MAX = torch.finfo(torch.float32).max
 
 
@@ -163,10 +171,14 @@ _SMALL_HIST = dict(hist_slices=4, hist_buckets=64, hist_levels=8, hist_level_oct
 
 def _launcher(op, cfg):
     from torch_kernels.families.sampling import triton as triton_sampling
-    names = arg_names(op)
+    names = _params(op)
 
-    def launch(*args):  # the arguments the op lacks are None; an op with a seed samples
+    def launch(*args, top_k_val=0, top_p_val=1.0):  # the arguments the op lacks are None; an op with a seed samples
         given = dict(zip(names, args))
+        if "top_k" in given and given["top_k"] is None:
+            given["top_k"] = top_k_val
+        if "top_p" in given and given["top_p"] is None:
+            given["top_p"] = top_p_val
         return triton_sampling._launch(*map(given.get, ("probs", "top_k", "top_p", "seed", "offset")), "seed" in given, cfg)
     return launch
 
@@ -185,7 +197,7 @@ def _args(op, probs, top_k, top_p, seed=1234, offset=5):
     device = probs.device
     given = {"probs": probs, "top_k": top_k, "top_p": top_p, "seed": torch.tensor(seed, device=device),
              "offset": torch.tensor([offset], device=device)}
-    return tuple(given[name] for name in arg_names(op))
+    return tuple(given[name] for name in _params(op))
 
 
 def _check(op, name, got, want, args=None):
@@ -377,7 +389,7 @@ def test_triton_split_rows_skip_the_streaming_pass(monkeypatch):
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a GPU or Triton's interpreter")
-@pytest.mark.parametrize("op", [op for op in OPS if "top_k" in arg_names(op)])  # the top-k route
+@pytest.mark.parametrize("op", [op for op in OPS if "top_k" in _params(op)])  # the top-k route
 def test_triton_split_prepass_matches_reference(op):
     """The split prepass against the reference: the rows of ``_split_rows`` (split: k <= 16, exact
     zeros, a slice of ties below t_k, odd values; falling back: k beyond the slots of a slice, k beyond
@@ -512,7 +524,7 @@ def test_triton_histogram_route_keeps_its_contract():
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a GPU or Triton's interpreter")
-@pytest.mark.parametrize("op", [op for op in OPS if "top_p" in arg_names(op)])  # the top-p route
+@pytest.mark.parametrize("op", [op for op in OPS if "top_p" in _params(op)])  # the top-p route
 def test_triton_histogram_route_matches_reference(op):
     """The histogram route (and its fallback) against the reference: the rows of ``_hist_rows``, with
     top-k keeping all (0, V, negative) beside rows that top-k cuts (split or not: they take the other
@@ -653,7 +665,7 @@ def _bad_cases(op, device):
     good = {"probs": probs, "top_k": torch.tensor([1, 2, 3, 4], device=device),
             "top_p": torch.full((4,), 0.9, device=device), "seed": torch.tensor(1, device=device),
             "offset": torch.tensor([0], device=device)}
-    names = arg_names(op)
+    names = _params(op)
 
     def args(**change):
         return tuple({**good, **change}[n] for n in names)
@@ -667,16 +679,16 @@ def _bad_cases(op, device):
     ]
     if "top_k" in names:
         cases += [
-            ("top_k of the wrong length", args(top_k=torch.tensor([1, 2, 3], device=device)), ValueError, "top_k"),
-            ("2-D top_k", args(top_k=torch.ones(4, 1, dtype=torch.int64, device=device)), ValueError, "top_k"),
-            ("float top_k", args(top_k=torch.full((4,), 5.0, device=device)), TypeError, "top_k"),
-            ("top_k on another device", args(top_k=torch.ones(4, dtype=torch.int64, device="meta")), ValueError, "top_k"),
+            ("top_k of the wrong length", args(top_k=torch.tensor([1, 2, 3], device=device)), ValueError, "maybe_top_k_arr"),
+            ("2-D top_k", args(top_k=torch.ones(4, 1, dtype=torch.int64, device=device)), ValueError, "maybe_top_k_arr"),
+            ("float top_k", args(top_k=torch.full((4,), 5.0, device=device)), TypeError, "maybe_top_k_arr"),
+            ("top_k on another device", args(top_k=torch.ones(4, dtype=torch.int64, device="meta")), ValueError, "maybe_top_k_arr"),
         ]
     if "top_p" in names:
         cases += [
-            ("top_p of the wrong length", args(top_p=torch.full((5,), 0.9, device=device)), ValueError, "top_p"),
-            ("int top_p", args(top_p=torch.ones(4, dtype=torch.int32, device=device)), TypeError, "top_p"),
-            ("fp64 top_p", args(top_p=torch.full((4,), 0.9, dtype=torch.float64, device=device)), TypeError, "top_p"),
+            ("top_p of the wrong length", args(top_p=torch.full((5,), 0.9, device=device)), ValueError, "maybe_top_p_arr"),
+            ("int top_p", args(top_p=torch.ones(4, dtype=torch.int32, device=device)), TypeError, "maybe_top_p_arr"),
+            ("fp64 top_p", args(top_p=torch.full((4,), 0.9, dtype=torch.float64, device=device)), TypeError, "maybe_top_p_arr"),
         ]
     if op == SAMPLING:
         cases += [
@@ -700,6 +712,56 @@ def test_bad_input_names_the_op_and_the_argument(op, device):
 def test_tensors_on_cuda_and_cpu_raise_before_any_kernel(op):
     probs = _softmax(4, 64, "cuda")
     args = _args(op, probs, torch.tensor([1, 2, 3, 4]), torch.full((4,), 0.9))
-    with pytest.raises(ValueError, match=rf"^deepinfer::{op}: argument 'top_[kp]' is on cpu but 'probs' is on cuda"):
+    with pytest.raises(ValueError, match=rf"^deepinfer::{op}: argument 'maybe_top_[kp]_arr' is on cpu but 'probs' is on cuda"):
         getattr(torch.ops.deepinfer, op).default(*args)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_scalar_parameters_are_the_per_row_tensors_they_fill(op, device):
+    """``top_k`` / ``top_p`` as the schema's scalars (``maybe_*_arr`` None): every backend returns what it
+    returns for a per-row tensor holding the scalar (a float top_p rounded to fp32, as the tensor's),
+    including the disabling values (``top_k`` 0 and V, ``top_p`` 1 and 0) and one top_p that fp32 rounds."""
+    probs = torch.cat([_softmax(3, 301, device), _ties(2, 301, device)])
+    B, V = probs.shape
+    params = _params(op)
+    for k, p in ((5, 0.9), (0, 1.0), (V, 0.0), (1, 0.3000000001), (40, 0.6)):
+        tensors = dict(top_k=torch.full((B,), k, device=device), top_p=torch.full((B,), p, device=device))
+        given = {"probs": probs, "seed": torch.tensor(77, device=device), "offset": torch.tensor(3, device=device)}
+        per_row = tuple({**given, **tensors}[n] for n in params)
+        scalar = tuple({**given, "top_k": None, "top_p": None}[n] for n in params)
+        scalars = {"top_k_val": k, "top_p_val": p}
+        names = arg_names(op)
+        kwargs = {n: scalars[n] for n in names if n.endswith("_val")}
+        for name, fn in _backends(op, device, small=True):  # small buffers: the split and histogram routes
+            want = fn(*per_row)
+            got = fn(*scalar, **kwargs)
+            _check(op, f"{name} k={k} p={p}", got, want, per_row)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_wrapper_takes_scalars_and_draws_from_torch_without_a_seed(device):
+    """The wrapper: ints and floats as FlashInfer takes them; no seed and offset: a seed drawn with
+    torch's generator, so ``torch.manual_seed`` repeats a draw and the next call draws afresh."""
+    probs = _softmax(64, 500, device)
+    tk = sampling_ops.top_k_top_p_sampling_from_probs
+    with_seed = tk(probs, 20, 0.8, 5, 9)
+    assert torch.equal(with_seed, tk(probs, torch.full((64,), 20, device=device), torch.full((64,), 0.8, device=device),
+                                     torch.tensor(5, device=device), torch.tensor(9, device=device)))
+    torch.manual_seed(11)
+    first, second = tk(probs, 20, 0.8), tk(probs, 20, 0.8)
+    torch.manual_seed(11)
+    assert torch.equal(first, tk(probs, 20, 0.8))
+    assert not torch.equal(first, second)  # 64 rows of 20 candidates: equal draws have odds below 1e-40
+    kept = sampling_ops.kept_set(probs, torch.full((64,), 20, device=device), torch.full((64,), 0.8, device=device))
+    assert kept.gather(1, first.long()[:, None]).all() and kept.gather(1, second.long()[:, None]).all()
+    renorm_k = sampling_ops.top_k_renorm_probs(probs, 20)
+    assert torch.equal(renorm_k, sampling_ops.top_k_renorm_probs(probs, torch.full((64,), 20, device=device)))
+    renorm_p = sampling_ops.top_p_renorm_probs(probs, 0.8)
+    assert torch.equal(renorm_p, sampling_ops.top_p_renorm_probs(probs, torch.full((64,), 0.8, device=device)))
+    for bad in (2.0, "5", True):
+        with pytest.raises(TypeError, match="deepinfer::top_k_renorm_probs: argument 'top_k'"):
+            sampling_ops.top_k_renorm_probs(probs, bad)
+    with pytest.raises(TypeError, match="deepinfer::top_k_top_p_sampling_from_probs: argument 'offset'"):
+        tk(probs, 20, 0.8, seed=5)

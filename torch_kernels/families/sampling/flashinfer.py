@@ -63,8 +63,9 @@ def _one_cta_vocab(device: torch.device) -> int:
     return (_module.max_shared_bytes(device) - _RADIX_FIXED_SMEM) // 16 * 4  # rounded down to whole 4-element loads
 
 
-def top_k_top_p_sampling_from_probs_refuses(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
-                                            offset: Tensor) -> Optional[str]:
+def top_k_top_p_sampling_from_probs_refuses(probs: Tensor, maybe_top_k_arr: Optional[Tensor],
+                                            maybe_top_p_arr: Optional[Tensor], seed: Tensor, offset: Tensor,
+                                            top_k_val: int = 0, top_p_val: float = 1.0) -> Optional[str]:
     if probs.numel() >= 2**32:
         return "2^32 elements or more (FlashInfer's offsets are uint32)"
     if not _DETERMINISTIC_RENORM and probs.shape[1] > _one_cta_vocab(probs.device):
@@ -85,7 +86,8 @@ def _probs(probs: Tensor) -> Tensor:
     return p
 
 
-def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+def top_k_top_p_sampling_from_probs(probs: Tensor, maybe_top_k_arr: Optional[Tensor], maybe_top_p_arr: Optional[Tensor],
+                                    seed: Tensor, offset: Tensor, top_k_val: int = 0, top_p_val: float = 1.0) -> Tensor:
     B, V = probs.shape
     if B == 0:  # a grid of 0 blocks is a launch error
         return torch.empty(0, dtype=torch.int32, device=probs.device)
@@ -94,8 +96,15 @@ def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor,
         f"top_k_top_p_sampling_from_probs from 'flashinfer' {_module.VERSION_TEXT}: the reference's kept set and "
         "distribution, FlashInfer's random stream (the ids differ from the torch/Triton backends' for the same "
         "seed and offset; the top-p boundary is decided in fp32)"))
-    k = torch.where((top_k > 0) & (top_k < V), top_k, V).to(torch.int32)
-    p = torch.where(top_p >= 1.0, _TOP_P_OFF, torch.where(top_p > _TOP_P_MIN, top_p, _TOP_P_MIN))
+    if maybe_top_k_arr is None:  # scalars stay scalars: FlashInfer takes either
+        k = top_k_val if 0 < top_k_val < V else V
+    else:
+        k = torch.where((maybe_top_k_arr > 0) & (maybe_top_k_arr < V), maybe_top_k_arr, V).to(torch.int32)
+    if maybe_top_p_arr is None:
+        p = _TOP_P_OFF if top_p_val >= 1.0 else top_p_val if top_p_val > _TOP_P_MIN else _TOP_P_MIN  # NaN: the minimum
+    else:
+        top_p = maybe_top_p_arr
+        p = torch.where(top_p >= 1.0, _TOP_P_OFF, torch.where(top_p > _TOP_P_MIN, top_p, _TOP_P_MIN))
     if _TENSOR_SEEDS:
         seed, offset = seed.reshape(1), offset.reshape(1)
     else:

@@ -50,12 +50,14 @@ def _validate_per_row(op: str, arg: str, t: Tensor, dtypes, what: str, probs: Te
     check.same_device(op, arg, t, "probs", probs)
 
 
-def _validate_top_k(op: str, probs: Tensor, top_k: Tensor) -> None:
-    _validate_per_row(op, "top_k", top_k, _INDEX_DTYPES, "int32 or int64", probs)
+def _validate_top_k(op: str, probs: Tensor, top_k: Optional[Tensor]) -> None:
+    if top_k is not None:  # None: the scalar top_k_val serves every row
+        _validate_per_row(op, "maybe_top_k_arr", top_k, _INDEX_DTYPES, "int32 or int64", probs)
 
 
-def _validate_top_p(op: str, probs: Tensor, top_p: Tensor) -> None:
-    _validate_per_row(op, "top_p", top_p, (torch.float32,), "float32", probs)
+def _validate_top_p(op: str, probs: Tensor, top_p: Optional[Tensor]) -> None:
+    if top_p is not None:
+        _validate_per_row(op, "maybe_top_p_arr", top_p, (torch.float32,), "float32", probs)
 
 
 def _validate_scalar(op: str, arg: str, t: Tensor, probs: Tensor) -> None:
@@ -67,19 +69,20 @@ def _validate_scalar(op: str, arg: str, t: Tensor, probs: Tensor) -> None:
     check.same_device(op, arg, t, "probs", probs)
 
 
-def _full_top_k_renorm(probs: Tensor, top_k: Tensor) -> None:
+def _full_top_k_renorm(probs: Tensor, top_k: Optional[Tensor], top_k_val: int = 0) -> None:
     op = "top_k_renorm_probs"
     _validate_probs(op, probs)
     _validate_top_k(op, probs, top_k)
 
 
-def _full_top_p_renorm(probs: Tensor, top_p: Tensor) -> None:
+def _full_top_p_renorm(probs: Tensor, top_p: Optional[Tensor], top_p_val: float = 1.0) -> None:
     op = "top_p_renorm_probs"
     _validate_probs(op, probs)
     _validate_top_p(op, probs, top_p)
 
 
-def _full_sampling(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> None:
+def _full_sampling(probs: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor], seed: Tensor, offset: Tensor,
+                   top_k_val: int = 0, top_p_val: float = 1.0) -> None:
     op = "top_k_top_p_sampling_from_probs"
     _validate_probs(op, probs)
     _validate_top_k(op, probs, top_k)
@@ -92,50 +95,57 @@ def _probs_ok(probs: Tensor) -> bool:
     return probs.dtype == torch.float32 and probs.dim() == 2 and probs.stride(1) == 1 and 1 <= probs.shape[1] <= _MAX_VOCAB
 
 
-def validate_top_k_renorm(probs: Tensor, top_k: Tensor) -> None:
+def _k_ok(top_k: Optional[Tensor], probs: Tensor) -> bool:
+    return top_k is None or (top_k.dtype in _INDEX_DTYPES and top_k.shape == probs.shape[:1] and top_k.device == probs.device)
+
+
+def _p_ok(top_p: Optional[Tensor], probs: Tensor) -> bool:
+    return top_p is None or (top_p.dtype == torch.float32 and top_p.shape == probs.shape[:1] and top_p.device == probs.device)
+
+
+def validate_top_k_renorm(probs: Tensor, top_k: Optional[Tensor], top_k_val: int = 0) -> None:
     try:
-        if (_probs_ok(probs) and top_k.dtype in _INDEX_DTYPES and top_k.shape == probs.shape[:1]
-                and top_k.device == probs.device):
+        if _probs_ok(probs) and _k_ok(top_k, probs):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
     _full_top_k_renorm(probs, top_k)
 
 
-def validate_top_p_renorm(probs: Tensor, top_p: Tensor) -> None:
+def validate_top_p_renorm(probs: Tensor, top_p: Optional[Tensor], top_p_val: float = 1.0) -> None:
     try:
-        if (_probs_ok(probs) and top_p.dtype == torch.float32 and top_p.shape == probs.shape[:1]
-                and top_p.device == probs.device):
+        if _probs_ok(probs) and _p_ok(top_p, probs):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
     _full_top_p_renorm(probs, top_p)
 
 
-def validate_sampling(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> None:
+def validate_sampling(probs: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor], seed: Tensor, offset: Tensor,
+                      top_k_val: int = 0, top_p_val: float = 1.0) -> None:
     try:
-        if (_probs_ok(probs) and top_k.dtype in _INDEX_DTYPES and top_p.dtype == torch.float32
-                and top_k.shape == probs.shape[:1] and top_p.shape == probs.shape[:1]
+        if (_probs_ok(probs) and _k_ok(top_k, probs) and _p_ok(top_p, probs)
                 and seed.dtype == torch.int64 and offset.dtype == torch.int64
                 and seed.numel() == 1 and offset.numel() == 1 and seed.dim() <= 1 and offset.dim() <= 1
-                and probs.device == top_k.device == top_p.device == seed.device == offset.device):
+                and probs.device == seed.device == offset.device):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
     _full_sampling(probs, top_k, top_p, seed, offset)
 
 
-def _fake_top_k_renorm(probs: Tensor, top_k: Tensor) -> Tensor:
+def _fake_top_k_renorm(probs: Tensor, top_k: Optional[Tensor], top_k_val: int = 0) -> Tensor:
     _full_top_k_renorm(probs, top_k)
     return probs.new_empty(probs.shape)
 
 
-def _fake_top_p_renorm(probs: Tensor, top_p: Tensor) -> Tensor:
+def _fake_top_p_renorm(probs: Tensor, top_p: Optional[Tensor], top_p_val: float = 1.0) -> Tensor:
     _full_top_p_renorm(probs, top_p)
     return probs.new_empty(probs.shape)
 
 
-def _fake_sampling(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+def _fake_sampling(probs: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor], seed: Tensor, offset: Tensor,
+                   top_k_val: int = 0, top_p_val: float = 1.0) -> Tensor:
     _full_sampling(probs, top_k, top_p, seed, offset)
     return probs.new_empty(probs.shape[:1], dtype=torch.int32)
 
@@ -144,7 +154,7 @@ def _fake_sampling(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, of
 # Typed wrappers: what IDEs show, and what docs/ops.md is generated from.
 
 
-def top_k_renorm_probs(probs: Tensor, top_k: Tensor) -> Tensor:
+def top_k_renorm_probs(probs: Tensor, top_k: Union[int, Tensor]) -> Tensor:
     """``out = where(p >= kth_largest(p, top_k), p, 0) / sum(where(p >= kth_largest(p, top_k), p, 0))`` per row
 
     Keep the ``top_k`` largest probabilities of each row (every value equal to the k-th largest is
@@ -155,15 +165,17 @@ def top_k_renorm_probs(probs: Tensor, top_k: Tensor) -> Tensor:
 
     Args:
         probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.
-        top_k: ``(B,)`` int32 or int64, on the device of ``probs``.
+        top_k: an int for every row, or a ``(B,)`` int32/int64 tensor on the device of ``probs``. The
+            op's schema takes the two forms as ``maybe_top_k_arr`` and ``top_k_val``.
 
     Returns:
         ``(B, V)`` float32, contiguous. Not differentiable.
     """
-    return torch.ops.deepinfer.top_k_renorm_probs.default(probs, top_k)
+    arr, val = _tensor_or_scalar("top_k_renorm_probs", "top_k", top_k, int, "an int")
+    return torch.ops.deepinfer.top_k_renorm_probs.default(probs, arr, val)
 
 
-def top_p_renorm_probs(probs: Tensor, top_p: Tensor) -> Tensor:
+def top_p_renorm_probs(probs: Tensor, top_p: Union[float, Tensor]) -> Tensor:
     """``out = where(mass(p > p_i) < top_p * sum(p), p, 0) / sum(kept)`` per row
 
     Nucleus filter (FlashInfer's ``top_p_renorm_probs``): keep the smallest set of largest
@@ -174,15 +186,18 @@ def top_p_renorm_probs(probs: Tensor, top_p: Tensor) -> Tensor:
 
     Args:
         probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.
-        top_p: ``(B,)`` float32, on the device of ``probs``.
+        top_p: a float for every row, or a ``(B,)`` float32 tensor on the device of ``probs``. The op's
+            schema takes the two forms as ``maybe_top_p_arr`` and ``top_p_val``.
 
     Returns:
         ``(B, V)`` float32, contiguous. Not differentiable.
     """
-    return torch.ops.deepinfer.top_p_renorm_probs.default(probs, top_p)
+    arr, val = _tensor_or_scalar("top_p_renorm_probs", "top_p", top_p, float, "a float")
+    return torch.ops.deepinfer.top_p_renorm_probs.default(probs, arr, 1.0 if arr is not None else val)
 
 
-def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Union[int, Tensor], top_p: Union[float, Tensor], seed=None,
+                                    offset=None) -> Tensor:
     """``ids[b] ~ top_p_renorm(top_k_renorm(probs[b], top_k[b]), top_p[b])``, drawn with Philox(seed, offset, b)
 
     One token id per row from the row's top-k survivors (ties kept), then nucleus-filtered with
@@ -192,20 +207,30 @@ def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor,
     deterministic for a given ``(seed, offset)`` and identical on every device and on the torch and
     Triton backends; each row has its own stream. The FlashInfer backend (served only when selected,
     ``DEEPINFER_OPS_BACKEND=flashinfer``) draws from the same kept set with FlashInfer's own random
-    stream and decides the top-p boundary in fp32; its first call says so on stderr. Advance ``offset`` (in place, e.g. ``offset += 1``) between steps: the op
-    reads ``seed`` and ``offset`` on the device, so it can be captured in a CUDA graph and replayed.
+    stream and decides the top-p boundary in fp32; its first call says so on stderr. With ``seed`` and
+    ``offset`` tensors, advance ``offset`` (in place, e.g. ``offset += 1``) between steps: the op reads
+    them on the device, so it can be captured in a CUDA graph and replayed. Without them a seed is drawn
+    on the device with torch's generator (``torch.manual_seed`` makes it reproducible; a CUDA graph
+    replays a fresh draw).
 
     Args:
         probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.
-        top_k: ``(B,)`` int32 or int64; ``<= 0`` or ``>= V`` disables top-k for that row.
-        top_p: ``(B,)`` float32; ``>= 1`` disables top-p for that row, ``<= 0`` keeps only the largest value.
-        seed: int64 tensor of one element (shape ``()`` or ``(1,)``), on the device of ``probs``.
-        offset: int64 tensor of one element, on the device of ``probs``.
+        top_k: an int for every row, or a ``(B,)`` int32/int64 tensor; ``<= 0`` or ``>= V`` disables
+            top-k for that row. The schema takes the two forms as ``maybe_top_k_arr`` and ``top_k_val``.
+        top_p: a float for every row, or a ``(B,)`` float32 tensor; ``>= 1`` disables top-p for that row,
+            ``<= 0`` keeps only the largest value (schema: ``maybe_top_p_arr``, ``top_p_val``).
+        seed, offset: both ``None``, or each an int or an int64 tensor of one element (shape ``()`` or
+            ``(1,)``) on the device of ``probs``. The registered op takes them as tensors, always.
 
     Returns:
         ``(B,)`` int32 token ids. A row with no positive probability returns 0.
     """
-    return torch.ops.deepinfer.top_k_top_p_sampling_from_probs.default(probs, top_k, top_p, seed, offset)
+    op = "top_k_top_p_sampling_from_probs"
+    k_arr, k_val = _tensor_or_scalar(op, "top_k", top_k, int, "an int")
+    p_arr, p_val = _tensor_or_scalar(op, "top_p", top_p, float, "a float")
+    seed, offset = _seed_offset(op, probs, seed, offset)
+    return torch.ops.deepinfer.top_k_top_p_sampling_from_probs.default(probs, k_arr, p_arr, seed, offset, k_val,
+                                                                        1.0 if p_arr is not None else p_val)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,20 +260,30 @@ def _sample_inputs(device):
     yield (ties, torch.tensor([3, 40], dtype=torch.int32, device=device), torch.tensor([0.6, 0.95], device=device))
 
 
+# every other sample takes its parameter as the scalar that serves every row (the schema's ``*_val``)
+_SCALAR_K, _SCALAR_P = (5, 0, 1, 17, 40), (0.9, 0.3, 1.0, 0.0, 0.6)
+
+
 def _samples_top_k_renorm(device, dtype) -> Iterator[tuple]:
-    for probs, top_k, _ in _sample_inputs(device):
-        yield probs, top_k
+    for i, (probs, top_k, _) in enumerate(_sample_inputs(device)):
+        yield (probs, top_k) if i % 2 == 0 else (probs, None, _SCALAR_K[i])
 
 
 def _samples_top_p_renorm(device, dtype) -> Iterator[tuple]:
-    for probs, _, top_p in _sample_inputs(device):
-        yield probs, top_p
+    for i, (probs, _, top_p) in enumerate(_sample_inputs(device)):
+        yield (probs, top_p) if i % 2 == 0 else (probs, None, _SCALAR_P[i])
 
 
 def _samples_sampling(device, dtype) -> Iterator[tuple]:
     for i, (probs, top_k, top_p) in enumerate(_sample_inputs(device)):
         shape = () if i % 2 else (1,)
-        yield probs, top_k, top_p, _scalar(1234 + i, device, shape), _scalar(7 * i, device, shape)
+        seed, offset = _scalar(1234 + i, device, shape), _scalar(7 * i, device, shape)
+        if i % 3 == 0:
+            yield probs, top_k, top_p, seed, offset
+        elif i % 3 == 1:  # both scalars
+            yield probs, None, None, seed, offset, _SCALAR_K[i], _SCALAR_P[i]
+        else:  # a per-row top_k with a scalar top_p
+            yield probs, top_k, None, seed, offset, 0, _SCALAR_P[i]
 
 
 def _tokens_args(n: int, device):
@@ -759,13 +794,14 @@ def _flashinfer_min_p(args: tuple):
 _NO_GRAD = "top-k/top-p filtering and sampling are not differentiable (data-dependent thresholds, integer ids)"
 
 OPS = (
-    OpDef("top_k_renorm_probs(Tensor probs, Tensor top_k) -> Tensor",
+    OpDef("top_k_renorm_probs(Tensor probs, Tensor? maybe_top_k_arr, int top_k_val=0) -> Tensor",
           validate_top_k_renorm, _fake_top_k_renorm, top_k_renorm_probs, _samples_top_k_renorm, _tokens_top_k_renorm,
           no_grad_reason=_NO_GRAD, bench=_bench("top_k_renorm_probs", _bench_args_top_k_renorm, 2)),
-    OpDef("top_p_renorm_probs(Tensor probs, Tensor top_p) -> Tensor",
+    OpDef("top_p_renorm_probs(Tensor probs, Tensor? maybe_top_p_arr, float top_p_val=1.0) -> Tensor",
           validate_top_p_renorm, _fake_top_p_renorm, top_p_renorm_probs, _samples_top_p_renorm, _tokens_top_p_renorm,
           no_grad_reason=_NO_GRAD, bench=_bench("top_p_renorm_probs", _bench_args_top_p_renorm, 2)),
-    OpDef("top_k_top_p_sampling_from_probs(Tensor probs, Tensor top_k, Tensor top_p, Tensor seed, Tensor offset) -> Tensor",
+    OpDef("top_k_top_p_sampling_from_probs(Tensor probs, Tensor? maybe_top_k_arr, Tensor? maybe_top_p_arr, Tensor seed, "
+          "Tensor offset, int top_k_val=0, float top_p_val=1.0) -> Tensor",
           validate_sampling, _fake_sampling, top_k_top_p_sampling_from_probs, _samples_sampling, _tokens_sampling,
           no_grad_reason=_NO_GRAD, compare=compare_samples,
           bench=_bench("top_k_top_p_sampling_from_probs", _bench_args_sampling, 1, _bench_compare_samples)),

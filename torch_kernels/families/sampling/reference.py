@@ -31,6 +31,8 @@ The renormalising ops return ``where(kept, p / sum(p[kept]), 0)`` in fp32 (the s
 whose kept sum is 0 returns zeros).
 """
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -97,9 +99,20 @@ def random_bits31(rows: int, seed: Tensor, offset: Tensor, device) -> Tensor:
     return c0 >> 1
 
 
+def per_row(value, rows: int, dtype, device) -> Tensor:
+    """A per-row tensor as it is, or a scalar as ``(rows,)`` of ``dtype`` (a top_p float rounded to fp32,
+    as a kernel argument is)."""
+    return value if isinstance(value, Tensor) else torch.full((rows,), value, dtype=dtype, device=device)
+
+
 def kept_mask(bits: Tensor, q: Tensor, top_k, top_p):
-    """``(kept (B, V) bool, mass of the kept set (B,) int64)``; ``top_k``/``top_p`` ``None``: no filter."""
+    """``(kept (B, V) bool, mass of the kept set (B,) int64)``; ``top_k``/``top_p`` a ``(B,)`` tensor or
+    a scalar for every row, ``None``: no filter."""
     B, V = bits.shape
+    if top_k is not None:
+        top_k = per_row(top_k, B, torch.int64, bits.device)
+    if top_p is not None:
+        top_p = per_row(top_p, B, torch.float32, bits.device)
     if top_k is None:
         kept = torch.ones_like(bits, dtype=torch.bool)
     else:
@@ -134,17 +147,17 @@ def _renorm(probs: Tensor, kept: Tensor, bits: Tensor) -> Tensor:
     return torch.where(total > 0, p / total.clamp(min=1e-300), 0.0).float().contiguous()
 
 
-def top_k_renorm_probs(probs: Tensor, top_k: Tensor) -> Tensor:
+def top_k_renorm_probs(probs: Tensor, maybe_top_k_arr: Optional[Tensor], top_k_val: int = 0) -> Tensor:
     if probs.shape[0] == 0:
         return probs.new_empty(probs.shape)
-    bits, _, kept, _ = _filtered(probs, top_k, None)
+    bits, _, kept, _ = _filtered(probs, top_k_val if maybe_top_k_arr is None else maybe_top_k_arr, None)
     return _renorm(probs, kept, bits)
 
 
-def top_p_renorm_probs(probs: Tensor, top_p: Tensor) -> Tensor:
+def top_p_renorm_probs(probs: Tensor, maybe_top_p_arr: Optional[Tensor], top_p_val: float = 1.0) -> Tensor:
     if probs.shape[0] == 0:
         return probs.new_empty(probs.shape)
-    bits, _, kept, _ = _filtered(probs, None, top_p)
+    bits, _, kept, _ = _filtered(probs, None, top_p_val if maybe_top_p_arr is None else maybe_top_p_arr)
     return _renorm(probs, kept, bits)
 
 
@@ -156,11 +169,13 @@ def sample_kept(q: Tensor, kept: Tensor, mass: Tensor, r31: Tensor) -> Tensor:
     return (cum > target.unsqueeze(-1)).int().argmax(-1).int()  # no hit (no mass): 0
 
 
-def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+def top_k_top_p_sampling_from_probs(probs: Tensor, maybe_top_k_arr: Optional[Tensor], maybe_top_p_arr: Optional[Tensor],
+                                    seed: Tensor, offset: Tensor, top_k_val: int = 0, top_p_val: float = 1.0) -> Tensor:
     B = probs.shape[0]
     if B == 0:
         return torch.empty(0, dtype=torch.int32, device=probs.device)
-    _, q, kept, mass = _filtered(probs, top_k, top_p)
+    _, q, kept, mass = _filtered(probs, top_k_val if maybe_top_k_arr is None else maybe_top_k_arr,
+                                 top_p_val if maybe_top_p_arr is None else maybe_top_p_arr)
     return sample_kept(q, kept, mass, random_bits31(B, seed, offset, probs.device))
 
 

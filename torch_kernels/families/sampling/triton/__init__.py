@@ -24,16 +24,18 @@ slices: 16 and 4 slots a slice) and the histogram route (62 fine buckets, levels
 route, its fallback, windows placed by the levels and from 0, a limit exactly at a level boundary).
 
 Arguments arrive validated (``ops.py``): probs ``(B, V)`` fp32 with a contiguous
-last dim, ``top_k`` int32/int64 ``(B,)``, ``top_p`` fp32 ``(B,)``, seed and offset int64 one-element
-tensors, all on one device.
+last dim, ``top_k`` int32/int64 ``(B,)`` or an int, ``top_p`` fp32 ``(B,)`` or a float, seed and offset
+int64 one-element tensors, all on one device.
 """
+
+from typing import Optional
 
 import torch
 import triton
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from .candidates import _slice_prepass
+from .candidates import _slice_prepass, _stride
 from .config import DEFAULT, Config
 from .filter import _filter_kernel, _renorm_write_kernel
 from .histogram import _hist_prepasses
@@ -63,13 +65,14 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
     hist_max, bracket, _ = _hist_prepasses(probs, top_k, top_p, buf_bits, config) if hist else (dummy, dummy, dummy)
     _filter_kernel[(B,)](
         probs, probs.stride(0),
-        top_k if top_k is not None else dummy, top_k.stride(0) if top_k is not None else 0,
-        top_p if top_p is not None else dummy, top_p.stride(0) if top_p is not None else 0,
+        top_k if top_k is not None else dummy, _stride(top_k) if top_k is not None else 0,
+        top_p if top_p is not None else dummy, _stride(top_p) if top_p is not None else 0,
         seed if seed is not None else dummy, offset if offset is not None else dummy,
         row_out,
         buf_bits, buf_idx, stats,
         V, fixed_point_bits(V),
         HAS_K=top_k is not None, HAS_P=top_p is not None, SAMPLE=sample,
+        K_ARR=isinstance(top_k, Tensor), P_ARR=isinstance(top_p, Tensor),
         CAP=cap, CHUNK=config.chunk, K_SMALL=config.k_small, CHUNK_G=config.chunk_g,
         NP_COUNT=config.np_count, NP_MASS=config.np_mass, NP_FLOAT=config.np_float, FITS=V <= cap,
         SPLIT=split, SLICES=config.slices if split else 1,
@@ -83,13 +86,20 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
     return out
 
 
-def top_k_renorm_probs(probs: Tensor, top_k: Tensor) -> Tensor:
-    return _launch(probs, top_k, None, None, None, sample=False)
+def top_k_renorm_probs(probs: Tensor, maybe_top_k_arr: Optional[Tensor], top_k_val: int = 0) -> Tensor:
+    return _launch(probs, _either(maybe_top_k_arr, top_k_val), None, None, None, sample=False)
 
 
-def top_p_renorm_probs(probs: Tensor, top_p: Tensor) -> Tensor:
-    return _launch(probs, None, top_p, None, None, sample=False)
+def top_p_renorm_probs(probs: Tensor, maybe_top_p_arr: Optional[Tensor], top_p_val: float = 1.0) -> Tensor:
+    return _launch(probs, None, _either(maybe_top_p_arr, top_p_val), None, None, sample=False)
 
 
-def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
-    return _launch(probs, top_k, top_p, seed, offset, sample=True)
+def top_k_top_p_sampling_from_probs(probs: Tensor, maybe_top_k_arr: Optional[Tensor], maybe_top_p_arr: Optional[Tensor],
+                                    seed: Tensor, offset: Tensor, top_k_val: int = 0, top_p_val: float = 1.0) -> Tensor:
+    return _launch(probs, _either(maybe_top_k_arr, top_k_val), _either(maybe_top_p_arr, top_p_val), seed, offset,
+                   sample=True)
+
+
+def _either(arr: Optional[Tensor], val):
+    """The per-row tensor, else the scalar, which the kernels take as an argument (``_common.row_value``)."""
+    return val if arr is None else arr

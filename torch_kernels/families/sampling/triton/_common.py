@@ -7,6 +7,19 @@ import triton.language as tl
 
 
 @triton.jit
+def row_value(arg, stride, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
+    """``arg[row * stride]`` of a per-row tensor, or ``arg`` itself where one scalar serves every row
+    (the schemas' ``maybe_<x>_arr`` / ``<x>_val``: a scalar reaches the kernel as an argument, no
+    tensor made of it), as ``DTYPE``. Kernels list such arguments in ``do_not_specialize``: a 1 would
+    be a constant."""
+    if PER_ROW:
+        value = tl.load(arg + row * stride).to(DTYPE)
+    else:
+        value = tl.cast(arg, DTYPE)
+    return value
+
+
+@triton.jit
 def _value_bits(row_ptr, cols, mask):
     """int32 bit patterns of the sanitised values (NaN/negative -> 0, +inf -> FLT_MAX); -1 where masked."""
     p = tl.load(row_ptr + cols, mask=mask, other=0.0)

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import _fixed, _kth_in_registers, _random_bits31, _target, _top_p_in_registers, _value_bits
+from ._common import _fixed, _kth_in_registers, _random_bits31, _target, _top_p_in_registers, _value_bits, row_value
 from .config import Config
 
 
@@ -134,7 +134,7 @@ def _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_sca
     return thr, mass, token
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["top_k_ptr"])
 def _slice_candidates_kernel(
     probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
     top_k_ptr, top_k_stride,  # (B,) int32/int64; <= 0 or >= V keeps all
@@ -149,6 +149,7 @@ def _slice_candidates_kernel(
     NP: tl.constexpr,  # pivots per round of the count search
     GROUPS: tl.constexpr,  # group maxima the search starts from (<= 1: none)
     GM_CAP: tl.constexpr,  # the group-maxima search stops at g(lo) <= GM_CAP (3/4 of SLICE_CAP)
+    K_ARR: tl.constexpr = True,  # top_k a (B,) tensor, else an int for every row
 ):
     """The split prepass of one slice ``[s*L, min((s+1)*L, V))`` of one row (module docstring).
 
@@ -164,7 +165,7 @@ def _slice_candidates_kernel(
     s = tl.program_id(1)
     row_ptr = probs_ptr + row * probs_row_stride
     stats = stats_ptr + row * (4 * SLICES) + s
-    k64 = tl.load(top_k_ptr + row * top_k_stride).to(tl.int64)
+    k64 = row_value(top_k_ptr, top_k_stride, row, K_ARR, tl.int64)
     k = tl.where((k64 > 0) & (k64 < V), k64, V).to(tl.int32)
     split = k <= K_SPLIT
 
@@ -236,7 +237,7 @@ def _slice_candidates_kernel(
     tl.store(cand_bits_ptr + dst + rest, tl.full([SLICE_CAP], -1, tl.int32), mask=rest >= tl.where(split, n, SLICE_CAP))
 
 
-def _slice_prepass(probs: Tensor, top_k: Tensor, buf_bits: Tensor, buf_idx: Tensor, config: Config) -> Tensor:
+def _slice_prepass(probs: Tensor, top_k, buf_bits: Tensor, buf_idx: Tensor, config: Config) -> Tensor:
     """Run ``_slice_candidates_kernel`` over ``(B, config.slices)``: writes the slices' candidates into
     ``buf_bits``/``buf_idx`` (``(B, cap)``, as ``(B, slices, cap // slices)``) and returns their
     ``(B, 4, slices)`` int32 stats (``tau_s``, largest pattern, ``n_s``, ``cover_s``)."""
@@ -245,11 +246,16 @@ def _slice_prepass(probs: Tensor, top_k: Tensor, buf_bits: Tensor, buf_idx: Tens
     slice_len = triton.cdiv(V, slices)
     stats = torch.empty((B, 4, slices), dtype=torch.int32, device=probs.device)
     _slice_candidates_kernel[(B, slices)](
-        probs, probs.stride(0), top_k, top_k.stride(0), stats, buf_bits, buf_idx, V, slice_len,
+        probs, probs.stride(0), top_k, _stride(top_k), stats, buf_bits, buf_idx, V, slice_len,
         SLICES=slices, SLICE=triton.next_power_of_2(slice_len), SLICE_CAP=config.cap // slices,
         K_SPLIT=min(config.cap // slices, config.k_small), NP=config.np_slice,
         GROUPS=triton.next_power_of_2(slice_len) // config.slice_group if config.slice_group else 1,
-        GM_CAP=config.cap // slices * 3 // 4, num_warps=config.slice_warps,
+        GM_CAP=config.cap // slices * 3 // 4, K_ARR=isinstance(top_k, Tensor), num_warps=config.slice_warps,
         **({"maxnreg": config.slice_maxnreg} if config.slice_maxnreg else {}),
     )
     return stats
+
+
+def _stride(per_row) -> int:
+    """A per-row tensor's stride; 0 for a scalar (``_common.row_value``)."""
+    return per_row.stride(0) if isinstance(per_row, Tensor) else 0

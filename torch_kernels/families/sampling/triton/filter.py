@@ -7,7 +7,7 @@ the renormalised row: one program walking a whole row was latency-bound."""
 import triton
 import triton.language as tl
 
-from ._common import _value_bits
+from ._common import _value_bits, row_value
 from .candidates import _candidate_route, _candidates_in_registers, _stream_candidates
 from .histogram import _hist_row
 from .pivots import _full_pass_route
@@ -79,7 +79,7 @@ def _top_k_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slot
     return thr, mass, token, e_max
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["top_k_ptr", "top_p_ptr"])
 def _filter_kernel(
     probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
     top_k_ptr, top_k_stride,  # (B,) int32/int64; <= 0 or >= V keeps all (read when HAS_K)
@@ -107,6 +107,8 @@ def _filter_kernel(
     bracket_ptr,  # HIST: (B, 8) int64 top-p brackets (_hist_bracket_kernel)
     HIST: tl.constexpr,  # the histogram kernels ran: rows whose top-k keeps all take the histogram route
     HIST_SLICES: tl.constexpr,  # slices a row of the histogram kernels (HIST)
+    K_ARR: tl.constexpr = True,  # top_k a (B,) tensor, else an int for every row
+    P_ARR: tl.constexpr = True,  # top_p a (B,) tensor, else a float for every row
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = probs_ptr + row * probs_row_stride
@@ -117,12 +119,12 @@ def _filter_kernel(
 
     k = V
     if HAS_K:
-        k64 = tl.load(top_k_ptr + row * top_k_stride).to(tl.int64)
+        k64 = row_value(top_k_ptr, top_k_stride, row, K_ARR, tl.int64)
         k = tl.where((k64 > 0) & (k64 < V), k64, V).to(tl.int32)
 
     limit_scale = 0.0
     if HAS_P:
-        limit_scale = tl.load(top_p_ptr + row * top_p_stride).to(tl.float64)
+        limit_scale = row_value(top_p_ptr, top_p_stride, row, P_ARR, tl.float64)
 
     if HIST:
         if HAS_K:

@@ -36,12 +36,13 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import _fixed, _top_p_in_registers, _top_p_pred, _value_bits
+from ._common import _fixed, _top_p_in_registers, _top_p_pred, _value_bits, row_value
+from .candidates import _stride
 from .config import Config
 from .pivots import _exact_top_p, _sample_scan
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["top_k_ptr"])
 def _hist_prepass_kernel(
     probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
     top_k_ptr, top_k_stride,  # (B,) int32/int64 (read when HAS_K): the route takes rows that keep all
@@ -53,6 +54,7 @@ def _hist_prepass_kernel(
     HAS_K: tl.constexpr, SLICES: tl.constexpr, SLICE: tl.constexpr,  # SLICE: next power of two >= L
     NB: tl.constexpr, ZERO: tl.constexpr,  # buckets a row; buckets a slice zeroes (cdiv(NB, SLICES), a power of two)
     LEVELS: tl.constexpr, LEVEL_OCT: tl.constexpr,  # level boundaries a slice, octaves between them
+    K_ARR: tl.constexpr = True,  # top_k a (B,) tensor, else an int for every row
 ):
     """Histogram route, launch 1 of 4 (grid ``(B, SLICES)``): the slice's largest pattern, which
     fixes the row's fixed point (``e_max``) for the histogram; the slice's fp32 mass at or above
@@ -72,7 +74,7 @@ def _hist_prepass_kernel(
     s = tl.program_id(1)
     on = True
     if HAS_K:
-        k = tl.load(top_k_ptr + row * top_k_stride).to(tl.int64)
+        k = row_value(top_k_ptr, top_k_stride, row, K_ARR, tl.int64)
         on = (k <= 0) | (k >= V)
     cols = s * L + tl.arange(0, SLICE)
     end = tl.where(on, tl.minimum(s * L + L, V), 0)  # (a scalar folded into the bound: see the slice prepass)
@@ -151,7 +153,7 @@ def _fine_window(hist_max_ptr, hist_level_ptr, top_p, row,
     return a, z, sh, mx
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["top_p_ptr"])
 def _hist_kernel(
     probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
     top_p_ptr, top_p_stride,  # (B,) fp32
@@ -161,6 +163,7 @@ def _hist_kernel(
     V, L, q_bits,  # vocabulary size; values a slice; fixed-point bits Q
     SLICES: tl.constexpr, SLICE: tl.constexpr, NB: tl.constexpr,  # buckets a row (NB - 2 fine, 2 lumps)
     LEVELS: tl.constexpr, LEVEL_OCT: tl.constexpr,
+    P_ARR: tl.constexpr = True,  # top_p a (B,) tensor, else a float for every row
 ):
     """Histogram route, launch 2 of 4 (grid ``(B, SLICES)``): the exact fixed-point mass ``q`` (the
     filter kernel's, from the row's ``e_max``) and count of the row's values, by bucket: bucket 0 lumps
@@ -183,7 +186,7 @@ def _hist_kernel(
     cost before."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
-    top_p = tl.load(top_p_ptr + row * top_p_stride).to(tl.float64)
+    top_p = row_value(top_p_ptr, top_p_stride, row, P_ARR, tl.float64)
     a, z, sh, mx = _fine_window(hist_max_ptr, hist_level_ptr, top_p, row, SLICES, LEVELS, LEVEL_OCT, NB)
     if mx >= 0:  # the row is on the route
         e_max = tl.maximum(mx >> 23, 1)
@@ -223,13 +226,14 @@ def _hist_kernel(
         tl.atomic_add(count_row + key, tl.full([SLICE], 1, tl.int32), mask=rest, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["top_p_ptr"])
 def _hist_bracket_kernel(
     top_p_ptr, top_p_stride,  # (B,) fp32
     hist_max_ptr, hist_mass_ptr, hist_count_ptr,  # the slice maxima and the row's histogram
     window_ptr,  # (B, 4) int64: A, Z, sh from _hist_kernel
     bracket_ptr,  # (B, 8) int64 out: lo, hi, n = values in (lo, hi] (-1: off the route), g_lo, g_hi, c_lo, c_hi, M
     SLICES: tl.constexpr, NB: tl.constexpr,
+    P_ARR: tl.constexpr = True,  # top_p a (B,) tensor, else a float for every row
 ):
     """Histogram route, launch 3 of 4 (grid ``(B,)``, one small program a row): the
     bucket where the top-p threshold lies. With ``S_j`` the mass of buckets ``>= j`` (exact: sums of
@@ -254,7 +258,7 @@ def _hist_bracket_kernel(
         count = tl.sum(c, axis=0)
         above = total - tl.cumsum(m, axis=0)  # S_{j+1}: the mass above bucket j
         c_above = count - tl.cumsum(c, axis=0)
-        limit = tl.load(top_p_ptr + row * top_p_stride).to(tl.float64) * total.to(tl.float64)
+        limit = row_value(top_p_ptr, top_p_stride, row, P_ARR, tl.float64) * total.to(tl.float64)
         js = tl.min(tl.where(_top_p_pred(above, limit), j, NB - 1), axis=0)
         g_hi = tl.sum(tl.where(j == js, above, 0), axis=0)
         c_hi = tl.sum(tl.where(j == js, c_above, 0), axis=0)
@@ -340,7 +344,7 @@ def _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr, br
     return thr, mass, token, e_max
 
 
-def _hist_prepasses(probs: Tensor, top_k, top_p: Tensor, buf_bits: Tensor, config: Config):
+def _hist_prepasses(probs: Tensor, top_k, top_p, buf_bits: Tensor, config: Config):
     """The histogram route's kernels (module docstring): ``(slice maxima (B, slices) int32, brackets
     (B, 8) int64, fine windows (B, 4) int64: A, Z, sh)``; the filter kernel reads the first two; the
     compacted brackets are in ``buf_bits``."""
@@ -358,16 +362,17 @@ def _hist_prepasses(probs: Tensor, top_k, top_p: Tensor, buf_bits: Tensor, confi
     bracket = torch.empty((B, 8), dtype=torch.int64, device=dev)
     has_k = top_k is not None
     _hist_prepass_kernel[(B, slices)](
-        probs, probs.stride(0), top_k if has_k else fill, top_k.stride(0) if has_k else 0,
+        probs, probs.stride(0), top_k if has_k else fill, _stride(top_k) if has_k else 0,
         hist_max, hist_level, hist_mass, hist_count, fill, V, slice_len,
         HAS_K=has_k, SLICES=slices, SLICE=slice_pow2, NB=nb, ZERO=triton.next_power_of_2(triton.cdiv(nb, slices)),
-        LEVELS=levels, LEVEL_OCT=level_oct, num_warps=config.hist_warps,
+        LEVELS=levels, LEVEL_OCT=level_oct, K_ARR=not has_k or isinstance(top_k, Tensor), num_warps=config.hist_warps,
     )
-    _hist_kernel[(B, slices)](probs, probs.stride(0), top_p, top_p.stride(0), hist_max, hist_level, hist_mass,
+    _hist_kernel[(B, slices)](probs, probs.stride(0), top_p, _stride(top_p), hist_max, hist_level, hist_mass,
                               hist_count, window, V, slice_len, fixed_point_bits(V), SLICES=slices, SLICE=slice_pow2,
-                              NB=nb, LEVELS=levels, LEVEL_OCT=level_oct, num_warps=config.hist_warps)
-    _hist_bracket_kernel[(B,)](top_p, top_p.stride(0), hist_max, hist_mass, hist_count, window, bracket,
-                               SLICES=slices, NB=nb, num_warps=config.hist_warps)
+                              NB=nb, LEVELS=levels, LEVEL_OCT=level_oct, P_ARR=isinstance(top_p, Tensor),
+                              num_warps=config.hist_warps)
+    _hist_bracket_kernel[(B,)](top_p, _stride(top_p), hist_max, hist_mass, hist_count, window, bracket,
+                               SLICES=slices, NB=nb, P_ARR=isinstance(top_p, Tensor), num_warps=config.hist_warps)
     _bracket_compact_kernel[(B, slices)](probs, probs.stride(0), bracket, buf_bits, fill, V, slice_len,
                                          CAP=config.cap, SLICE=slice_pow2, num_warps=config.hist_warps)
     return hist_max, bracket, window
