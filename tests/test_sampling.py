@@ -672,7 +672,7 @@ def _bad_cases(op, device):
     cases = [
         ("1-D probs", args(probs=probs[0]), ValueError, "probs"),
         ("3-D probs", args(probs=probs[None]), ValueError, "probs"),
-        ("fp16 probs", args(probs=probs.half()), TypeError, "probs"),
+        ("int probs", args(probs=probs.int()), TypeError, "probs"),
         ("fp64 probs", args(probs=probs.double()), TypeError, "probs"),
         ("non-contiguous vocabulary", args(probs=_softmax(64, 4, device).t()), ValueError, "probs"),
         ("empty vocabulary", args(probs=probs[:, :0]), ValueError, "probs"),
@@ -765,3 +765,25 @@ def test_sampling_wrapper_takes_scalars_and_draws_from_torch_without_a_seed(devi
             sampling_ops.top_k_renorm_probs(probs, bad)
     with pytest.raises(TypeError, match="deepinfer::top_k_top_p_sampling_from_probs: argument 'offset'"):
         tk(probs, 20, 0.8, seed=5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_half_precision_probs_are_read_as_their_fp32_values(op, dtype, device):
+    """fp16/bf16 probabilities (FlashInfer takes them): every backend samples what it samples from the
+    same values in fp32 (the widening is exact), and renormalises to the fp32 result rounded to the
+    dtype, keeping the same tokens; fp16's +inf and subnormals included."""
+    probs = torch.cat([_softmax(3, 301, device), _ties(2, 301, device)]).to(dtype)
+    if dtype == torch.float16:
+        probs[0, 7], probs[1, :3] = float("inf"), torch.tensor([1e-7, 6e-8, 0.0])
+    wide = probs.float()
+    top_k, top_p = torch.tensor([5, 0, 40, 1, 301], device=device), torch.tensor([0.9, 0.5, 1.0, 0.0, 0.7], device=device)
+    for name, fn in _backends(op, device, small=True):
+        got, want = fn(*_args(op, probs, top_k, top_p)), fn(*_args(op, wide, top_k, top_p))
+        if op == SAMPLING:
+            _check(op, name, got, want, _args(op, wide, top_k, top_p))
+        else:
+            assert got.dtype == dtype and got.is_contiguous(), name
+            assert torch.equal(got != 0, want.to(dtype) != 0), f"{name}: kept sets differ"  # tiny kept values: 0
+            assert_close(got, want.to(dtype), msg=name)

@@ -460,7 +460,7 @@ def _min_p_bad_cases(device):
     mp, seed, offset = torch.full((4,), 0.1, device=device), torch.tensor(1, device=device), torch.tensor([0], device=device)
     return [
         ("1-D probs", (probs[0], mp[:1], 0.0, seed, offset), ValueError, "probs"),
-        ("fp16 probs", (probs.half(), mp, 0.0, seed, offset), TypeError, "probs"),
+        ("fp64 probs", (probs.double(), mp, 0.0, seed, offset), TypeError, "probs"),
         ("non-contiguous vocabulary", (_softmax(64, 4, device).t(), mp, 0.0, seed, offset), ValueError, "probs"),
         ("empty vocabulary", (probs[:, :0], mp, 0.0, seed, offset), ValueError, "probs"),
         ("min_p of the wrong length", (probs, mp[:3], 0.0, seed, offset), ValueError, "maybe_min_p_arr"),

@@ -30,16 +30,16 @@ FAMILY = Family(
         *reference(__package__, OPS),
         *kernels(__package__, Backend.TRITON, PROBS_OPS,
                  "one program per row: candidate buffer in one read (top_k <= 1024), else multi-pivot passes; "
-                 "bit-exact with the reference", ("float32",)),
+                 "bit-exact with the reference", ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, LOGITS_OPS,
                  "one program per row: softmax in two passes (online max and sum); top-k mask by 16-pivot counts "
                  "over order keys, exact", ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, ("min_p_sampling_from_probs",),
                  "one program per row: max, kept mass, draw in three passes; bit-exact with the reference",
-                 ("float32",)),
+                 ("float32", "float16", "bfloat16")),
         # FlashInfer decides the top-p boundary in fp32 (a token within ~1e-6 of it may go either way)
         *kernels(__package__, Backend.FLASHINFER, ("top_k_top_p_sampling_from_probs",),
                  "top_k_renorm_probs + top_p_sampling_from_probs: same kept set, FlashInfer's random stream",
-                 ("float32",), checks=True, own_random_stream=True),
+                 ("float32", "float16", "bfloat16"), checks=True, own_random_stream=True),
     ),
 )

@@ -21,6 +21,7 @@ from ... import checks as check
 from ...opdef import BenchCase, OpDef, Peer
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_PROBS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # read as fp32 (exact), as FlashInfer reads them
 _MAX_VOCAB = 2**31 - 1  # token ids are int32
 
 
@@ -31,8 +32,8 @@ _MAX_VOCAB = 2**31 - 1  # token ids are int32
 
 def _validate_probs(op: str, probs: Tensor) -> None:
     check.tensor(op, "probs", probs)
-    if probs.dtype != torch.float32:
-        check.fail(op, "probs", f"must be float32 (cast with .float()), got {probs.dtype}", TypeError)
+    if probs.dtype not in _PROBS_DTYPES:
+        check.fail(op, "probs", f"must be float32, float16 or bfloat16, got {probs.dtype}", TypeError)
     if probs.dim() != 2:
         check.fail(op, "probs", f"must be 2-D (batch, vocab), got shape {tuple(probs.shape)}")
     check.last_dim_contiguous(op, "probs", probs)
@@ -92,7 +93,7 @@ def _full_sampling(probs: Tensor, top_k: Optional[Tensor], top_p: Optional[Tenso
 
 
 def _probs_ok(probs: Tensor) -> bool:
-    return probs.dtype == torch.float32 and probs.dim() == 2 and probs.stride(1) == 1 and 1 <= probs.shape[1] <= _MAX_VOCAB
+    return probs.dtype in _PROBS_DTYPES and probs.dim() == 2 and probs.stride(1) == 1 and 1 <= probs.shape[1] <= _MAX_VOCAB
 
 
 def _k_ok(top_k: Optional[Tensor], probs: Tensor) -> bool:
@@ -164,12 +165,13 @@ def top_k_renorm_probs(probs: Tensor, top_k: Union[int, Tensor]) -> Tensor:
     backend keeps the same tokens.
 
     Args:
-        probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.
+        probs: ``(B, V)`` float32, float16 or bfloat16 (read as fp32), last dimension contiguous (rows may
+            be strided); need not be normalised.
         top_k: an int for every row, or a ``(B,)`` int32/int64 tensor on the device of ``probs``. The
             op's schema takes the two forms as ``maybe_top_k_arr`` and ``top_k_val``.
 
     Returns:
-        ``(B, V)`` float32, contiguous. Not differentiable.
+        ``(B, V)`` in the dtype of ``probs``, contiguous. Not differentiable.
     """
     arr, val = _tensor_or_scalar("top_k_renorm_probs", "top_k", top_k, int, "an int")
     return torch.ops.deepinfer.top_k_renorm_probs.default(probs, arr, val)
@@ -185,12 +187,13 @@ def top_p_renorm_probs(probs: Tensor, top_p: Union[float, Tensor]) -> Tensor:
     every backend keeps the same tokens. ``top_p >= 1`` keeps every token with mass.
 
     Args:
-        probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.
+        probs: ``(B, V)`` float32, float16 or bfloat16 (read as fp32), last dimension contiguous (rows may
+            be strided); need not be normalised.
         top_p: a float for every row, or a ``(B,)`` float32 tensor on the device of ``probs``. The op's
             schema takes the two forms as ``maybe_top_p_arr`` and ``top_p_val``.
 
     Returns:
-        ``(B, V)`` float32, contiguous. Not differentiable.
+        ``(B, V)`` in the dtype of ``probs``, contiguous. Not differentiable.
     """
     arr, val = _tensor_or_scalar("top_p_renorm_probs", "top_p", top_p, float, "a float")
     return torch.ops.deepinfer.top_p_renorm_probs.default(probs, arr, 1.0 if arr is not None else val)
@@ -214,7 +217,8 @@ def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Union[int, Tensor], to
     replays a fresh draw).
 
     Args:
-        probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.
+        probs: ``(B, V)`` float32, float16 or bfloat16 (read as fp32), last dimension contiguous (rows may
+            be strided); need not be normalised.
         top_k: an int for every row, or a ``(B,)`` int32/int64 tensor; ``<= 0`` or ``>= V`` disables
             top-k for that row. The schema takes the two forms as ``maybe_top_k_arr`` and ``top_k_val``.
         top_p: a float for every row, or a ``(B,)`` float32 tensor; ``>= 1`` disables top-p for that row,
@@ -234,28 +238,29 @@ def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Union[int, Tensor], to
 
 
 # ----------------------------------------------------------------------------------------------
-# Sample arguments: the family takes float32 probabilities only, so the samples are float32 whatever
-# dtype is asked for. Shapes: one token of a one-word vocabulary, a few rows of 1000 (a full top-k,
+# Sample arguments: probabilities in the dtype asked for (float64: float32). Shapes: one token of a one-word vocabulary, a few rows of 1000 (a full top-k,
 # a disabled one, the whole row), zero rows, strided rows of an odd vocabulary, ties.
 
 
-def _probs(rows: int, vocab: int, device, stride=None, scale: float = 3.0) -> Tensor:
+def _probs(rows: int, vocab: int, device, stride=None, scale: float = 3.0, dtype=torch.float32) -> Tensor:
     logits = torch.randn(rows, stride or vocab, device=device) * scale
-    return torch.softmax(logits, -1)[:, :vocab]
+    return torch.softmax(logits, -1).to(dtype)[:, :vocab]
 
 
 def _scalar(value: int, device, shape=()) -> Tensor:
     return torch.full(shape, value, dtype=torch.int64, device=device)
 
 
-def _sample_inputs(device):
+def _sample_inputs(device, dtype=torch.float32):
     """(probs, top_k, top_p) per sample shape."""
-    ties = torch.softmax(torch.randint(0, 4, (2, 129), device=device).float(), -1)  # four distinct values a row
-    yield (_probs(1, 1, device), torch.tensor([1], device=device), torch.tensor([0.5], device=device))
-    yield (_probs(3, 1000, device), torch.tensor([5, 0, 1000], dtype=torch.int32, device=device),
+    dtype = dtype if dtype in _PROBS_DTYPES else torch.float32
+    ties = torch.softmax(torch.randint(0, 4, (2, 129), device=device).float(), -1).to(dtype)  # four values a row
+    yield (_probs(1, 1, device, dtype=dtype), torch.tensor([1], device=device), torch.tensor([0.5], device=device))
+    yield (_probs(3, 1000, device, dtype=dtype), torch.tensor([5, 0, 1000], dtype=torch.int32, device=device),
            torch.tensor([0.9, 0.3, 1.0], device=device))
-    yield (_probs(0, 64, device), torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, device=device))
-    yield (_probs(4, 301, device, stride=384), torch.tensor([-1, 1, 17, 301], device=device),
+    yield (_probs(0, 64, device, dtype=dtype), torch.zeros(0, dtype=torch.int64, device=device),
+           torch.zeros(0, device=device))
+    yield (_probs(4, 301, device, stride=384, dtype=dtype), torch.tensor([-1, 1, 17, 301], device=device),
            torch.tensor([0.5, 0.99, 0.0, 0.75], device=device))
     yield (ties, torch.tensor([3, 40], dtype=torch.int32, device=device), torch.tensor([0.6, 0.95], device=device))
 
@@ -265,17 +270,17 @@ _SCALAR_K, _SCALAR_P = (5, 0, 1, 17, 40), (0.9, 0.3, 1.0, 0.0, 0.6)
 
 
 def _samples_top_k_renorm(device, dtype) -> Iterator[tuple]:
-    for i, (probs, top_k, _) in enumerate(_sample_inputs(device)):
+    for i, (probs, top_k, _) in enumerate(_sample_inputs(device, dtype)):
         yield (probs, top_k) if i % 2 == 0 else (probs, None, _SCALAR_K[i])
 
 
 def _samples_top_p_renorm(device, dtype) -> Iterator[tuple]:
-    for i, (probs, _, top_p) in enumerate(_sample_inputs(device)):
+    for i, (probs, _, top_p) in enumerate(_sample_inputs(device, dtype)):
         yield (probs, top_p) if i % 2 == 0 else (probs, None, _SCALAR_P[i])
 
 
 def _samples_sampling(device, dtype) -> Iterator[tuple]:
-    for i, (probs, top_k, top_p) in enumerate(_sample_inputs(device)):
+    for i, (probs, top_k, top_p) in enumerate(_sample_inputs(device, dtype)):
         shape = () if i % 2 else (1,)
         seed, offset = _scalar(1234 + i, device, shape), _scalar(7 * i, device, shape)
         if i % 3 == 0:
@@ -720,7 +725,8 @@ def min_p_sampling_from_probs(probs: Tensor, min_p: Union[float, Tensor], seed=N
     generator (``torch.manual_seed`` makes it reproducible; a CUDA graph replays a fresh draw).
 
     Args:
-        probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.
+        probs: ``(B, V)`` float32, float16 or bfloat16 (read as fp32), last dimension contiguous (rows may
+            be strided); need not be normalised.
             NaN and negative values count as 0, ``+inf`` as the largest fp32.
         min_p: a float for every row, or a ``(B,)`` float32 tensor on the device of ``probs``. The op's
             schema takes the two forms as ``maybe_min_p_arr`` and ``min_p_val``.
@@ -738,7 +744,7 @@ def min_p_sampling_from_probs(probs: Tensor, min_p: Union[float, Tensor], seed=N
 
 
 def _samples_min_p(device, dtype) -> Iterator[tuple]:
-    for i, (probs, _, top_p) in enumerate(_sample_inputs(device)):
+    for i, (probs, _, top_p) in enumerate(_sample_inputs(device, dtype)):
         shape = () if i % 2 else (1,)
         seed, offset = _scalar(99 + i, device, shape), _scalar(3 * i, device, shape)
         if i % 2:

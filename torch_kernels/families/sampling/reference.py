@@ -144,7 +144,7 @@ def _filtered(probs: Tensor, top_k, top_p):
 def _renorm(probs: Tensor, kept: Tensor, bits: Tensor) -> Tensor:
     p = torch.where(kept, bits.view(torch.float32).double(), 0.0)
     total = p.sum(-1, keepdim=True)
-    return torch.where(total > 0, p / total.clamp(min=1e-300), 0.0).float().contiguous()
+    return torch.where(total > 0, p / total.clamp(min=1e-300), 0.0).float().to(probs.dtype).contiguous()
 
 
 def top_k_renorm_probs(probs: Tensor, maybe_top_k_arr: Optional[Tensor], top_k_val: int = 0) -> Tensor:

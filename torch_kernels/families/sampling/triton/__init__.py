@@ -47,7 +47,7 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
     if sample:
         out = torch.empty(B, dtype=torch.int32, device=probs.device)
     else:
-        out = torch.empty((B, V), dtype=torch.float32, device=probs.device)
+        out = torch.empty((B, V), dtype=probs.dtype, device=probs.device)
     if B == 0:
         return out
     # renormalising: the filter kernel leaves (threshold, 1/S) per row here, _renorm_write_kernel the row

@@ -22,7 +22,7 @@ def row_value(arg, stride, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
 @triton.jit
 def _value_bits(row_ptr, cols, mask):
     """int32 bit patterns of the sanitised values (NaN/negative -> 0, +inf -> FLT_MAX); -1 where masked."""
-    p = tl.load(row_ptr + cols, mask=mask, other=0.0)
+    p = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # fp16/bf16: exact
     p = tl.where(p > 0, tl.minimum(p, 3.4028234663852886e38), 0.0)
     return tl.where(mask, p.to(tl.int32, bitcast=True), -1)
 

@@ -163,7 +163,7 @@ def _filter_kernel(
 def _renorm_write_kernel(
     probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
     thr_inv_ptr,  # (B, 2) int32 from _filter_kernel: threshold pattern, bits of the fp32 1/S
-    out_ptr, out_row_stride,  # (B, V) fp32 renormalised rows
+    out_ptr, out_row_stride,  # (B, V) renormalised rows in the probabilities' dtype (the fp32 product rounded)
     V,  # vocabulary size
     BLOCK: tl.constexpr,  # values a program
 ):
