@@ -93,3 +93,4 @@ def top_p_renorm_probs(probs: Tensor, top_p: Tensor) -> Tensor:
 
 def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
     return _launch(probs, top_k, top_p, seed, offset, sample=True)
+from .speculative import chain_speculative_sampling  # noqa: F401,E402  (its own module)
