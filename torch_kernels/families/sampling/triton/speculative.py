@@ -13,7 +13,7 @@ from ..reference import fixed_point_bits
 from ._common import _fixed, _target
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
-_TINY = 1.1754943508222875e-38  # 2^-126, the smallest normal fp32 (reference.FLT_TINY)
+_TINY = tl.constexpr(1.1754943508222875e-38)  # 2^-126, the smallest normal fp32 (reference.FLT_TINY)
 
 
 @triton.jit
