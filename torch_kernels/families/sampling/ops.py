@@ -883,8 +883,8 @@ def chain_speculative_sampling(draft_probs: Tensor, draft_token_ids: Tensor, tar
                                maybe_output_accepted_token_num: Optional[Tensor] = None,
                                maybe_output_emitted_draft_token_num: Optional[Tensor] = None,
                                deterministic: bool = True, generator: Optional[torch.Generator] = None,
-                               seed=None, offset=None):
-    """``out[b, i] = d[b, i]`` while ``u[b, i] * q[b, i, d] < p[b, i, d]``; at the first rejection ``j`` a draw from ``max(p[b, j] - q[b, j], 0)``, then ``-1``
+                               seed=None, offset=None) -> tuple[Tensor, Tensor, Tensor]:
+    """``out[b] = (d_0 .. d_{j-1}, t_j, -1 ..)``: ``d_i`` kept while ``u_i * q_i(d_i) < p_i(d_i)``, ``t_j ~ max(p_j - q_j, 0)``
 
     FlashInfer's ``chain_speculative_sampling`` (speculative decoding, Leviathan et al. 2023; Chen et
     al. 2023): per row, the draft tokens ``d_i = draft_token_ids[b, i]`` are tested in order; ``d_i``
@@ -907,13 +907,12 @@ def chain_speculative_sampling(draft_probs: Tensor, draft_token_ids: Tensor, tar
     (``top_k_top_p_sampling_from_probs``). Without ``seed`` and ``offset`` a seed is drawn on the
     device with torch's generator (or ``generator``); a CUDA graph replays a fresh draw.
 
-    FlashInfer's arguments map as follows. The registered op is functional, ``deepinfer::chain_speculative_sampling(draft_probs,
-    draft_token_ids, target_probs, seed, offset) -> (output_token_ids, output_accepted_token_num,
-    output_emitted_draft_token_num)``; this wrapper takes FlashInfer's signature: given
-    ``maybe_output_accepted_token_num`` / ``maybe_output_emitted_draft_token_num``, the op's counts
-    are added to them in place and they are returned, as FlashInfer does. ``deterministic`` is
-    accepted and ignored (every backend is deterministic). The seed and offset are one value for every
-    row (FlashInfer's per-row seed tensors are not taken).
+    FlashInfer's arguments: this wrapper takes FlashInfer's signature, in its order. The registered op
+    is functional (``draft_probs, draft_token_ids, target_probs, seed, offset``, three new tensors
+    returned); given ``maybe_output_accepted_token_num`` or ``maybe_output_emitted_draft_token_num``,
+    the wrapper adds the op's counts to them in place and returns them, as FlashInfer does.
+    ``deterministic`` is accepted and ignored (every backend is deterministic). ``seed`` and ``offset``
+    are one value for every row (FlashInfer's per-row seed tensors are not taken).
 
     Args:
         draft_probs: ``(B, n, V)`` float32, last dimension contiguous (other strides free); ``n >= 0``.
@@ -985,7 +984,8 @@ def _samples_chain_speculative(device, dtype) -> Iterator[tuple]:
     ]
     for i, (draft, ids, target) in enumerate(shapes):
         shape = () if i % 2 else (1,)
-        yield draft, ids.to((torch.int64, torch.int32)[i % 2]), target, _scalar(77 + i, device, shape), _scalar(5 * i, device, shape)
+        ids = ids.to((torch.int64, torch.int32)[i % 2])
+        yield draft, ids, target, _scalar(77 + i, device, shape), _scalar(5 * i, device, shape)
 
 
 def _tokens_chain_speculative(n: int, device) -> tuple:
