@@ -38,6 +38,7 @@ from .config import DEFAULT, Config
 from .filter import _filter_kernel, _renorm_write_kernel
 from .histogram import _hist_prepasses
 from .logits import min_p_sampling_from_probs, softmax, top_k_mask_logits  # noqa: F401  (one module)
+from .speculative import chain_speculative_sampling  # noqa: F401  (its own module)
 
 
 def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Config = DEFAULT) -> Tensor:
@@ -93,4 +94,3 @@ def top_p_renorm_probs(probs: Tensor, top_p: Tensor) -> Tensor:
 
 def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
     return _launch(probs, top_k, top_p, seed, offset, sample=True)
-from .speculative import chain_speculative_sampling  # noqa: F401,E402  (its own module)
