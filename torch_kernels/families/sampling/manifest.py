@@ -6,6 +6,8 @@ from ...spec import DECOMPOSE, INDUCTOR_TRITON, OPAQUE, Backend, Family, OpInfo
 PROBS_OPS = ("top_k_renorm_probs", "top_p_renorm_probs", "top_k_top_p_sampling_from_probs")
 LOGITS_OPS = ("softmax", "top_k_mask_logits")
 OPS = PROBS_OPS + LOGITS_OPS + ("min_p_sampling_from_probs",)
+SPECULATIVE_OPS = ("chain_speculative_sampling",)
+OPS = OPS + SPECULATIVE_OPS
 
 _NO_ROUTE = (
     (DECOMPOSE, "the reference sorts the vocabulary; torch.compile of it failed in Inductor (SplitScan codegen on "
@@ -25,6 +27,10 @@ FAMILY = Family(
          OpInfo("min_p_sampling_from_probs", OPAQUE, no_compile_route=(
              (DECOMPOSE, "its draw is the family's int64 cumsum, on which Inductor failed for "
                          "top_k_top_p_sampling_from_probs (SplitScan codegen)"),
+             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton"))),
+         OpInfo("chain_speculative_sampling", OPAQUE, no_compile_route=(
+             (DECOMPOSE, "its residual draw is the family's int64 cumsum, on which Inductor failed for "
+                         "top_k_top_p_sampling_from_probs (SplitScan codegen)"),
              (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton")))),
     kernels=(
         *reference(__package__, OPS),
@@ -41,5 +47,8 @@ FAMILY = Family(
         *kernels(__package__, Backend.FLASHINFER, ("top_k_top_p_sampling_from_probs",),
                  "top_k_renorm_probs + top_p_sampling_from_probs: same kept set, FlashInfer's random stream",
                  ("float32", "float16", "bfloat16"), checks=True, own_random_stream=True),
+        *kernels(__package__, Backend.TRITON, SPECULATIVE_OPS,
+                 "one program per row: the acceptance tests, then max, mass and draw passes over the residual or "
+                 "bonus row; bit-exact with the reference", ("float32",)),
     ),
 )

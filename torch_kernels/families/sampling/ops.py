@@ -828,3 +828,293 @@ OPS = (
           bench=BenchCase(_bench_shape, _bench_args_min_p, _bench_nbytes(1), flashinfer=_flashinfer_min_p,
                           compare=_bench_compare_min_p, axis="rows")),
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# Chain speculative sampling (FlashInfer's ``chain_speculative_sampling``): accept or reject each draft
+# token against the target's probability, the residual or bonus token drawn with the family's
+# fixed-point masses on a Philox stream of its own (``reference.speculative_words``).
+
+SPEC = "chain_speculative_sampling"
+
+
+def _validate_spec_probs(op: str, arg: str, t: Tensor, layout: str) -> None:
+    check.tensor(op, arg, t)
+    if t.dtype != torch.float32:
+        check.fail(op, arg, f"must be float32 (cast with .float()), got {t.dtype}", TypeError)
+    if t.dim() != 3:
+        check.fail(op, arg, f"must be 3-D {layout}, got shape {tuple(t.shape)}")
+    check.last_dim_contiguous(op, arg, t)
+    check.require(t.shape[2] >= 1, op, arg, "must have a vocabulary (dimension 2) of at least 1")
+    check.require(t.shape[2] <= _MAX_VOCAB, op, arg,
+                  lambda: f"must have a vocabulary of at most {_MAX_VOCAB}, got {t.shape[2]}")
+
+
+def _validate_spec_scalar(op: str, arg: str, t: Tensor, draft_probs: Tensor) -> None:
+    check.tensor(op, arg, t)
+    if t.dtype != torch.int64:
+        check.fail(op, arg, f"must be an int64 tensor, got {t.dtype}", TypeError)
+    if t.dim() > 1 or t.numel() != 1:
+        check.fail(op, arg, f"must hold one value, shape () or (1,), got {tuple(t.shape)}")
+    check.same_device(op, arg, t, "draft_probs", draft_probs)
+
+
+def _full_spec(draft_probs: Tensor, draft_token_ids: Tensor, target_probs: Tensor, seed: Tensor, offset: Tensor) -> None:
+    op = SPEC
+    _validate_spec_probs(op, "draft_probs", draft_probs, "(batch, num_speculate_tokens, vocab)")
+    B, n, V = draft_probs.shape
+    check.tensor(op, "draft_token_ids", draft_token_ids)
+    if draft_token_ids.dtype not in _INDEX_DTYPES:
+        check.fail(op, "draft_token_ids", f"must be int32 or int64, got {draft_token_ids.dtype}", TypeError)
+    ids_shape = lambda: (f"must have shape ({B}, {n}) (batch, num_speculate_tokens) as 'draft_probs', "  # noqa: E731
+                         f"got {tuple(draft_token_ids.shape)}")
+    check.require(draft_token_ids.dim() == 2, op, "draft_token_ids", ids_shape)
+    check.require(draft_token_ids.shape[0] == B, op, "draft_token_ids", ids_shape)
+    check.require(draft_token_ids.shape[1] == n, op, "draft_token_ids", ids_shape)
+    check.same_device(op, "draft_token_ids", draft_token_ids, "draft_probs", draft_probs)
+    _validate_spec_probs(op, "target_probs", target_probs, "(batch, num_speculate_tokens + 1, vocab)")
+    t_shape = lambda: (f"must have shape ({B}, {n + 1}, {V}), one more position than 'draft_probs' "  # noqa: E731
+                       f"{tuple(draft_probs.shape)}, got {tuple(target_probs.shape)}")
+    check.require(target_probs.shape[0] == B, op, "target_probs", t_shape)
+    check.require(target_probs.shape[1] == n + 1, op, "target_probs", t_shape)
+    check.require(target_probs.shape[2] == V, op, "target_probs", t_shape)
+    check.same_device(op, "target_probs", target_probs, "draft_probs", draft_probs)
+    _validate_spec_scalar(op, "seed", seed, draft_probs)
+    _validate_spec_scalar(op, "offset", offset, draft_probs)
+
+
+def _spec_probs_ok(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.dim() == 3 and t.stride(2) == 1 and 1 <= t.shape[2] <= _MAX_VOCAB
+
+
+def validate_chain_speculative(draft_probs: Tensor, draft_token_ids: Tensor, target_probs: Tensor, seed: Tensor,
+                               offset: Tensor) -> None:
+    try:
+        B, n, V = draft_probs.shape
+        if (_spec_probs_ok(draft_probs) and _spec_probs_ok(target_probs) and target_probs.shape == (B, n + 1, V)
+                and draft_token_ids.dtype in _INDEX_DTYPES and draft_token_ids.shape == (B, n)
+                and seed.dtype == torch.int64 and offset.dtype == torch.int64
+                and seed.numel() == 1 and offset.numel() == 1 and seed.dim() <= 1 and offset.dim() <= 1
+                and draft_probs.device == draft_token_ids.device == target_probs.device == seed.device == offset.device):
+            return
+    except (AttributeError, IndexError, RuntimeError, ValueError, TypeError):
+        pass
+    _full_spec(draft_probs, draft_token_ids, target_probs, seed, offset)
+
+
+def _fake_chain_speculative(draft_probs: Tensor, draft_token_ids: Tensor, target_probs: Tensor, seed: Tensor,
+                            offset: Tensor):
+    _full_spec(draft_probs, draft_token_ids, target_probs, seed, offset)
+    B, n = draft_probs.shape[0], draft_probs.shape[1]
+    return (draft_probs.new_empty((B, n + 1), dtype=torch.int32), draft_probs.new_empty((B,), dtype=torch.int32),
+            draft_probs.new_empty((B,), dtype=torch.int32))
+
+
+def _validate_spec_count(arg: str, t, draft_probs: Tensor) -> None:
+    op = SPEC
+    check.tensor(op, arg, t)
+    if t.dtype not in _INDEX_DTYPES:
+        check.fail(op, arg, f"must be int32 or int64, got {t.dtype}", TypeError)
+    check.require(t.dim() == 1 and t.shape[0] == draft_probs.shape[0], op, arg,
+                  lambda: f"must have shape ({draft_probs.shape[0]},), one count per row of 'draft_probs', "
+                          f"got {tuple(t.shape)}")
+    check.same_device(op, arg, t, "draft_probs", draft_probs)
+
+
+def chain_speculative_sampling(draft_probs: Tensor, draft_token_ids: Tensor, target_probs: Tensor,
+                               maybe_output_accepted_token_num: Optional[Tensor] = None,
+                               maybe_output_emitted_draft_token_num: Optional[Tensor] = None,
+                               deterministic: bool = True, generator: Optional[torch.Generator] = None,
+                               seed=None, offset=None) -> tuple[Tensor, Tensor, Tensor]:
+    """``out[b] = (d_0 .. d_{j-1}, t_j, -1 ..)``: ``d_i`` kept while ``u_i * q_i(d_i) < p_i(d_i)``, ``t_j ~ max(p_j - q_j, 0)``
+
+    FlashInfer's ``chain_speculative_sampling`` (speculative decoding, Leviathan et al. 2023; Chen et
+    al. 2023): per row, the draft tokens ``d_i = draft_token_ids[b, i]`` are tested in order; ``d_i``
+    is accepted iff ``u_i * q_i(d_i) < p_i(d_i)`` (``q = draft_probs``, ``p = target_probs``,
+    ``u_i`` uniform: accepted with probability ``min(1, p/q)``). At the first rejection, at ``j``, the
+    token is drawn from the residual ``max(p_j - q_j, 0)`` renormalised, and the positions after it
+    are ``-1``; if all ``n`` are accepted, the bonus token at ``n`` is drawn from ``p_n``. Each
+    emitted token is then distributed as the target's ``p`` at its position, whatever the draft.
+    A draft id outside ``[0, V)`` counts as probability 0 (rejected). ``p`` and ``q`` are read as
+    fp32 with NaN, negatives and subnormals as 0 and ``+inf`` as the largest fp32; the residual is the
+    fp32 difference (subnormal results 0). A residual with no mass (possible only when the rows do not
+    sum alike) is replaced by ``p_j``; a row with no mass there returns token 0.
+
+    Randomness, identical on every backend and device: position ``i`` of row ``b`` has Philox4x32-10
+    with counter ``(b, offset_lo, offset_hi, 2^31 + i)`` and key ``(seed_lo, seed_hi)`` (the family's
+    other ops use last counter word 0, so their draws never share a uniform with this one). Word 0's
+    top 24 bits give ``u_i = w0 / 2^32`` rounded down to 24 bits, and the acceptance test is exact
+    (fp64 of 24-bit products); word 1's top 31 bits give the residual or bonus draw at the position
+    where it happens: the family's inverse CDF over 64-bit fixed-point masses, in token order
+    (``top_k_top_p_sampling_from_probs``). Without ``seed`` and ``offset`` a seed is drawn on the
+    device with torch's generator (or ``generator``); a CUDA graph replays a fresh draw.
+
+    FlashInfer's arguments: this wrapper takes FlashInfer's signature, in its order. The registered op
+    is functional (``draft_probs, draft_token_ids, target_probs, seed, offset``, three new tensors
+    returned); given ``maybe_output_accepted_token_num`` or ``maybe_output_emitted_draft_token_num``,
+    the wrapper adds the op's counts to them in place and returns them, as FlashInfer does.
+    ``deterministic`` is accepted and ignored (every backend is deterministic). ``seed`` and ``offset``
+    are one value for every row (FlashInfer's per-row seed tensors are not taken).
+
+    Args:
+        draft_probs: ``(B, n, V)`` float32, last dimension contiguous (other strides free); ``n >= 0``.
+        draft_token_ids: ``(B, n)`` int32 or int64, the draft model's tokens.
+        target_probs: ``(B, n + 1, V)`` float32, last dimension contiguous.
+        maybe_output_accepted_token_num, maybe_output_emitted_draft_token_num: ``None``, or ``(B,)``
+            int32/int64 tensors on the device of ``draft_probs`` that the counts are added to.
+        deterministic: ignored (kept for FlashInfer's signature).
+        generator: a ``torch.Generator`` of the device for the seed drawn when ``seed`` and ``offset``
+            are ``None``.
+        seed, offset: both ``None``, or each an int or an int64 tensor of one element on the device of
+            ``draft_probs`` (read on the device: advance ``offset`` in place between steps of a CUDA
+            graph). The registered op takes them as tensors, always.
+
+    Returns:
+        ``(output_token_ids (B, n + 1) int32, output_accepted_token_num (B,), output_emitted_draft_token_num (B,))``:
+        the accepted drafts, then the residual or bonus token, then ``-1``; the number of drafts that
+        pass the test, each considered on its own (FlashInfer's metric, not stopped at the first
+        rejection); the number emitted before the first rejection (the bonus not counted). The counts
+        are int32, or the given tensors. Not differentiable.
+    """
+    op = SPEC
+    check.tensor(op, "draft_probs", draft_probs)
+    for arg, t in (("maybe_output_accepted_token_num", maybe_output_accepted_token_num),
+                   ("maybe_output_emitted_draft_token_num", maybe_output_emitted_draft_token_num)):
+        if t is not None:
+            _validate_spec_count(arg, t, draft_probs)
+    if generator is not None and seed is None and offset is None:
+        seed = torch.randint(-2**63, 2**63 - 1, (), dtype=torch.int64, device=draft_probs.device, generator=generator)
+        offset = torch.zeros((), dtype=torch.int64, device=draft_probs.device)
+    seed, offset = _seed_offset(op, draft_probs, seed, offset)
+    ids, accepted, emitted = torch.ops.deepinfer.chain_speculative_sampling.default(
+        draft_probs, draft_token_ids, target_probs, seed, offset)
+    if maybe_output_accepted_token_num is not None:
+        accepted = maybe_output_accepted_token_num.add_(accepted)
+    if maybe_output_emitted_draft_token_num is not None:
+        emitted = maybe_output_emitted_draft_token_num.add_(emitted)
+    return ids, accepted, emitted
+
+
+def speculative_inputs(B: int, n: int, V: int, device, closeness: float = 1.0, stride=None, scale: float = 2.0):
+    """``(draft_probs, draft_token_ids, target_probs)``: softmax rows, the target's logits the draft's plus
+    ``closeness`` times fresh noise, the draft ids drawn from the draft rows (as a draft model does)."""
+    width = stride or V
+    logits = torch.randn(B, n + 1, width, device=device) * scale
+    target = torch.softmax(logits + closeness * torch.randn_like(logits), -1)[..., :V]
+    draft = torch.softmax(logits[:, :n], -1)[..., :V]
+    rows = draft.reshape(B * n, V)
+    ids = (torch.multinomial(rows / rows.sum(-1, keepdim=True), 1).reshape(B, n) if B * n
+           else torch.zeros((B, n), dtype=torch.int64, device=device))
+    return draft, ids, target
+
+
+def _samples_chain_speculative(device, dtype) -> Iterator[tuple]:
+    """One token of a one-word vocabulary, drafts near and far from the target, zero rows, no draft
+    position (the bonus only), strided positions of an odd vocabulary, q == p (all accepted), p(d) = 0."""
+    same_d, same_ids, _ = speculative_inputs(2, 3, 50, device)
+    zero_t = torch.softmax(torch.randn(2, 4, 50, device=device), -1)
+    zero_t[:, :3].scatter_(2, same_ids[..., None], 0.0)  # the target gives the drafts 0: rejected
+    shapes = [
+        speculative_inputs(1, 1, 1, device),
+        speculative_inputs(3, 3, 1000, device, closeness=0.3),
+        speculative_inputs(4, 2, 1000, device, closeness=3.0),
+        speculative_inputs(0, 2, 64, device),
+        speculative_inputs(2, 0, 33, device),
+        speculative_inputs(4, 2, 301, device, stride=384),
+        (same_d, same_ids.int(), torch.cat([same_d, torch.softmax(torch.randn(2, 1, 50, device=device), -1)], 1)),
+        (same_d, same_ids, zero_t),
+    ]
+    for i, (draft, ids, target) in enumerate(shapes):
+        shape = () if i % 2 else (1,)
+        ids = ids.to((torch.int64, torch.int32)[i % 2])
+        yield draft, ids, target, _scalar(77 + i, device, shape), _scalar(5 * i, device, shape)
+
+
+def _tokens_chain_speculative(n: int, device) -> tuple:
+    draft, ids, target = speculative_inputs(n, 2, 64, device)
+    return (draft, ids, target, _scalar(42, device), _scalar(n, device)), (0, 1, 2)
+
+
+def compare_speculative(got: list, want: list, dtype) -> None:
+    """Token ids and both counts: identical to the reference's (exact semantics)."""
+    assert len(got) == len(want) == 3, f"{len(got)} outputs, expected 3"
+    for name, g, w in zip(("output_token_ids", "output_accepted_token_num", "output_emitted_draft_token_num"), got, want):
+        assert g.dtype == torch.int32 and g.shape == w.shape, f"{name}: {g.dtype} {tuple(g.shape)}"
+        if not torch.equal(g.cpu(), w.cpu()):
+            rows = (g.cpu() != w.cpu()).reshape(g.shape[0], -1).any(-1).nonzero().flatten().tolist()
+            raise AssertionError(f"{name} differs from the reference in rows {rows[:10]}: "
+                                 f"{g.cpu()[rows[:5]].tolist()} vs {w.cpu()[rows[:5]].tolist()}")
+
+
+#: the benchmark's draft length (EAGLE and n-gram drafts of 4 tokens are vLLM's common setting)
+BENCH_SPEC_TOKENS = 4
+
+
+def _bench_shape_spec(tokens: int, hidden: Optional[int], profile: str):
+    vocab, rows_cap = BENCH_SIZES[profile]
+    rows = min(tokens, rows_cap)
+    return rows, None, f"{rows}x{BENCH_SPEC_TOKENS}x{vocab}"
+
+
+def _bench_args_spec(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    draft, ids, target = speculative_inputs(rows, BENCH_SPEC_TOKENS, BENCH_SIZES[profile][0], device)
+    return draft, ids.int(), target, torch.tensor(1234, device=device), torch.tensor(0, device=device)
+
+
+def _bench_nbytes_spec(args: tuple) -> int:
+    # a floor: one target row a batch row (the residual or bonus row), whatever the acceptances
+    return args[2].shape[0] * args[2].shape[2] * 4
+
+
+def well_formed_speculative(outputs: list, draft_token_ids: Tensor) -> Optional[str]:
+    """Why ``(ids, accepted, emitted)`` cannot be a chain speculative sampler's result, or ``None``:
+    the first ``emitted`` ids are the drafts, one token in the vocabulary follows, then ``-1``."""
+    ids, accepted, emitted = (t.cpu().long() for t in outputs)
+    drafts = draft_token_ids.cpu().long()
+    B, n1 = ids.shape
+    col = torch.arange(n1)[None, :]
+    e = emitted[:, None]
+    if not ((emitted >= 0) & (emitted <= n1 - 1) & (accepted >= emitted) & (accepted <= n1 - 1)).all():
+        return "counts out of range"
+    padded = torch.cat([drafts, torch.full((B, 1), -2)], 1)
+    if not torch.where(col < e, ids == padded, True).all():
+        return "an emitted id is not its draft"
+    if not torch.where(col > e, ids == -1, True).all():
+        return "no -1 after the first rejection"
+    if not (ids.gather(1, e) >= 0).all():
+        return "no token at the first rejection"
+    return None
+
+
+def _bench_compare_spec(got: list, want: list, dtype, args: tuple) -> Optional[str]:
+    """The reference's outputs, or, from another random stream, well-formed ones."""
+    try:
+        compare_speculative(got, want, dtype)
+        return None
+    except AssertionError:
+        why = well_formed_speculative(got, args[1])
+        if why is not None:
+            raise AssertionError(why) from None
+        return "another random stream; well-formed"
+
+
+def _flashinfer_spec(args: tuple):
+    try:
+        import flashinfer.sampling as fs
+    except Exception as e:  # noqa: BLE001  (reported in the results)
+        return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+    seed, offset = int(args[3]), int(args[4])  # ints: graph capture reads no generator state
+    return Peer("flashinfer.sampling.chain_speculative_sampling",
+                lambda draft, ids, target, *_: fs.chain_speculative_sampling(
+                    draft, ids, target, deterministic=True, seed=seed, offset=offset))
+
+
+# appended to the family's definitions (the manifest lists it last)
+OPS = OPS + (
+    OpDef("chain_speculative_sampling(Tensor draft_probs, Tensor draft_token_ids, Tensor target_probs, Tensor seed, "
+          "Tensor offset) -> (Tensor, Tensor, Tensor)",
+          validate_chain_speculative, _fake_chain_speculative, chain_speculative_sampling, _samples_chain_speculative,
+          _tokens_chain_speculative, no_grad_reason=_NO_GRAD, compare=compare_speculative,
+          bench=BenchCase(_bench_shape_spec, _bench_args_spec, _bench_nbytes_spec, flashinfer=_flashinfer_spec,
+                          compare=_bench_compare_spec, axis="rows")),
+)

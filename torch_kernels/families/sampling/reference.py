@@ -254,3 +254,78 @@ def min_p_sampling_from_probs(probs: Tensor, maybe_min_p_arr, min_p_val: float, 
     kept = bits >= min_p_threshold(bits, maybe_min_p_arr, min_p_val)
     mass = torch.where(kept, q, 0).sum(-1)
     return sample_kept(q, kept, mass, random_bits31(B, seed, offset, probs.device))
+
+
+# ----------------------------------------------------------------------------------------------
+# Chain speculative sampling (FlashInfer's ``chain_speculative_sampling``; the wrapper's docstring in
+# ``ops.py`` is the definition). Its Philox counters have the top bit of the last word set, so its
+# uniforms never meet the family's draws (whose last counter word is 0) on the same (seed, offset).
+
+#: ``c3`` of the speculative sampler's Philox counter at position ``i``: ``SPECULATIVE_COUNTER + i``
+SPECULATIVE_COUNTER = 0x80000000
+#: the smallest normal fp32: smaller values count as 0, so flushing subnormals changes no result
+FLT_TINY = 2.0**-126
+
+
+def speculative_words(rows: int, positions: int, seed: Tensor, offset: Tensor, device):
+    """``(w0, w1)``, each ``(rows, positions)`` int64 uint32 values: words 0 and 1 of Philox4x32-10 with
+    counter ``(row, offset_lo, offset_hi, SPECULATIVE_COUNTER + i)`` and key ``(seed_lo, seed_hi)``."""
+    seed = seed.reshape(()).to(device=device, dtype=torch.int64)
+    offset = offset.reshape(()).to(device=device, dtype=torch.int64)
+    row = torch.arange(rows, device=device, dtype=torch.int64)[:, None].expand(rows, positions)
+    pos = torch.arange(positions, device=device, dtype=torch.int64)[None, :].expand(rows, positions)
+    zero = torch.zeros_like(row)
+    w0, w1, _, _ = philox4x32_10(row, zero + (offset & _U32), zero + ((offset >> 32) & _U32),
+                                 pos + SPECULATIVE_COUNTER, zero + (seed & _U32), zero + ((seed >> 32) & _U32))
+    return w0, w1
+
+
+def speculative_values(x: Tensor) -> Tensor:
+    """fp32 values as the speculative sampler reads them: NaN, negatives and subnormals 0, +inf FLT_MAX."""
+    x = x.float()
+    return torch.where(x >= FLT_TINY, x.clamp(max=FLT_MAX), 0.0)
+
+
+def _residual_fixed(t: Tensor, d: Tensor, q_bits: int):
+    """``(fixed-point masses (B, V), their sum (B,))`` of ``max(t - d, 0)`` (fp32, subnormals 0)."""
+    r = t - d
+    bits = torch.where(r >= FLT_TINY, r, 0.0).view(torch.int32)
+    q = fixed_point(bits, bits.amax(-1, keepdim=True), q_bits)
+    return q, q.sum(-1)
+
+
+def chain_speculative_sampling(draft_probs: Tensor, draft_token_ids: Tensor, target_probs: Tensor, seed: Tensor,
+                               offset: Tensor):
+    B, n, V = draft_probs.shape
+    dev = draft_probs.device
+    if B == 0:
+        return (torch.empty((0, n + 1), dtype=torch.int32, device=dev), torch.empty(0, dtype=torch.int32, device=dev),
+                torch.empty(0, dtype=torch.int32, device=dev))
+    w0, w1 = speculative_words(B, n + 1, seed, offset, dev)
+    ids = draft_token_ids.long()
+    valid = (ids >= 0) & (ids < V)  # an id outside the vocabulary has probability 0: rejected
+    safe = torch.where(valid, ids, 0).unsqueeze(-1)
+    q = torch.where(valid, speculative_values(draft_probs.gather(2, safe)).squeeze(-1), 0.0)
+    p = torch.where(valid, speculative_values(target_probs[:, :n].gather(2, safe)).squeeze(-1), 0.0)
+    # u * q < p with u = (w0 >> 8) / 2^24: both sides exact in fp64 (24 x 24 significand bits)
+    accept = (w0[:, :n] >> 8).double() * q.double() < p.double() * 2.0**24
+    accepted = accept.sum(1)
+    emitted = accept.long().cumprod(1).sum(1)  # the accepted prefix
+    pos = emitted
+    t = speculative_values(target_probs.gather(1, pos.view(B, 1, 1).expand(B, 1, V)).squeeze(1))
+    if n:
+        d = speculative_values(draft_probs.gather(1, pos.clamp(max=n - 1).view(B, 1, 1).expand(B, 1, V)).squeeze(1))
+        d = torch.where((pos < n).unsqueeze(-1), d, 0.0)  # the bonus token: the target row itself
+    else:
+        d = torch.zeros_like(t)
+    q_bits = fixed_point_bits(V)
+    qr, mass = _residual_fixed(t, d, q_bits)
+    qt, mass_t = _residual_fixed(t, torch.zeros_like(t), q_bits)
+    none = mass == 0  # only when the rows' sums differ: the target row instead (no mass either: token 0)
+    qr, mass = torch.where(none.unsqueeze(-1), qt, qr), torch.where(none, mass_t, mass)
+    r31 = w1.gather(1, pos.unsqueeze(-1)).squeeze(-1) >> 1
+    token = sample_kept(qr, torch.ones_like(qr, dtype=torch.bool), mass, r31).long()
+    col = torch.arange(n + 1, device=dev)[None, :]
+    drafts = torch.cat([ids, torch.zeros((B, 1), dtype=torch.int64, device=dev)], 1)
+    out = torch.where(col < pos[:, None], drafts, torch.where(col == pos[:, None], token[:, None], -1))
+    return out.int(), accepted.int(), emitted.int()

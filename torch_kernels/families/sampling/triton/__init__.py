@@ -40,6 +40,7 @@ from .config import DEFAULT, Config
 from .filter import _filter_kernel, _renorm_write_kernel
 from .histogram import _hist_prepasses
 from .logits import min_p_sampling_from_probs, softmax, top_k_mask_logits  # noqa: F401  (one module)
+from .speculative import chain_speculative_sampling  # noqa: F401  (its own module)
 
 
 def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Config = DEFAULT) -> Tensor:
