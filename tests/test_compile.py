@@ -223,7 +223,8 @@ top_p_renorm_probs: mul -> deepinfer.top_p_renorm_probs.default
 top_k_top_p_sampling_from_probs: mul -> deepinfer.top_k_top_p_sampling_from_probs.default
 softmax: mul -> deepinfer.softmax.default
 top_k_mask_logits: mul -> deepinfer.top_k_mask_logits.default
-min_p_sampling_from_probs: mul -> deepinfer.min_p_sampling_from_probs.default""")
+min_p_sampling_from_probs: mul -> deepinfer.min_p_sampling_from_probs.default
+chain_speculative_sampling: mul -> deepinfer.chain_speculative_sampling.default -> getitem -> getitem -> getitem""")
 
 
 # --- the rule under AOTAutograd (CPU: decompose and opaque) ------------------------------------------------

@@ -1,6 +1,6 @@
 """The sampling family: ``top_k_renorm_probs``, ``top_p_renorm_probs``, ``top_k_top_p_sampling_from_probs``,
-and the logits ops ``softmax``, ``top_k_mask_logits``, and ``min_p_sampling_from_probs`` (their
-definitions near the end).
+the logits ops ``softmax``, ``top_k_mask_logits``, ``min_p_sampling_from_probs``, and
+``chain_speculative_sampling`` (their definitions near the end).
 
 Semantics of FlashInfer's ``flashinfer.sampling`` (top-k first, then top-p on the renormalised
 survivors; thresholds keep ties), made exact so that the torch and Triton backends return the same kept set
