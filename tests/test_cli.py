@@ -62,7 +62,7 @@ def test_inventory_on_cuda_orders_the_backends_and_notes_once(capsys, monkeypatc
     assert _widest(text) <= cli.WIDTH
     rows = {r[0]: r[1:] for r in cli._inventory(H200)}
     assert rows["rmsnorm"] == ("2", "3", "4", "1", "opaque (forced)")
-    assert rows["topk_softmax"][-1] == "opaque (not inductor_triton)"
+    assert rows["topk_softmax"][-1] == "opaque (note)"
     family_notes = sum(len(f.notes) for f in registry.FAMILIES)  # what a manifest says under the table
     assert text.count("note: ") == 1 + family_notes and "note: op 'topk_softmax' compiled as 'opaque'" in text
 

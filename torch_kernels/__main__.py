@@ -40,14 +40,15 @@ NOT_IMPLEMENTED, NOT_USABLE, NOT_SELECTED = "-", "no", "off"
 
 def _compiled_route(op: str, platform: Platform) -> Tuple[str, Optional[str]]:
     """The op's route under torch.compile on CUDA (docs/compile.md), resolved against ``platform``
-    when it has CUDA, and the notice when it is not the route asked for ("opaque (not inductor_triton)"):
+    when it has CUDA, and the notice when it is not the route asked for ("opaque (note)", the notice
+    under the table saying which route was asked and why it is not taken):
     "(forced)" when set by DEEPINFER_OPS_COMPILE_ROUTE or configure(), "*" for the ops of
     registry.DECOMPOSE_AFTER_POINTWISE."""
     forced = dispatch.selection().forced_route(op)
     asked = forced or registry.COMPILE_ROUTE[op]
     route, notice = dispatch.compile_route(op, "cuda", platform) if platform.is_cuda else (asked, None)
     if route != asked:
-        return f"{route} (not {asked})", notice
+        return f"{route} (note)", notice
     return asked + (" (forced)" if forced else "*" if op in registry.DECOMPOSE_AFTER_POINTWISE else ""), notice
 
 
