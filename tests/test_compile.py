@@ -205,6 +205,8 @@ rmsnorm_fp8_quant: mul -> deepinfer.rmsnorm_fp8_quant.default -> getitem -> geti
 fused_add_rmsnorm_fp8_quant: mul -> deepinfer.fused_add_rmsnorm_fp8_quant.default -> getitem -> getitem
 gemma_rmsnorm_fp8_quant: mul -> deepinfer.gemma_rmsnorm_fp8_quant.default -> getitem -> getitem
 gemma_fused_add_rmsnorm_fp8_quant: mul -> deepinfer.gemma_fused_add_rmsnorm_fp8_quant.default -> getitem -> getitem
+all_reduce_fused_add_rmsnorm: mul -> deepinfer.all_reduce_fused_add_rmsnorm.default
+all_reduce_fused_add_rmsnorm_fp8_quant: mul -> deepinfer.all_reduce_fused_add_rmsnorm_fp8_quant.default -> getitem -> getitem
 silu_and_mul: mul -> deepinfer.silu_and_mul.default
 gelu_and_mul: mul -> deepinfer.gelu_and_mul.default
 gelu_tanh_and_mul: mul -> deepinfer.gelu_tanh_and_mul.default

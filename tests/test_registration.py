@@ -34,6 +34,8 @@ deepinfer::rmsnorm_fp8_quant(Tensor input, Tensor weight, float eps=9.9999999999
 deepinfer::fused_add_rmsnorm_fp8_quant(Tensor input, Tensor(a!) residual, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
 deepinfer::gemma_rmsnorm_fp8_quant(Tensor input, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
 deepinfer::gemma_fused_add_rmsnorm_fp8_quant(Tensor input, Tensor(a!) residual, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
+deepinfer::all_reduce_fused_add_rmsnorm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, str group_name) -> ()
+deepinfer::all_reduce_fused_add_rmsnorm_fp8_quant(Tensor input, Tensor(a!) residual, Tensor weight, float eps, str group_name, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
 deepinfer::silu_and_mul(Tensor input) -> Tensor
 deepinfer::gelu_and_mul(Tensor input, str approximate="none") -> Tensor
 deepinfer::gelu_tanh_and_mul(Tensor input) -> Tensor

@@ -652,3 +652,149 @@ OPS = (
     _fused_quant_op("gemma_fused_add_rmsnorm_fp8_quant", gemma_fused_add_rmsnorm_fp8_quant,
                     _bench_norm_quant("gemma_fused_add_rmsnorm_fp8_quant", True, None)),
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor parallelism: the all-reduce of a row-parallel layer's partial output fused with the residual
+# add and the norm (vLLM's fused all-reduce + RMSNorm, FlashInfer's trtllm_allreduce_fusion), over a
+# ``torch.distributed`` group named as vLLM's registered collectives name theirs. The reference is the
+# all-reduce followed by our fused_add_rmsnorm (or its FP8 form); no kernel fuses them yet.
+
+ALL_REDUCE_OP = "all_reduce_fused_add_rmsnorm"
+ALL_REDUCE_QUANT_OP = "all_reduce_fused_add_rmsnorm_fp8_quant"
+
+
+def process_group(op: str, group_name: str):
+    """The ``torch.distributed`` process group registered under ``group_name`` (``group.group_name``)."""
+    if not isinstance(group_name, str):
+        check.fail(op, "group_name", f"must be a process group's name (str), got {type(group_name).__name__}", TypeError)
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        check.fail(op, "group_name", "names a process group, but torch.distributed is not initialized "
+                                     "(call torch.distributed.init_process_group first)")
+    try:
+        return dist.distributed_c10d._resolve_process_group(group_name)
+    except (RuntimeError, ValueError, KeyError):
+        check.fail(op, "group_name", f"names no process group: {group_name!r} (pass a group's .group_name)")
+
+
+def _validate_all_reduce(input: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str) -> None:
+    process_group(ALL_REDUCE_OP, group_name)
+    _validator_fused(ALL_REDUCE_OP)(input, residual, weight, eps)
+
+
+def _fake_all_reduce(input: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str) -> None:
+    process_group(ALL_REDUCE_OP, group_name)
+    _validate_fused(ALL_REDUCE_OP, input, residual, weight, eps)
+
+
+def _validate_all_reduce_quant(input, residual, weight, eps, group_name, scale=None, group_size=fp8.PER_TOKEN,
+                               column_major_scales=False, scale_ue8m0=False) -> None:
+    process_group(ALL_REDUCE_QUANT_OP, group_name)
+    _validator_fused_quant(ALL_REDUCE_QUANT_OP)(input, residual, weight, eps, scale, group_size, column_major_scales,
+                                                scale_ue8m0)
+
+
+def _fake_all_reduce_quant(input, residual, weight, eps, group_name, scale=None, group_size=fp8.PER_TOKEN,
+                           column_major_scales=False, scale_ue8m0=False):
+    process_group(ALL_REDUCE_QUANT_OP, group_name)
+    return _fake_fused_quant(ALL_REDUCE_QUANT_OP)(input, residual, weight, eps, scale, group_size, column_major_scales,
+                                                  scale_ue8m0)
+
+
+def all_reduce_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str) -> None:
+    """``residual += all_reduce(input); input = rmsnorm(residual) * weight``, in place
+
+    The tensor-parallel layer's epilogue: the sum of ``input`` over the ranks of the process group named
+    ``group_name`` (a ``torch.distributed`` group's ``group.group_name``; every rank calls the op with
+    the same shapes), added to ``residual``, then :func:`fused_add_rmsnorm`'s norm of the sum written
+    to ``input``. Today the all-reduce is ``torch.distributed.all_reduce`` (NCCL on CUDA, gloo on the
+    CPU) of ``input`` in place, followed by ``fused_add_rmsnorm``; the result is theirs. In a CUDA
+    graph it is captured as NCCL's all-reduce is.
+
+    Args:
+        input: ``(..., hidden)`` float32, float16 or bfloat16 on every rank, last dimension contiguous;
+            overwritten with the normalised rows.
+        residual: the shape and dtype of ``input``; overwritten with ``residual + all_reduce(input)``.
+        weight: ``(hidden,)``.
+        eps: added to the mean square.
+        group_name: the process group's name. A name that resolves to no group is refused.
+
+    Returns:
+        Nothing: ``input`` and ``residual`` are updated in place. Not differentiable.
+    """
+    torch.ops.deepinfer.all_reduce_fused_add_rmsnorm.default(input, residual, weight, eps, group_name)
+
+
+def all_reduce_fused_add_rmsnorm_fp8_quant(input: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str,
+                                           scale: Optional[Tensor] = None, group_size: int = fp8.PER_TOKEN,
+                                           column_major_scales: bool = False, scale_ue8m0: bool = False):
+    """``residual += all_reduce(input); (q, scales) = fp8_quant(rmsnorm(residual) * weight)``
+
+    :func:`all_reduce_fused_add_rmsnorm` ending in :func:`fused_add_rmsnorm_fp8_quant`'s FP8 epilogue:
+    ``input`` is summed over the group's ranks into a fresh buffer (``input`` itself is only read),
+    added to ``residual`` in place, normalised, rounded to the input's dtype and quantised to
+    ``float8_e4m3fn`` as the quant arguments say (static ``scale``, per token, or groups of
+    ``group_size``). Today the all-reduce is ``torch.distributed.all_reduce`` followed by
+    ``fused_add_rmsnorm_fp8_quant``; the result is theirs, bit for bit.
+
+    Args:
+        input, residual, weight, eps, group_name: as :func:`all_reduce_fused_add_rmsnorm` (``input`` read only).
+        scale, group_size, column_major_scales, scale_ue8m0: as :func:`fused_add_rmsnorm_fp8_quant`.
+
+    Returns:
+        ``(q, scales)`` as :func:`fused_add_rmsnorm_fp8_quant` returns them. Not differentiable.
+    """
+    return torch.ops.deepinfer.all_reduce_fused_add_rmsnorm_fp8_quant.default(
+        input, residual, weight, eps, group_name, scale, group_size, column_major_scales, scale_ue8m0)
+
+
+def world_of_one() -> str:
+    """The name of a process group of this process alone, for the samples: the default group, initialised
+    here as a world of one (gloo, and NCCL for CUDA tensors) where no default group exists yet. A world of
+    several ranks has no group that one rank may run collectives on alone: refused."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise RuntimeError(f"{ALL_REDUCE_OP}'s samples run on one rank; this process is one of "
+                           f"{dist.get_world_size()} ranks")
+    return dist.group.WORLD.group_name
+
+
+def _samples_all_reduce(device, dtype) -> Iterator[tuple]:
+    group = world_of_one()
+    for x, r, w, eps in _samples_fused(device, dtype):
+        yield x, r, w, eps, group
+
+
+def _tokens_all_reduce(n: int, device) -> tuple:
+    args, token_args = _tokens_fused(n, device)
+    return (*args, world_of_one()), token_args
+
+
+def _samples_all_reduce_quant(device, dtype) -> Iterator[tuple]:
+    group = world_of_one()
+    for x, r, w, eps, *quant in _samples_fused_quant(device, dtype):
+        yield (x, r, w, eps, group, *quant)
+
+
+def _tokens_all_reduce_quant(n: int, device) -> tuple:
+    (x, r, w, eps, *quant), token_args = _tokens_fused_quant(n, device)
+    return (x, r, w, eps, world_of_one(), *quant), token_args
+
+
+OPS = OPS + (
+    OpDef(f"{ALL_REDUCE_OP}(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, str group_name) -> ()",
+          _validate_all_reduce, _fake_all_reduce, all_reduce_fused_add_rmsnorm, _samples_all_reduce,
+          _tokens_all_reduce, no_grad_reason="it overwrites input and residual in place"),
+    OpDef(f"{ALL_REDUCE_QUANT_OP}(Tensor input, Tensor(a!) residual, Tensor weight, float eps, str group_name, "
+          "Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) "
+          "-> (Tensor, Tensor)",
+          _validate_all_reduce_quant, _fake_all_reduce_quant, all_reduce_fused_add_rmsnorm_fp8_quant,
+          _samples_all_reduce_quant, _tokens_all_reduce_quant,
+          no_grad_reason="it overwrites residual in place and quantises to float8", compare=_compare_quant),
+)
