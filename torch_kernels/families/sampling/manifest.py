@@ -6,6 +6,7 @@ from ...spec import DECOMPOSE, INDUCTOR_TRITON, OPAQUE, Backend, Family, OpInfo
 PROBS_OPS = ("top_k_renorm_probs", "top_p_renorm_probs", "top_k_top_p_sampling_from_probs")
 LOGITS_OPS = ("softmax", "top_k_mask_logits")
 OPS = PROBS_OPS + LOGITS_OPS + ("min_p_sampling_from_probs",)
+LOGITS_IN_OPS = ("sampling_from_probs", "sampling_from_logits", "top_k_top_p_sampling_from_logits")
 
 _NO_ROUTE = (
     (DECOMPOSE, "the reference sorts the vocabulary; torch.compile of it failed in Inductor (SplitScan codegen on "
@@ -25,7 +26,11 @@ FAMILY = Family(
          OpInfo("min_p_sampling_from_probs", OPAQUE, no_compile_route=(
              (DECOMPOSE, "its draw is the family's int64 cumsum, on which Inductor failed for "
                          "top_k_top_p_sampling_from_probs (SplitScan codegen)"),
-             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton")))),
+             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton"))),
+         *(OpInfo(op, OPAQUE, no_compile_route=(
+             (DECOMPOSE, "its draw is the family's int64 cumsum, on which Inductor failed for "
+                         "top_k_top_p_sampling_from_probs (SplitScan codegen)"),
+             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton"))) for op in LOGITS_IN_OPS)),
     kernels=(
         *reference(__package__, OPS),
         *kernels(__package__, Backend.TRITON, PROBS_OPS,
@@ -41,5 +46,16 @@ FAMILY = Family(
         *kernels(__package__, Backend.FLASHINFER, ("top_k_top_p_sampling_from_probs",),
                  "top_k_renorm_probs + top_p_sampling_from_probs: same kept set, FlashInfer's random stream",
                  ("float32",), checks=True, own_random_stream=True),
+        *reference(__package__, LOGITS_IN_OPS),
+        *kernels(__package__, Backend.TRITON, ("sampling_from_probs",),
+                 "the min-p kernel at min_p 0 (every value kept): max, mass, draw in three passes; bit-exact with "
+                 "the reference", ("float32",)),
+        *kernels(__package__, Backend.TRITON, ("sampling_from_logits",),
+                 "one program per row, fused: softmax's online max and sum, then mass and draw over probabilities "
+                 "recomputed in registers (none written); the ids of Triton softmax then sampling_from_probs",
+                 ("float32", "float16", "bfloat16")),
+        *kernels(__package__, Backend.TRITON, ("top_k_top_p_sampling_from_logits",),
+                 "not fused: the Triton softmax kernel, then the top_k_top_p_sampling_from_probs kernels on its "
+                 "fp32 probabilities", ("float32", "float16", "bfloat16")),
     ),
 )

@@ -239,3 +239,34 @@ def min_p_sampling_from_probs(probs: Tensor, maybe_min_p_arr, min_p_val: float, 
     kept = bits >= min_p_threshold(bits, maybe_min_p_arr, min_p_val)
     mass = torch.where(kept, q, 0).sum(-1)
     return sample_kept(q, kept, mass, random_bits31(B, seed, offset, probs.device))
+
+
+# ----------------------------------------------------------------------------------------------
+# FlashInfer's ``sampling_from_probs``, ``sampling_from_logits`` and ``top_k_top_p_sampling_from_logits``:
+# the family's draw without a filter, and ``softmax`` (above) followed by the probs-in ops, composed.
+
+
+def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+    B = probs.shape[0]
+    if B == 0:
+        return torch.empty(0, dtype=torch.int32, device=probs.device)
+    _, q, kept, mass = _filtered(probs, None, None)
+    return sample_kept(q, kept, mass, random_bits31(B, seed, offset, probs.device))
+
+
+def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+    return sampling_from_probs(softmax(logits), seed, offset)
+
+
+def per_row(arr, val, rows: int, dtype, device) -> Tensor:
+    """``(rows,)`` ``arr``, or ``val`` for every row where ``arr`` is None."""
+    return arr if arr is not None else torch.full((rows,), val, dtype=dtype, device=device)
+
+
+def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val: int, maybe_top_p_arr, top_p_val: float,
+                                     maybe_temperature_arr, temperature_val: float, seed: Tensor, offset: Tensor) -> Tensor:
+    B = logits.shape[0]
+    probs = softmax(logits, maybe_temperature_arr, temperature_val)
+    top_k = per_row(maybe_top_k_arr, top_k_val, B, torch.int64, logits.device)
+    top_p = per_row(maybe_top_p_arr, top_p_val, B, torch.float32, logits.device)
+    return top_k_top_p_sampling_from_probs(probs, top_k, top_p, seed, offset)

@@ -93,3 +93,6 @@ def top_p_renorm_probs(probs: Tensor, top_p: Tensor) -> Tensor:
 
 def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
     return _launch(probs, top_k, top_p, seed, offset, sample=True)
+
+
+from .logits_in import sampling_from_logits, sampling_from_probs, top_k_top_p_sampling_from_logits  # noqa: E402,F401
