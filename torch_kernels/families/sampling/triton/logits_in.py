@@ -16,7 +16,6 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from . import _launch
 from ._common import _fixed, _random_bits31, _target
 from .logits import _CHUNK, min_p_sampling_from_probs, softmax
 
@@ -100,6 +99,8 @@ def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor
 def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val: int, maybe_top_p_arr,
                                      top_p_val: float, maybe_temperature_arr, temperature_val: float,
                                      seed: Tensor, offset: Tensor) -> Tensor:
+    from . import _launch  # the package imports this module: no circle at import time
+
     B, V = logits.shape
     probs = softmax(logits, maybe_temperature_arr, temperature_val)
     top_k, top_p = maybe_top_k_arr, maybe_top_p_arr
