@@ -924,9 +924,11 @@ def sampling_from_logits(logits: Tensor, seed=None, offset=None) -> Tensor:
 
     One token id per row from the probabilities of ``softmax(logits)`` (fp32, as the ``softmax`` op)
     with the draw of ``sampling_from_probs``: the ids are those of ``softmax`` followed by
-    ``sampling_from_probs`` on the same ``(seed, offset)``. FlashInfer's ``sampling_from_logits`` draws
-    the same distribution by Gumbel-max, another random stream. The Triton kernel is fused: it never
-    writes the probabilities. A ``-inf`` logit is never drawn.
+    ``sampling_from_probs`` on the same ``(seed, offset)`` and backend, bit for bit. Backends agree
+    wherever their ``softmax`` rounds alike (Triton's and torch's may differ in a probability's last
+    bit, which moves a draw only when it falls within that rounding of a token's boundary).
+    FlashInfer's ``sampling_from_logits`` draws the same distribution by Gumbel-max, another random
+    stream. The Triton kernel is fused: it never writes the probabilities. A ``-inf`` logit is never drawn.
 
     Args:
         logits: ``(B, V)`` float32, float16 or bfloat16, last dimension contiguous (rows may be strided).
@@ -947,8 +949,9 @@ def top_k_top_p_sampling_from_logits(logits: Tensor, top_k: Union[int, Tensor], 
     FlashInfer's ``top_k_top_p_sampling_from_logits`` (``filter_apply_order="top_k_first"``) with a
     temperature: ``softmax(logits, temperature)`` (fp32, the ``softmax`` op), then the top-k and top-p
     filters and the draw of ``top_k_top_p_sampling_from_probs`` on those probabilities: the ids are
-    those of the two ops in sequence on the same ``(seed, offset)``. The Triton backend runs the
-    two kernels in sequence (an fp32 probabilities tensor between them).
+    those of the two ops in sequence on the same ``(seed, offset)`` and backend, bit for bit (across
+    backends as ``sampling_from_logits``). The Triton backend runs the two kernels in sequence (an
+    fp32 probabilities tensor between them).
 
     Args:
         logits: ``(B, V)`` float32, float16 or bfloat16, last dimension contiguous (rows may be strided).
