@@ -150,7 +150,8 @@ def test_reference_sampling_from_probs_draws_only_positive_probabilities():
 
 def _identity_cases(device, dtype):
     """(logits, top_k, top_p, temperature): a row of 1000 with -inf entries, an odd vocabulary across
-    three 2048-chunks, strided rows, batch 1, vocabulary 1, all -inf, NaN and +inf rows, ties, t = 0."""
+    three 2048-chunks, strided rows, batch 1, one whole chunk, vocabulary 1, all -inf, NaN and +inf
+    rows, ties, t = 0."""
     odd = _logits(6, 301, device, dtype)
     odd[0, ::3] = NINF
     odd[1] = NINF
@@ -161,6 +162,7 @@ def _identity_cases(device, dtype):
     yield _logits(2, 4097 + 900, device, dtype), 50, torch.tensor([0.8, 1.0], device=device), torch.tensor([0.6, 0.0], device=device)
     yield _logits(4, 1000, device, dtype, stride=1280), _t([1, 2, 100, -1], device), torch.tensor([0.5, 0.0, 0.95, 0.7], device=device), 1.3
     yield _logits(1, 32000, device, dtype), 40, 0.95, 0.7
+    yield _logits(2, 2048, device, dtype), 0, 0.9, 1.0  # a whole chunk, no tail
     yield _logits(1, 1, device, dtype), 1, 0.5, 1.0
     yield odd, 3, 0.9, torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 2.0], device=device)
     yield _logits(3, 129, device, dtype, scale=1.0).round(), 4, 0.6, 1.0  # ties
@@ -461,8 +463,9 @@ ENGINE_VOCAB = 128256
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 32, 256])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("op", NEW_OPS)
+@pytest.mark.parametrize("op,dtype", [pytest.param(op, dtype, id=f"{op}-{str(dtype)[6:]}") for op, dtype in
+                                      [(FROM_PROBS, torch.float32)]
+                                      + [(op, dtype) for op in (FROM_LOGITS, TKTP_LOGITS) for dtype in DTYPES]])
 def test_cuda_engine_shapes_match_reference(op, dtype, batch):
     """Vocabulary 128256: every CUDA backend against the reference (ids in its kept set, and equal to
     its ids but where a draw falls within a last-bit rounding of softmax, at most 1 row in 256), the
@@ -471,8 +474,6 @@ def test_cuda_engine_shapes_match_reference(op, dtype, batch):
     logits = _logits(batch, ENGINE_VOCAB, "cuda", dtype, stride=ENGINE_VOCAB + 64)
     logits[0, ::7] = NINF
     if op == FROM_PROBS:
-        if dtype != torch.float32:
-            pytest.skip("probs are float32")
         cases = [_args(op, torch.softmax(logits.float(), -1), seed=s) for s in (1, 2)]
     elif op == FROM_LOGITS:
         cases = [_args(op, logits, seed=s) for s in (1, 2)]
