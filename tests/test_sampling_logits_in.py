@@ -159,8 +159,9 @@ def _identity_cases(device, dtype):
     odd[3, 9] = math.inf
     odd[4, :300] = NINF  # one finite logit
     yield _logits(3, 1000, device, dtype), _t([5, 0, 1000], device).int(), 0.9, 1.0
-    yield _logits(2, 4097 + 900, device, dtype), 50, torch.tensor([0.8, 1.0], device=device), torch.tensor([0.6, 0.0], device=device)
-    yield _logits(4, 1000, device, dtype, stride=1280), _t([1, 2, 100, -1], device), torch.tensor([0.5, 0.0, 0.95, 0.7], device=device), 1.3
+    f = lambda v: torch.tensor(v, device=device)  # noqa: E731
+    yield _logits(2, 4097 + 900, device, dtype), 50, f([0.8, 1.0]), f([0.6, 0.0])
+    yield _logits(4, 1000, device, dtype, stride=1280), _t([1, 2, 100, -1], device), f([0.5, 0.0, 0.95, 0.7]), 1.3
     yield _logits(1, 32000, device, dtype), 40, 0.95, 0.7
     yield _logits(2, 2048, device, dtype), 0, 0.9, 1.0  # a whole chunk, no tail
     yield _logits(1, 1, device, dtype), 1, 0.5, 1.0
