@@ -226,7 +226,10 @@ top_k_top_p_sampling_from_probs: mul -> deepinfer.top_k_top_p_sampling_from_prob
 softmax: mul -> deepinfer.softmax.default
 top_k_mask_logits: mul -> deepinfer.top_k_mask_logits.default
 min_p_sampling_from_probs: mul -> deepinfer.min_p_sampling_from_probs.default
-chain_speculative_sampling: mul -> deepinfer.chain_speculative_sampling.default -> getitem -> getitem -> getitem""")
+chain_speculative_sampling: mul -> deepinfer.chain_speculative_sampling.default -> getitem -> getitem -> getitem
+sampling_from_probs: mul -> deepinfer.sampling_from_probs.default
+sampling_from_logits: mul -> deepinfer.sampling_from_logits.default
+top_k_top_p_sampling_from_logits: mul -> deepinfer.top_k_top_p_sampling_from_logits.default""")
 
 
 # --- the rule under AOTAutograd (CPU: decompose and opaque) ------------------------------------------------

@@ -55,7 +55,10 @@ deepinfer::top_k_top_p_sampling_from_probs(Tensor probs, Tensor? maybe_top_k_arr
 deepinfer::softmax(Tensor logits, Tensor? maybe_temperature_arr=None, float temperature_val=1.) -> Tensor
 deepinfer::top_k_mask_logits(Tensor logits, Tensor? maybe_top_k_arr=None, int top_k_val=0) -> Tensor
 deepinfer::min_p_sampling_from_probs(Tensor probs, Tensor? maybe_min_p_arr, float min_p_val, Tensor seed, Tensor offset) -> Tensor
-deepinfer::chain_speculative_sampling(Tensor draft_probs, Tensor draft_token_ids, Tensor target_probs, Tensor seed, Tensor offset) -> (Tensor, Tensor, Tensor)""")
+deepinfer::chain_speculative_sampling(Tensor draft_probs, Tensor draft_token_ids, Tensor target_probs, Tensor seed, Tensor offset) -> (Tensor, Tensor, Tensor)
+deepinfer::sampling_from_probs(Tensor probs, Tensor seed, Tensor offset) -> Tensor
+deepinfer::sampling_from_logits(Tensor logits, Tensor seed, Tensor offset) -> Tensor
+deepinfer::top_k_top_p_sampling_from_logits(Tensor logits, Tensor? maybe_top_k_arr, int top_k_val, Tensor? maybe_top_p_arr, float top_p_val, Tensor? maybe_temperature_arr, float temperature_val, Tensor seed, Tensor offset) -> Tensor""")
 
 
 @pytest.mark.parametrize("device", DEVICES)

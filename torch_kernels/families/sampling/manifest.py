@@ -7,7 +7,8 @@ PROBS_OPS = ("top_k_renorm_probs", "top_p_renorm_probs", "top_k_top_p_sampling_f
 LOGITS_OPS = ("softmax", "top_k_mask_logits")
 OPS = PROBS_OPS + LOGITS_OPS + ("min_p_sampling_from_probs",)
 SPECULATIVE_OPS = ("chain_speculative_sampling",)
-OPS = OPS + SPECULATIVE_OPS
+LOGITS_IN_OPS = ("sampling_from_probs", "sampling_from_logits", "top_k_top_p_sampling_from_logits")
+OPS = OPS + SPECULATIVE_OPS + LOGITS_IN_OPS
 
 _NO_ROUTE = (
     (DECOMPOSE, "the reference sorts the vocabulary; torch.compile of it failed in Inductor (SplitScan codegen on "
@@ -31,7 +32,11 @@ FAMILY = Family(
          OpInfo("chain_speculative_sampling", OPAQUE, no_compile_route=(
              (DECOMPOSE, "its residual draw is the family's int64 cumsum, on which Inductor failed for "
                          "top_k_top_p_sampling_from_probs (SplitScan codegen)"),
-             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton")))),
+             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton"))),
+         *(OpInfo(op, OPAQUE, no_compile_route=(
+             (DECOMPOSE, "its draw is the family's int64 cumsum, on which Inductor failed for "
+                         "top_k_top_p_sampling_from_probs (SplitScan codegen)"),
+             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton"))) for op in LOGITS_IN_OPS)),
     kernels=(
         *reference(__package__, OPS),
         *kernels(__package__, Backend.TRITON, PROBS_OPS,
@@ -50,5 +55,15 @@ FAMILY = Family(
         *kernels(__package__, Backend.TRITON, SPECULATIVE_OPS,
                  "one program per row: the acceptance tests, then max, mass and draw passes over the residual or "
                  "bonus row; bit-exact with the reference", ("float32",)),
+        *kernels(__package__, Backend.TRITON, ("sampling_from_probs",),
+                 "the min-p kernel at min_p 0 (every value kept): max, mass, draw in three passes; bit-exact with "
+                 "the reference", ("float32", "float16", "bfloat16")),
+        *kernels(__package__, Backend.TRITON, ("sampling_from_logits",),
+                 "one program per row, fused: softmax's online max and sum, then mass and draw over probabilities "
+                 "recomputed in registers (none written); the ids of Triton softmax then sampling_from_probs",
+                 ("float32", "float16", "bfloat16")),
+        *kernels(__package__, Backend.TRITON, ("top_k_top_p_sampling_from_logits",),
+                 "not fused: the Triton softmax kernel, then the top_k_top_p_sampling_from_probs kernels on its "
+                 "fp32 probabilities", ("float32", "float16", "bfloat16")),
     ),
 )

@@ -1118,3 +1118,325 @@ OPS = OPS + (
           bench=BenchCase(_bench_shape_spec, _bench_args_spec, _bench_nbytes_spec, flashinfer=_flashinfer_spec,
                           compare=_bench_compare_spec, axis="rows")),
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# FlashInfer's ``sampling_from_probs``, ``sampling_from_logits`` and ``top_k_top_p_sampling_from_logits``:
+# the family's draw without a filter, and ``softmax`` followed by the probs-in ops, fused where a
+# backend can; ``top_k``/``top_p``/``temperature`` a scalar or a per-row tensor, seed and offset optional.
+
+_SAMPLING_FROM_PROBS = "sampling_from_probs"
+_SAMPLING_FROM_LOGITS = "sampling_from_logits"
+_TOP_K_TOP_P_FROM_LOGITS = "top_k_top_p_sampling_from_logits"
+
+
+def _validate_seed_offset(op: str, seed: Tensor, offset: Tensor, data_arg: str, data: Tensor) -> None:
+    for arg, t in (("seed", seed), ("offset", offset)):
+        check.tensor(op, arg, t)
+        if t.dtype != torch.int64:
+            check.fail(op, arg, f"must be an int64 tensor, got {t.dtype}", TypeError)
+        if t.dim() > 1 or t.numel() != 1:
+            check.fail(op, arg, f"must hold one value, shape () or (1,), got {tuple(t.shape)}")
+        check.same_device(op, arg, t, data_arg, data)
+
+
+def _seed_offset_ok(seed: Tensor, offset: Tensor, data: Tensor) -> bool:
+    return (seed.dtype == torch.int64 and offset.dtype == torch.int64 and seed.numel() == 1 and offset.numel() == 1
+            and seed.dim() <= 1 and offset.dim() <= 1 and data.device == seed.device == offset.device)
+
+
+def _full_sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> None:
+    _validate_probs(_SAMPLING_FROM_PROBS, probs)
+    _validate_seed_offset(_SAMPLING_FROM_PROBS, seed, offset, "probs", probs)
+
+
+def validate_sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> None:
+    try:
+        if _probs_ok(probs) and _seed_offset_ok(seed, offset, probs):
+            return
+    except (AttributeError, IndexError, RuntimeError):
+        pass
+    _full_sampling_from_probs(probs, seed, offset)
+
+
+def _fake_sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+    _full_sampling_from_probs(probs, seed, offset)
+    return probs.new_empty(probs.shape[:1], dtype=torch.int32)
+
+
+def _full_sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> None:
+    _validate_logits(_SAMPLING_FROM_LOGITS, logits)
+    _validate_seed_offset(_SAMPLING_FROM_LOGITS, seed, offset, "logits", logits)
+
+
+def validate_sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> None:
+    try:
+        if _logits_ok(logits) and _seed_offset_ok(seed, offset, logits):
+            return
+    except (AttributeError, IndexError, RuntimeError):
+        pass
+    _full_sampling_from_logits(logits, seed, offset)
+
+
+def _fake_sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+    _full_sampling_from_logits(logits, seed, offset)
+    return logits.new_empty(logits.shape[:1], dtype=torch.int32)
+
+
+def _full_top_k_top_p_from_logits(logits: Tensor, maybe_top_k_arr: Optional[Tensor], top_k_val: int,
+                                  maybe_top_p_arr: Optional[Tensor], top_p_val: float,
+                                  maybe_temperature_arr: Optional[Tensor], temperature_val: float,
+                                  seed: Tensor, offset: Tensor) -> None:
+    op = _TOP_K_TOP_P_FROM_LOGITS
+    _validate_logits(op, logits)
+    if maybe_top_k_arr is not None:
+        _validate_row_values(op, "maybe_top_k_arr", maybe_top_k_arr, _INDEX_DTYPES, "int32 or int64", logits)
+    if maybe_top_p_arr is not None:
+        _validate_row_values(op, "maybe_top_p_arr", maybe_top_p_arr, (torch.float32,), "float32", logits)
+    if maybe_temperature_arr is not None:
+        _validate_row_values(op, "maybe_temperature_arr", maybe_temperature_arr, _TEMPERATURE_DTYPES,
+                             "float16, bfloat16, float32 or float64", logits)
+    if not _temperature_ok(temperature_val):
+        check.fail(op, "temperature_val", f"must be a finite float >= 0, got {temperature_val!r}")
+    _validate_seed_offset(op, seed, offset, "logits", logits)
+
+
+def _row_arr_ok(t: Optional[Tensor], dtypes, logits: Tensor) -> bool:
+    return t is None or (t.dtype in dtypes and t.shape == logits.shape[:1] and t.device == logits.device)
+
+
+def validate_top_k_top_p_from_logits(logits: Tensor, maybe_top_k_arr: Optional[Tensor], top_k_val: int,
+                                     maybe_top_p_arr: Optional[Tensor], top_p_val: float,
+                                     maybe_temperature_arr: Optional[Tensor], temperature_val: float,
+                                     seed: Tensor, offset: Tensor) -> None:
+    try:
+        if (_logits_ok(logits) and _seed_offset_ok(seed, offset, logits) and _temperature_ok(temperature_val)
+                and _row_arr_ok(maybe_top_k_arr, _INDEX_DTYPES, logits)
+                and _row_arr_ok(maybe_top_p_arr, (torch.float32,), logits)
+                and _row_arr_ok(maybe_temperature_arr, _TEMPERATURE_DTYPES, logits)):
+            return
+    except (AttributeError, IndexError, RuntimeError):
+        pass
+    _full_top_k_top_p_from_logits(logits, maybe_top_k_arr, top_k_val, maybe_top_p_arr, top_p_val,
+                                  maybe_temperature_arr, temperature_val, seed, offset)
+
+
+def _fake_top_k_top_p_from_logits(logits: Tensor, *args) -> Tensor:
+    _full_top_k_top_p_from_logits(logits, *args)
+    return logits.new_empty(logits.shape[:1], dtype=torch.int32)
+
+
+def sampling_from_probs(probs: Tensor, seed=None, offset=None) -> Tensor:
+    """``ids[b] ~ probs[b] / sum(probs[b])``, drawn with Philox(seed, offset, b)
+
+    FlashInfer's ``sampling_from_probs``: one token id per row from the whole (unnormalised) row, with
+    the family's draw: the masses in 64-bit fixed point, the inverse CDF in token order at a 31-bit
+    uniform from Philox4x32-10 with counter ``(row, offset, 0)`` and key ``seed``. The ids are those
+    of ``top_k_top_p_sampling_from_probs`` with ``top_k = 0`` and ``top_p = 1`` on the same
+    ``(seed, offset)``, identical on every device and backend. Without ``seed`` and ``offset`` a seed
+    is drawn on the device with torch's generator (``torch.manual_seed`` makes it reproducible; a CUDA
+    graph replays a fresh draw).
+
+    Args:
+        probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.
+            NaN and negative values count as 0, ``+inf`` as the largest fp32.
+        seed, offset: both ``None``, or each an int or an int64 tensor of one element on the device of
+            ``probs`` (read on the device: advance ``offset`` in place between steps of a CUDA graph).
+            The registered op takes them as tensors, always.
+
+    Returns:
+        ``(B,)`` int32 token ids. A row with no positive probability returns 0. Not differentiable.
+    """
+    seed, offset = _seed_offset(_SAMPLING_FROM_PROBS, probs, seed, offset)
+    return torch.ops.deepinfer.sampling_from_probs.default(probs, seed, offset)
+
+
+def sampling_from_logits(logits: Tensor, seed=None, offset=None) -> Tensor:
+    """``ids[b] ~ softmax(logits[b])``, drawn with Philox(seed, offset, b)
+
+    One token id per row from the probabilities of ``softmax(logits)`` (fp32, as the ``softmax`` op)
+    with the draw of ``sampling_from_probs``: the ids are those of ``softmax`` followed by
+    ``sampling_from_probs`` on the same ``(seed, offset)`` and backend, bit for bit. Backends agree
+    wherever their ``softmax`` rounds alike (Triton's and torch's may differ in a probability's last
+    bit, which moves a draw only when it falls within that rounding of a token's boundary).
+    FlashInfer's ``sampling_from_logits`` draws the same distribution by Gumbel-max, another random
+    stream. The Triton kernel is fused: it never writes the probabilities. A ``-inf`` logit is never drawn.
+
+    Args:
+        logits: ``(B, V)`` float32, float16 or bfloat16, last dimension contiguous (rows may be strided).
+        seed, offset: as ``sampling_from_probs``'s (both ``None``: torch's generator of the device).
+
+    Returns:
+        ``(B,)`` int32 token ids. A row without a probability (all ``-inf``, or a NaN or ``+inf``
+        logit: ``softmax`` gives NaN) returns 0. Not differentiable.
+    """
+    seed, offset = _seed_offset(_SAMPLING_FROM_LOGITS, logits, seed, offset)
+    return torch.ops.deepinfer.sampling_from_logits.default(logits, seed, offset)
+
+
+def top_k_top_p_sampling_from_logits(logits: Tensor, top_k: Union[int, Tensor], top_p: Union[float, Tensor],
+                                     temperature: Union[float, Tensor, None] = 1.0, seed=None, offset=None) -> Tensor:
+    """``ids[b] ~ top_p_renorm(top_k_renorm(softmax(logits[b] / t[b]), top_k[b]), top_p[b])``, Philox(seed, offset, b)
+
+    FlashInfer's ``top_k_top_p_sampling_from_logits`` (``filter_apply_order="top_k_first"``) with a
+    temperature: ``softmax(logits, temperature)`` (fp32, the ``softmax`` op), then the top-k and top-p
+    filters and the draw of ``top_k_top_p_sampling_from_probs`` on those probabilities: the ids are
+    those of the two ops in sequence on the same ``(seed, offset)`` and backend, bit for bit (across
+    backends as ``sampling_from_logits``). The Triton backend runs the two kernels in sequence (an
+    fp32 probabilities tensor between them).
+
+    Args:
+        logits: ``(B, V)`` float32, float16 or bfloat16, last dimension contiguous (rows may be strided).
+        top_k: an int for every row, or a ``(B,)`` int32/int64 tensor; ``<= 0`` or ``>= V`` disables top-k.
+        top_p: a float for every row (read as fp32), or a ``(B,)`` float32 tensor; ``>= 1`` disables
+            top-p, ``<= 0`` keeps only the largest probability (and its ties).
+        temperature: as ``softmax``'s: a float ``>= 0`` (``None``: 1) or a ``(B,)`` tensor; 0 makes a
+            row uniform over its finite logits, as FlashInfer's softmax.
+        seed, offset: as ``sampling_from_probs``'s (both ``None``: torch's generator of the device).
+            The op's schema takes ``top_k``, ``top_p`` and ``temperature`` each as ``maybe_<name>_arr``
+            and ``<name>_val``, and ``seed`` and ``offset`` as tensors.
+
+    Returns:
+        ``(B,)`` int32 token ids. A row without a probability (as ``sampling_from_logits``) returns 0.
+        Not differentiable.
+    """
+    op = _TOP_K_TOP_P_FROM_LOGITS
+    k_arr, k_val = _tensor_or_scalar(op, "top_k", top_k, int, "an int")
+    p_arr, p_val = _tensor_or_scalar(op, "top_p", top_p, float, "a float")
+    t_arr, t_val = _tensor_or_scalar(op, "temperature", 1.0 if temperature is None else temperature, float, "a float")
+    seed, offset = _seed_offset(op, logits, seed, offset)
+    return torch.ops.deepinfer.top_k_top_p_sampling_from_logits.default(
+        logits, k_arr, k_val, p_arr, p_val, t_arr, t_val if t_arr is None else 1.0, seed, offset)
+
+
+def _samples_sampling_from_probs(device, dtype) -> Iterator[tuple]:
+    for i, (probs, _, _) in enumerate(_sample_inputs(device)):
+        shape = () if i % 2 else (1,)
+        yield probs, _scalar(4321 + i, device, shape), _scalar(5 * i, device, shape)
+
+
+def _samples_sampling_from_logits(device, dtype) -> Iterator[tuple]:
+    for i, (logits, _, _) in enumerate(_logit_inputs(device, dtype)):
+        shape = () if i % 2 else (1,)
+        yield logits, _scalar(77 + i, device, shape), _scalar(2**33 + i, device, shape)
+
+
+def _samples_top_k_top_p_from_logits(device, dtype) -> Iterator[tuple]:
+    for i, (logits, per_row, k) in enumerate(_logit_inputs(device, dtype)):
+        B, V = logits.shape
+        shape = () if i % 2 else (1,)
+        seed, offset = _scalar(555 + i, device, shape), _scalar(i, device, shape)
+        if per_row:
+            ks = torch.tensor([k, 0, V, -1, 1][:B] if B else [], device=device).to((torch.int32, torch.int64)[i % 2])
+            ps = torch.tensor([0.9, 0.5, 1.0, 0.0, 0.95][:B] if B else [], device=device)
+            ts = torch.tensor([0.7, 1.0, 0.0, 1.5, 1.0][:B] if B else [], device=device)
+            yield logits, ks, 0, ps, 0.0, ts.to((torch.float32, torch.bfloat16)[i % 2]), 1.0, seed, offset
+        else:
+            yield logits, None, k, None, (0.9, 0.6, 1.0)[i % 3], None, (1.0, 0.7, 1.3)[i % 3], seed, offset
+
+
+def _tokens_sampling_from_probs(n: int, device) -> tuple:
+    return (_probs(n, 64, device), _scalar(42, device), _scalar(n, device)), (0,)
+
+
+def _tokens_sampling_from_logits(n: int, device) -> tuple:
+    return (torch.randn(n, 64, device=device) * 3, _scalar(42, device), _scalar(n, device)), (0,)
+
+
+def _tokens_top_k_top_p_from_logits(n: int, device) -> tuple:
+    return ((torch.randn(n, 64, device=device) * 3, torch.full((n,), 8, dtype=torch.int32, device=device), 0,
+             torch.full((n,), 0.8, device=device), 0.0, None, 0.7, _scalar(42, device), _scalar(n, device)), (0, 1, 3))
+
+
+def _bench_logits(rows: int, profile: str, device, dtype) -> Tensor:
+    return (torch.randn(rows, BENCH_SIZES[profile][0], device=device) * 3).to(_logit_dtype(dtype))
+
+
+def _bench_args_sampling_from_probs(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    probs, _, _ = _bench_inputs(rows, profile, device)
+    return probs, torch.tensor(1234, device=device), torch.tensor(0, device=device)
+
+
+def _bench_args_sampling_from_logits(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    return _bench_logits(rows, profile, device, dtype), torch.tensor(1234, device=device), torch.tensor(0, device=device)
+
+
+def _bench_args_top_k_top_p_from_logits(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    return (_bench_logits(rows, profile, device, dtype), None, BENCH_TOP_K, None, BENCH_TOP_P, None, 1.0,
+            torch.tensor(1234, device=device), torch.tensor(0, device=device))
+
+
+def logits_in_kept_set(op: str, args: tuple) -> Tensor:
+    """``(B, V)`` bool: the tokens the reference of ``op`` may draw from (a probability with mass, after
+    the op's filters), where any correct sampler's ids must fall, whatever its random stream."""
+    from . import reference
+
+    if op == _SAMPLING_FROM_PROBS:
+        probs, top_k, top_p = args[0], None, None
+    elif op == _SAMPLING_FROM_LOGITS:
+        probs, top_k, top_p = reference.softmax(args[0]), None, None
+    else:
+        logits, k_arr, k_val, p_arr, p_val, t_arr, t_val = args[:7]
+        probs = reference.softmax(logits, t_arr, t_val)
+        top_k, top_p = (k_val if k_arr is None else k_arr), (p_val if p_arr is None else p_arr)  # kept_mask takes either
+    bits = reference.value_bits(probs)
+    q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(probs.shape[1]))
+    kept, _ = reference.kept_mask(bits, q, top_k, top_p)
+    return kept & (q > 0)
+
+
+def _bench_compare_logits_in(op: str):
+    def compare(got: list, want: list, dtype, args: tuple) -> Optional[str]:
+        try:
+            compare_samples(got, want, dtype)
+            return None
+        except AssertionError:
+            inside = logits_in_kept_set(op, args).gather(1, got[0].long()[:, None]).float().mean().item()
+            if inside < 1.0:
+                raise AssertionError(f"{inside:.1%} of the ids in the kept set") from None
+            return "another random stream; every id in the kept set"
+    return compare
+
+
+def _flashinfer_logits_in(op: str):
+    def peer(args: tuple):
+        try:
+            import flashinfer.sampling as fs
+        except Exception as e:  # noqa: BLE001  (reported in the results)
+            return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+        seed, offset = int(args[-2]), int(args[-1])  # ints: graph capture reads no generator state
+        if op == _SAMPLING_FROM_PROBS:
+            return Peer("flashinfer.sampling.sampling_from_probs",
+                        lambda probs, *_: fs.sampling_from_probs(probs, deterministic=True, seed=seed, offset=offset))
+        if op == _SAMPLING_FROM_LOGITS:
+            return Peer("flashinfer.sampling.sampling_from_logits",
+                        lambda logits, *_: fs.sampling_from_logits(logits, deterministic=True, seed=seed, offset=offset))
+        return Peer("flashinfer.sampling.top_k_top_p_sampling_from_logits (top_k_first)",
+                    lambda logits, k_arr, k_val, p_arr, p_val, *_: fs.top_k_top_p_sampling_from_logits(
+                        logits, k_arr if k_arr is not None else k_val, p_arr if p_arr is not None else p_val,
+                        filter_apply_order="top_k_first", deterministic=True, seed=seed, offset=offset))
+    return peer
+
+
+def _bench_logits_in(op: str, args) -> BenchCase:
+    return BenchCase(_bench_shape, args, _bench_nbytes(1), flashinfer=_flashinfer_logits_in(op),
+                     compare=_bench_compare_logits_in(op), axis="rows")
+
+
+OPS = OPS + (
+    OpDef("sampling_from_probs(Tensor probs, Tensor seed, Tensor offset) -> Tensor",
+          validate_sampling_from_probs, _fake_sampling_from_probs, sampling_from_probs, _samples_sampling_from_probs,
+          _tokens_sampling_from_probs, no_grad_reason=_NO_GRAD, compare=compare_samples,
+          bench=_bench_logits_in(_SAMPLING_FROM_PROBS, _bench_args_sampling_from_probs)),
+    OpDef("sampling_from_logits(Tensor logits, Tensor seed, Tensor offset) -> Tensor",
+          validate_sampling_from_logits, _fake_sampling_from_logits, sampling_from_logits,
+          _samples_sampling_from_logits, _tokens_sampling_from_logits, no_grad_reason=_NO_GRAD, compare=compare_samples,
+          bench=_bench_logits_in(_SAMPLING_FROM_LOGITS, _bench_args_sampling_from_logits)),
+    OpDef("top_k_top_p_sampling_from_logits(Tensor logits, Tensor? maybe_top_k_arr, int top_k_val, "
+          "Tensor? maybe_top_p_arr, float top_p_val, Tensor? maybe_temperature_arr, float temperature_val, "
+          "Tensor seed, Tensor offset) -> Tensor",
+          validate_top_k_top_p_from_logits, _fake_top_k_top_p_from_logits, top_k_top_p_sampling_from_logits,
+          _samples_top_k_top_p_from_logits, _tokens_top_k_top_p_from_logits, no_grad_reason=_NO_GRAD,
+          compare=compare_samples,
+          bench=_bench_logits_in(_TOP_K_TOP_P_FROM_LOGITS, _bench_args_top_k_top_p_from_logits)),
+)

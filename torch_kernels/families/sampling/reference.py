@@ -329,3 +329,24 @@ def chain_speculative_sampling(draft_probs: Tensor, draft_token_ids: Tensor, tar
     drafts = torch.cat([ids, torch.zeros((B, 1), dtype=torch.int64, device=dev)], 1)
     out = torch.where(col < pos[:, None], drafts, torch.where(col == pos[:, None], token[:, None], -1))
     return out.int(), accepted.int(), emitted.int()
+
+# FlashInfer's ``sampling_from_probs``, ``sampling_from_logits`` and ``top_k_top_p_sampling_from_logits``:
+# the family's draw without a filter, and ``softmax`` (above) followed by the probs-in ops, composed.
+
+
+def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+    B = probs.shape[0]
+    if B == 0:
+        return torch.empty(0, dtype=torch.int32, device=probs.device)
+    _, q, kept, mass = _filtered(probs, None, None)
+    return sample_kept(q, kept, mass, random_bits31(B, seed, offset, probs.device))
+
+
+def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+    return sampling_from_probs(softmax(logits), seed, offset)
+
+
+def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val: int, maybe_top_p_arr, top_p_val: float,
+                                     maybe_temperature_arr, temperature_val: float, seed: Tensor, offset: Tensor) -> Tensor:
+    probs = softmax(logits, maybe_temperature_arr, temperature_val)
+    return top_k_top_p_sampling_from_probs(probs, maybe_top_k_arr, maybe_top_p_arr, seed, offset, top_k_val, top_p_val)

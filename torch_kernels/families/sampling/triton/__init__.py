@@ -40,6 +40,7 @@ from .config import DEFAULT, Config
 from .filter import _filter_kernel, _renorm_write_kernel
 from .histogram import _hist_prepasses
 from .logits import min_p_sampling_from_probs, softmax, top_k_mask_logits  # noqa: F401  (one module)
+from .logits_in import sampling_from_logits, sampling_from_probs, top_k_top_p_sampling_from_logits  # noqa: F401
 from .speculative import chain_speculative_sampling  # noqa: F401  (its own module)
 
 

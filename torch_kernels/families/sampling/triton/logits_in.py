@@ -1,0 +1,107 @@
+"""Triton ``sampling_from_probs``, ``sampling_from_logits`` and ``top_k_top_p_sampling_from_logits``.
+
+* ``sampling_from_probs``: the min-p kernel at ``min_p = 0`` (its threshold is then pattern 0: every
+  value of the row is kept), the family's draw unchanged.
+* ``sampling_from_logits``: one program per row, fused: the softmax kernel's first pass (online max
+  and sum, the same chunks and arithmetic), then the kept mass and the draw over probabilities
+  recomputed in registers (``exp(x - m) * (1 / s)``, the softmax kernel's expression): no
+  probabilities tensor; the ids are those of ``softmax`` then ``sampling_from_probs`` on this backend.
+* ``top_k_top_p_sampling_from_logits``: the composition of this backend's ``softmax`` and
+  ``top_k_top_p_sampling_from_probs`` kernels (an fp32 probabilities tensor in between).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..reference import fixed_point_bits
+from ._common import _fixed, _random_bits31, _target
+from .logits import _CHUNK, min_p_sampling_from_probs, softmax
+
+_FLT_MAX = 3.4028234663852886e38
+
+
+def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+    return min_p_sampling_from_probs(probs, None, 0.0, seed, offset)
+
+
+@triton.jit
+def _prob_bits(x_row, cols, mask, inv, m, inv_s):
+    """The sanitised pattern (``_value_bits``) of the softmax kernel's output at ``cols``; -1 where masked."""
+    raw = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    x = tl.where(raw == -float("inf"), -float("inf"), raw * inv)
+    p = tl.exp(x - m) * inv_s
+    p = tl.where(p > 0, tl.minimum(p, _FLT_MAX), 0.0)
+    return tl.where(mask, p.to(tl.int32, bitcast=True), -1)
+
+
+@triton.jit
+def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, seed_ptr, offset_ptr, out_ptr, V, q_bits,
+                                 CHUNK: tl.constexpr):
+    """Pass 1 is ``_softmax_kernel``'s (so ``m`` and ``s`` are its bits); pass 2 the kept mass, at the
+    exponent of ``1 / s`` (the largest probability, ``exp(0) / s``), redone at the row's true largest
+    pattern where they differ (a row without mass); pass 3 the draw, stopping at the chunk that holds it."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    t = t_val
+    inv = tl.where(t == 0.0, 0.0, 1.0 / tl.where(t == 0.0, 1.0, t))
+    offs = tl.arange(0, CHUNK)
+    m = tl.full((), -float("inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        raw = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        x = tl.where(raw == -float("inf"), -float("inf"), raw * inv)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        scale = tl.where(m_new == -float("inf"), 0.0, tl.exp(m - m_new))
+        e = tl.where(x == -float("inf"), 0.0, tl.exp(x - m_new))
+        s = s * scale + tl.sum(e, axis=0)
+        m = m_new
+    inv_s = 1.0 / s
+    top = tl.where(inv_s > 0, tl.minimum(inv_s, _FLT_MAX), 0.0).to(tl.int32, bitcast=True)
+    e_guess = tl.maximum(top >> 23, 1)
+    mx = tl.full((), -1, tl.int32)
+    mass = tl.zeros((), tl.int64)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        b = _prob_bits(x_row, cols, cols < V, inv, m, inv_s)
+        mx = tl.maximum(mx, tl.max(b, axis=0))
+        mass += tl.sum(_fixed(b, e_guess, q_bits), axis=0)
+    e_max = tl.maximum(mx >> 23, 1)
+    if e_max != e_guess:
+        mass = tl.zeros((), tl.int64)
+        for start in range(0, V, CHUNK):
+            cols = start + offs
+            mass += tl.sum(_fixed(_prob_bits(x_row, cols, cols < V, inv, m, inv_s), e_max, q_bits), axis=0)
+    target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
+    base = tl.zeros((), tl.int64)
+    token = tl.full((), 2147483647, tl.int32)
+    for start in range(0, V, CHUNK):
+        if token == 2147483647:
+            cols = start + offs
+            cum = base + tl.cumsum(_fixed(_prob_bits(x_row, cols, cols < V, inv, m, inv_s), e_max, q_bits), axis=0)
+            token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
+            base = tl.max(cum, axis=0)
+    tl.store(out_ptr + row, tl.where(token == 2147483647, 0, token))  # no mass: 0, as the reference
+
+
+def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+    B, V = logits.shape
+    out = torch.empty(B, dtype=torch.int32, device=logits.device)
+    if B:
+        # CHUNK and num_warps as softmax's launch: pass 1 then sums in its order
+        _sampling_from_logits_kernel[(B,)](logits, logits.stride(0), 1.0, seed, offset, out, V, fixed_point_bits(V),
+                                           CHUNK=_CHUNK, num_warps=4)
+    return out
+
+
+def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val: int, maybe_top_p_arr,
+                                     top_p_val: float, maybe_temperature_arr, temperature_val: float,
+                                     seed: Tensor, offset: Tensor) -> Tensor:
+    from . import _launch  # the package imports this module: no circle at import time
+
+    probs = softmax(logits, maybe_temperature_arr, temperature_val)
+    top_k = top_k_val if maybe_top_k_arr is None else maybe_top_k_arr  # a scalar: a kernel argument
+    top_p = top_p_val if maybe_top_p_arr is None else maybe_top_p_arr
+    return _launch(probs, top_k, top_p, seed, offset, sample=True)
