@@ -787,14 +787,45 @@ def _tokens_all_reduce_quant(n: int, device) -> tuple:
     return (x, r, w, eps, world_of_one(), *quant), token_args
 
 
+def _bench_args_all_reduce(rows: int, hidden: int, profile: str, device, dtype) -> tuple:
+    return (*_bench_args_fused(rows, hidden, profile, device, dtype), world_of_one())
+
+
+def _bench_args_all_reduce_quant(rows: int, hidden: int, profile: str, device, dtype) -> tuple:
+    x, r, w, eps, *quant = _bench_args_fused_quant(rows, hidden, profile, device, dtype)
+    return (x, r, w, eps, world_of_one(), *quant)
+
+
+def _unfused_all_reduce(quant: bool) -> Peer:
+    """NCCL's (gloo's) all-reduce, then our fused op: what a layer runs without the fused collective."""
+    def pair(x, r, w, eps, group_name, *quant_args):
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=process_group(ALL_REDUCE_OP, group_name))
+        if quant:
+            return torch.ops.deepinfer.fused_add_rmsnorm_fp8_quant(x, r, w, eps, *quant_args)
+        torch.ops.deepinfer.fused_add_rmsnorm(x, r, w, eps)
+    return Peer(UNFUSED, pair, prepare=lambda args: (args[0].clone(), *args[1:]))
+
+
+# on one GPU the suite times a world of one (the all-reduce a copy at most); the collective's own
+# benchmark needs several GPUs
+_ALL_REDUCE_BENCH = BenchCase(_bench_shape, _bench_args_all_reduce, lambda args: 4 * _size(args[0]) + _size(args[2]),
+                              takes_hidden=True, peers=(_unfused_all_reduce(False),))
+_ALL_REDUCE_QUANT_BENCH = BenchCase(_bench_shape, _bench_args_all_reduce_quant,
+                                    lambda args: 3 * _size(args[0]) + _size(args[2]) + _quant_nbytes(args),
+                                    takes_hidden=True, peers=(_unfused_all_reduce(True),))
+
+
 OPS = OPS + (
     OpDef(f"{ALL_REDUCE_OP}(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, str group_name) -> ()",
           _validate_all_reduce, _fake_all_reduce, all_reduce_fused_add_rmsnorm, _samples_all_reduce,
-          _tokens_all_reduce, no_grad_reason="it overwrites input and residual in place"),
+          _tokens_all_reduce, no_grad_reason="it overwrites input and residual in place", bench=_ALL_REDUCE_BENCH),
     OpDef(f"{ALL_REDUCE_QUANT_OP}(Tensor input, Tensor(a!) residual, Tensor weight, float eps, str group_name, "
           "Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) "
           "-> (Tensor, Tensor)",
           _validate_all_reduce_quant, _fake_all_reduce_quant, all_reduce_fused_add_rmsnorm_fp8_quant,
           _samples_all_reduce_quant, _tokens_all_reduce_quant,
-          no_grad_reason="it overwrites residual in place and quantises to float8", compare=_compare_quant),
+          no_grad_reason="it overwrites residual in place and quantises to float8", compare=_compare_quant,
+          bench=_ALL_REDUCE_QUANT_BENCH),
 )
