@@ -40,15 +40,13 @@ def _fixed(bits, e_max, q_bits):
 
 
 @triton.jit
-def _random_bits31(seed_ptr, offset_ptr, row):
-    """31 random bits: Philox4x32-10, counter (row, offset_lo, offset_hi, 0), key (seed_lo, seed_hi).
-    Written out (not ``tl.randint``) so the stream cannot change with the Triton version."""
-    seed = tl.load(seed_ptr)
-    offset = tl.load(offset_ptr)
+def philox_w01(seed, offset, row, c3):
+    """Words 0 and 1 of Philox4x32-10, counter ``(row, offset_lo, offset_hi, c3)`` (uint32 ``c3``), key
+    ``(seed_lo, seed_hi)``. Written out (not ``tl.randint``) so the stream cannot change with the Triton
+    version."""
     c0 = row.to(tl.uint32)
     c1 = (offset & 0xFFFFFFFF).to(tl.uint32)
     c2 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    c3 = c0 * 0
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     for _ in tl.static_range(10):
@@ -59,6 +57,13 @@ def _random_bits31(seed_ptr, offset_ptr, row):
         c3 = _c0 * 0xD2511F53
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
+    return c0, c1
+
+
+@triton.jit
+def _random_bits31(seed_ptr, offset_ptr, row):
+    """31 random bits: word 0 of Philox4x32-10 with counter (row, offset_lo, offset_hi, 0), key (seed_lo, seed_hi)."""
+    c0, _ = philox_w01(tl.load(seed_ptr), tl.load(offset_ptr), row, row.to(tl.uint32) * 0)
     return (c0 >> 1).to(tl.int64)
 
 

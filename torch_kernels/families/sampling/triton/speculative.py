@@ -10,30 +10,10 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import _fixed, _target
+from ._common import _fixed, _target, philox_w01
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
 _TINY = tl.constexpr(1.1754943508222875e-38)  # 2^-126, the smallest normal fp32 (reference.FLT_TINY)
-
-
-@triton.jit
-def _philox_w01(seed, offset, row, c3):
-    """Words 0 and 1 of Philox4x32-10, counter ``(row, offset_lo, offset_hi, c3)``, key ``(seed_lo, seed_hi)``
-    (``reference.speculative_words``); the rounds of ``_common._random_bits31``."""
-    c0 = row.to(tl.uint32)
-    c1 = (offset & 0xFFFFFFFF).to(tl.uint32)
-    c2 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    for _ in tl.static_range(10):
-        _c0, _c2 = c0, c2
-        c0 = tl.umulhi(_c2, 0xCD9E8D57) ^ c1 ^ k0
-        c2 = tl.umulhi(_c0, 0xD2511F53) ^ c3 ^ k1
-        c1 = _c2 * 0xCD9E8D57
-        c3 = _c0 * 0xD2511F53
-        k0 = k0 + 0x9E3779B9
-        k1 = k1 + 0xBB67AE85
-    return c0, c1
 
 
 @triton.jit
@@ -88,7 +68,7 @@ def _chain_kernel(d_ptr, d_s0, d_s1, ids_ptr, i_s0, i_s1, t_ptr, t_s0, t_s1, see
         ds = tl.where(valid, d, 0)
         q = tl.where(valid, _values(tl.load(d_ptr + row * d_s0 + i * d_s1 + ds)), 0.0)
         p = tl.where(valid, _values(tl.load(t_ptr + row * t_s0 + i * t_s1 + ds)), 0.0)
-        w0, _ = _philox_w01(seed, offset, row, _counter(i))
+        w0, _ = philox_w01(seed, offset, row, _counter(i))
         u24 = (w0 >> 8).to(tl.float64)
         ok = u24 * q.to(tl.float64) < p.to(tl.float64) * 16777216.0  # exact: 24 x 24 significand bits
         acc += ok.to(tl.int32)
@@ -102,7 +82,7 @@ def _chain_kernel(d_ptr, d_s0, d_s1, ids_ptr, i_s0, i_s1, t_ptr, t_s0, t_s1, see
     if mass == 0:  # only when the rows do not sum alike: the target row instead
         d_len = d_len * 0
         e_max, mass = _residual_mass(t_row, d_row, d_len, V, q_bits, CHUNK)
-    _, w1 = _philox_w01(seed, offset, row, _counter(pos))
+    _, w1 = philox_w01(seed, offset, row, _counter(pos))
     target = _target((w1 >> 1).to(tl.int64), mass)
     offs = tl.arange(0, CHUNK)
     base = tl.zeros((), tl.int64)
