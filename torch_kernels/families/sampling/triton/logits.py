@@ -17,15 +17,15 @@ _NP = 16  # pivots a counting pass: 4 bits of the 32-bit key a pass, 8 passes at
 
 
 @triton.jit
-def _softmax_kernel(x_ptr, x_stride, t_ptr, t_val, out_ptr, out_stride, V,
-                    HAS_T: tl.constexpr, CHUNK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_stride
-    if HAS_T:
-        t = tl.load(t_ptr + row).to(tl.float32)
-    else:
-        t = t_val
-    inv = tl.where(t == 0.0, 0.0, 1.0 / tl.where(t == 0.0, 1.0, t))  # FlashInfer: 1/t taken as 0 at t = 0
+def inverse_temperature(t):
+    """``1 / t`` in fp32, 0 at ``t == 0`` (FlashInfer's reading: such a row is uniform over its finite logits)."""
+    return tl.where(t == 0.0, 0.0, 1.0 / tl.where(t == 0.0, 1.0, t))
+
+
+@triton.jit
+def softmax_stats(x_row, V, inv, CHUNK: tl.constexpr):
+    """The row's max ``m`` of ``x = logit * inv`` and ``s = sum(exp(x - m))``, online over chunks of
+    ``CHUNK`` in order: every kernel that recomputes the softmax's probabilities gets its bits."""
     offs = tl.arange(0, CHUNK)
     m = tl.full((), -float("inf"), tl.float32)
     s = tl.zeros((), tl.float32)
@@ -39,6 +39,21 @@ def _softmax_kernel(x_ptr, x_stride, t_ptr, t_val, out_ptr, out_stride, V,
         e = tl.where(x == -float("inf"), 0.0, tl.exp(x - m_new))
         s = s * scale + tl.sum(e, axis=0)
         m = m_new
+    return m, s
+
+
+@triton.jit
+def _softmax_kernel(x_ptr, x_stride, t_ptr, t_val, out_ptr, out_stride, V,
+                    HAS_T: tl.constexpr, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    if HAS_T:
+        t = tl.load(t_ptr + row).to(tl.float32)
+    else:
+        t = t_val
+    inv = inverse_temperature(t)
+    offs = tl.arange(0, CHUNK)
+    m, s = softmax_stats(x_row, V, inv, CHUNK)
     inv_s = 1.0 / s
     for start in range(0, V, CHUNK):
         cols = start + offs

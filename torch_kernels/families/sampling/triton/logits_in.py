@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..reference import fixed_point_bits
 from ._common import _fixed, _random_bits31, _target
-from .logits import _CHUNK, min_p_sampling_from_probs, softmax
+from .logits import _CHUNK, inverse_temperature, min_p_sampling_from_probs, softmax, softmax_stats
 
 _FLT_MAX = 3.4028234663852886e38
 
@@ -44,20 +44,9 @@ def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, seed_ptr, offset_ptr, o
     pattern where they differ (a row without mass); pass 3 the draw, stopping at the chunk that holds it."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
-    t = t_val
-    inv = tl.where(t == 0.0, 0.0, 1.0 / tl.where(t == 0.0, 1.0, t))
+    inv = inverse_temperature(t_val)
     offs = tl.arange(0, CHUNK)
-    m = tl.full((), -float("inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    for start in range(0, V, CHUNK):
-        cols = start + offs
-        raw = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
-        x = tl.where(raw == -float("inf"), -float("inf"), raw * inv)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        scale = tl.where(m_new == -float("inf"), 0.0, tl.exp(m - m_new))
-        e = tl.where(x == -float("inf"), 0.0, tl.exp(x - m_new))
-        s = s * scale + tl.sum(e, axis=0)
-        m = m_new
+    m, s = softmax_stats(x_row, V, inv, CHUNK)
     inv_s = 1.0 / s
     top = tl.where(inv_s > 0, tl.minimum(inv_s, _FLT_MAX), 0.0).to(tl.int32, bitcast=True)
     e_guess = tl.maximum(top >> 23, 1)
