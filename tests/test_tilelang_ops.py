@@ -319,6 +319,9 @@ static inline float max(float a, float b) { return fmaxf(a, b); }
 static inline int max(int a, int b) { return a > b ? a : b; }
 static inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
 static inline float __frcp_rn(float a) { volatile float r = 1.0f / a; return r; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 template <class T> static inline unsigned emu_pack(T x, T y) {
   unsigned short a, b;
   memcpy(&a, &x, 2);
