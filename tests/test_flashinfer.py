@@ -345,7 +345,7 @@ def test_inventory_lines(fake):
     assert all(k.target.split(":")[0] in {m.__name__ for m in modules} for k in specs.values())
     for op, k in specs.items():
         assert k.backend is Backend.FLASHINFER and k.capability.package == "flashinfer" and k.check
-        assert k.dtypes == (("float32",) if op.startswith("top_k") else ("float16", "bfloat16")), op
+        assert k.dtypes == (("float32", "float16", "bfloat16") if op.startswith("top_k") else ("float16", "bfloat16")), op
         order = registry.backends_of(op)
         assert order.index(Backend.TRITON) < order.index(Backend.FLASHINFER) < order.index(Backend.TORCH), order
 
