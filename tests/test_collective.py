@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_kernels as tk
-from torch_kernels.families.norm.ops import world_of_one
+from torch_kernels.families.collective.ops import world_of_one
 
 from conftest import assert_bad_inputs_raise
 

@@ -205,8 +205,6 @@ rmsnorm_fp8_quant: mul -> deepinfer.rmsnorm_fp8_quant.default -> getitem -> geti
 fused_add_rmsnorm_fp8_quant: mul -> deepinfer.fused_add_rmsnorm_fp8_quant.default -> getitem -> getitem
 gemma_rmsnorm_fp8_quant: mul -> deepinfer.gemma_rmsnorm_fp8_quant.default -> getitem -> getitem
 gemma_fused_add_rmsnorm_fp8_quant: mul -> deepinfer.gemma_fused_add_rmsnorm_fp8_quant.default -> getitem -> getitem
-all_reduce_fused_add_rmsnorm: mul -> deepinfer.all_reduce_fused_add_rmsnorm.default
-all_reduce_fused_add_rmsnorm_fp8_quant: mul -> deepinfer.all_reduce_fused_add_rmsnorm_fp8_quant.default -> getitem -> getitem
 silu_and_mul: mul -> deepinfer.silu_and_mul.default
 gelu_and_mul: mul -> deepinfer.gelu_and_mul.default
 gelu_tanh_and_mul: mul -> deepinfer.gelu_tanh_and_mul.default
@@ -229,7 +227,9 @@ min_p_sampling_from_probs: mul -> deepinfer.min_p_sampling_from_probs.default
 chain_speculative_sampling: mul -> deepinfer.chain_speculative_sampling.default -> getitem -> getitem -> getitem
 sampling_from_probs: mul -> deepinfer.sampling_from_probs.default
 sampling_from_logits: mul -> deepinfer.sampling_from_logits.default
-top_k_top_p_sampling_from_logits: mul -> deepinfer.top_k_top_p_sampling_from_logits.default""")
+top_k_top_p_sampling_from_logits: mul -> deepinfer.top_k_top_p_sampling_from_logits.default
+all_reduce_fused_add_rmsnorm: mul -> deepinfer.all_reduce_fused_add_rmsnorm.default
+all_reduce_fused_add_rmsnorm_fp8_quant: mul -> deepinfer.all_reduce_fused_add_rmsnorm_fp8_quant.default -> getitem -> getitem""")
 
 
 # --- the rule under AOTAutograd (CPU: decompose and opaque) ------------------------------------------------

@@ -34,8 +34,6 @@ deepinfer::rmsnorm_fp8_quant(Tensor input, Tensor weight, float eps=9.9999999999
 deepinfer::fused_add_rmsnorm_fp8_quant(Tensor input, Tensor(a!) residual, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
 deepinfer::gemma_rmsnorm_fp8_quant(Tensor input, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
 deepinfer::gemma_fused_add_rmsnorm_fp8_quant(Tensor input, Tensor(a!) residual, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
-deepinfer::all_reduce_fused_add_rmsnorm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, str group_name) -> ()
-deepinfer::all_reduce_fused_add_rmsnorm_fp8_quant(Tensor input, Tensor(a!) residual, Tensor weight, float eps, str group_name, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
 deepinfer::silu_and_mul(Tensor input) -> Tensor
 deepinfer::gelu_and_mul(Tensor input, str approximate="none") -> Tensor
 deepinfer::gelu_tanh_and_mul(Tensor input) -> Tensor
@@ -58,7 +56,9 @@ deepinfer::min_p_sampling_from_probs(Tensor probs, Tensor? maybe_min_p_arr, floa
 deepinfer::chain_speculative_sampling(Tensor draft_probs, Tensor draft_token_ids, Tensor target_probs, Tensor seed, Tensor offset) -> (Tensor, Tensor, Tensor)
 deepinfer::sampling_from_probs(Tensor probs, Tensor seed, Tensor offset) -> Tensor
 deepinfer::sampling_from_logits(Tensor logits, Tensor seed, Tensor offset) -> Tensor
-deepinfer::top_k_top_p_sampling_from_logits(Tensor logits, Tensor? maybe_top_k_arr, int top_k_val, Tensor? maybe_top_p_arr, float top_p_val, Tensor? maybe_temperature_arr, float temperature_val, Tensor seed, Tensor offset) -> Tensor""")
+deepinfer::top_k_top_p_sampling_from_logits(Tensor logits, Tensor? maybe_top_k_arr, int top_k_val, Tensor? maybe_top_p_arr, float top_p_val, Tensor? maybe_temperature_arr, float temperature_val, Tensor seed, Tensor offset) -> Tensor
+deepinfer::all_reduce_fused_add_rmsnorm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, str group_name) -> ()
+deepinfer::all_reduce_fused_add_rmsnorm_fp8_quant(Tensor input, Tensor(a!) residual, Tensor weight, float eps, str group_name, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)""")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,4 +5,4 @@ package here that has a manifest; see ``docs/extending.md``."""
 
 #: the order in which the inventory, the self-check and docs/ops.md list the families; a family not
 #: named here comes after these, by name
-ORDER = ("norm", "activation", "rope", "kv_cache", "quant", "moe", "attention", "sampling")
+ORDER = ("norm", "activation", "rope", "kv_cache", "quant", "moe", "attention", "sampling", "collective")

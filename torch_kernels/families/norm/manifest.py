@@ -1,7 +1,7 @@
 """The norm family's inventory: who implements which op, and how each op compiles."""
 
 from ...manifest import HALF, kernels, reference
-from ...spec import DECOMPOSE, INDUCTOR_TRITON, OPAQUE, Backend, Family, HostCall, OpInfo
+from ...spec import INDUCTOR_TRITON, OPAQUE, Backend, Family, HostCall, OpInfo
 
 OPS = ("rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm")
 QUANT_OPS = ("rmsnorm_fp8_quant", "fused_add_rmsnorm_fp8_quant", "gemma_rmsnorm_fp8_quant",
@@ -10,8 +10,6 @@ QUANT_OPS = ("rmsnorm_fp8_quant", "fused_add_rmsnorm_fp8_quant", "gemma_rmsnorm_
 TRITON_QUANT_OPS = QUANT_OPS
 TILELANG_QUANT_OPS = QUANT_OPS
 _IN_PLACE = ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm")
-# tensor parallelism: the all-reduce fused with the add and the norm; the reference only (all_reduce, then the op)
-ALL_REDUCE_OPS = ("all_reduce_fused_add_rmsnorm", "all_reduce_fused_add_rmsnorm_fp8_quant")
 # how the C++ entry calls TileLang's host functions: norm(X, W, O, eps); fused(X, R, W, eps), in place
 _HOST_CALLS = {op: HostCall("rrwf", "", (0, 1, 2, 3)) if op in _IN_PLACE else HostCall("rwf", "r", (0, 1, -1, 2))
                for op in OPS}
@@ -26,12 +24,9 @@ FAMILY = Family(
                      opaque_off_cuda=op in _IN_PLACE)
               for op in OPS)
         + tuple(OpInfo(op, OPAQUE, no_compile_route=() if op in TRITON_QUANT_OPS else ((INDUCTOR_TRITON, "no Triton kernel"),))
-                for op in QUANT_OPS)
-        + tuple(OpInfo(op, OPAQUE, no_compile_route=(
-            (DECOMPOSE, "its reference all-reduces in place through torch.distributed, outside any graph"),
-            (INDUCTOR_TRITON, "no Triton kernel"))) for op in ALL_REDUCE_OPS),
+                for op in QUANT_OPS),
     kernels=(
-        *reference(__package__, OPS + QUANT_OPS + ALL_REDUCE_OPS),
+        *reference(__package__, OPS + QUANT_OPS),
         *kernels(__package__, Backend.TRITON, OPS + TRITON_QUANT_OPS, "one program per row; rows wider than 16384 in two passes"),
         *kernels(__package__, Backend.TILELANG, OPS + TILELANG_QUANT_OPS,
                  "row over a power of two of threads, 16 values each in 16-byte vectors, short rows several to a "
@@ -44,8 +39,5 @@ FAMILY = Family(
     notes=("FlashInfer's rmsnorm_quant and fused_add_rmsnorm_quant are benchmark peers, not implementations of "
            "rmsnorm_fp8_quant and fused_add_rmsnorm_fp8_quant: they quantise the fp32 norm instead of the value "
            "rounded to the input's dtype (one e4m3 step apart near rounding boundaries) and clamp NaN to 448, so the fused op would "
-           "no longer equal the unfused pair",
-           "all_reduce_fused_add_rmsnorm and its FP8 form run torch.distributed's all_reduce, then fused_add_rmsnorm: "
-           "no kernel fuses the all-reduce yet (one- and two-shot kernels over symmetric memory need a multi-GPU host "
-           "to be verified)",),
+           "no longer equal the unfused pair",),
 )

@@ -89,30 +89,3 @@ def gemma_fused_add_rmsnorm_fp8_quant(input: Tensor, residual: Tensor, weight: T
                                       scale: Optional[Tensor] = None, group_size: int = -1,
                                       column_major_scales: bool = False, scale_ue8m0: bool = False):
     return _fused_quant(input, residual, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, gemma=True)
-
-
-# Tensor parallelism: torch.distributed's all-reduce, then the registered fused op (our kernel on CUDA).
-
-
-def _group(group_name: str):
-    import torch.distributed as dist
-
-    return dist.distributed_c10d._resolve_process_group(group_name)
-
-
-def all_reduce_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str) -> None:
-    import torch.distributed as dist
-
-    dist.all_reduce(input, group=_group(group_name))
-    torch.ops.deepinfer.fused_add_rmsnorm.default(input, residual, weight, eps)
-
-
-def all_reduce_fused_add_rmsnorm_fp8_quant(input: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str,
-                                           scale: Optional[Tensor] = None, group_size: int = -1,
-                                           column_major_scales: bool = False, scale_ue8m0: bool = False):
-    import torch.distributed as dist
-
-    reduced = input.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(reduced, group=_group(group_name))
-    return torch.ops.deepinfer.fused_add_rmsnorm_fp8_quant.default(reduced, residual, weight, eps, scale, group_size,
-                                                                   column_major_scales, scale_ue8m0)

@@ -1,0 +1,1 @@
+"""Tensor parallelism: ``all_reduce_fused_add_rmsnorm``, ``all_reduce_fused_add_rmsnorm_fp8_quant``."""
