@@ -61,13 +61,19 @@ def _validate_top_p(op: str, probs: Tensor, top_p: Optional[Tensor]) -> None:
         _validate_per_row(op, "maybe_top_p_arr", top_p, (torch.float32,), "float32", probs)
 
 
-def _validate_scalar(op: str, arg: str, t: Tensor, probs: Tensor) -> None:
-    check.tensor(op, arg, t)
-    if t.dtype != torch.int64:
-        check.fail(op, arg, f"must be an int64 tensor, got {t.dtype}", TypeError)
-    if t.dim() > 1 or t.numel() != 1:
-        check.fail(op, arg, f"must hold one value, shape () or (1,), got {tuple(t.shape)}")
-    check.same_device(op, arg, t, "probs", probs)
+def _validate_seed_offset(op: str, seed: Tensor, offset: Tensor, data_arg: str, data: Tensor) -> None:
+    for arg, t in (("seed", seed), ("offset", offset)):
+        check.tensor(op, arg, t)
+        if t.dtype != torch.int64:
+            check.fail(op, arg, f"must be an int64 tensor, got {t.dtype}", TypeError)
+        if t.dim() > 1 or t.numel() != 1:
+            check.fail(op, arg, f"must hold one value, shape () or (1,), got {tuple(t.shape)}")
+        check.same_device(op, arg, t, data_arg, data)
+
+
+def _seed_offset_ok(seed: Tensor, offset: Tensor, data: Tensor) -> bool:
+    return (seed.dtype == torch.int64 and offset.dtype == torch.int64 and seed.numel() == 1 and offset.numel() == 1
+            and seed.dim() <= 1 and offset.dim() <= 1 and data.device == seed.device == offset.device)
 
 
 def _full_top_k_renorm(probs: Tensor, top_k: Optional[Tensor], top_k_val: int = 0) -> None:
@@ -88,8 +94,7 @@ def _full_sampling(probs: Tensor, top_k: Optional[Tensor], top_p: Optional[Tenso
     _validate_probs(op, probs)
     _validate_top_k(op, probs, top_k)
     _validate_top_p(op, probs, top_p)
-    _validate_scalar(op, "seed", seed, probs)
-    _validate_scalar(op, "offset", offset, probs)
+    _validate_seed_offset(op, seed, offset, "probs", probs)
 
 
 def _probs_ok(probs: Tensor) -> bool:
@@ -125,10 +130,7 @@ def validate_top_p_renorm(probs: Tensor, top_p: Optional[Tensor], top_p_val: flo
 def validate_sampling(probs: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor], seed: Tensor, offset: Tensor,
                       top_k_val: int = 0, top_p_val: float = 1.0) -> None:
     try:
-        if (_probs_ok(probs) and _k_ok(top_k, probs) and _p_ok(top_p, probs)
-                and seed.dtype == torch.int64 and offset.dtype == torch.int64
-                and seed.numel() == 1 and offset.numel() == 1 and seed.dim() <= 1 and offset.dim() <= 1
-                and probs.device == seed.device == offset.device):
+        if _probs_ok(probs) and _k_ok(top_k, probs) and _p_ok(top_p, probs) and _seed_offset_ok(seed, offset, probs):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
@@ -670,16 +672,13 @@ def _full_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: flo
     _validate_probs(op, probs)
     if maybe_min_p_arr is not None:
         _validate_per_row(op, "maybe_min_p_arr", maybe_min_p_arr, (torch.float32,), "float32", probs)
-    _validate_scalar(op, "seed", seed, probs)
-    _validate_scalar(op, "offset", offset, probs)
+    _validate_seed_offset(op, seed, offset, "probs", probs)
 
 
 def validate_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: float, seed: Tensor,
                    offset: Tensor) -> None:
     try:
-        if (_probs_ok(probs) and seed.dtype == torch.int64 and offset.dtype == torch.int64
-                and seed.numel() == 1 and offset.numel() == 1 and seed.dim() <= 1 and offset.dim() <= 1
-                and probs.device == seed.device == offset.device
+        if (_probs_ok(probs) and _seed_offset_ok(seed, offset, probs)
                 and (maybe_min_p_arr is None or (maybe_min_p_arr.dtype == torch.float32
                                                  and maybe_min_p_arr.shape == probs.shape[:1]
                                                  and maybe_min_p_arr.device == probs.device))):
@@ -850,15 +849,6 @@ def _validate_spec_probs(op: str, arg: str, t: Tensor, layout: str) -> None:
                   lambda: f"must have a vocabulary of at most {_MAX_VOCAB}, got {t.shape[2]}")
 
 
-def _validate_spec_scalar(op: str, arg: str, t: Tensor, draft_probs: Tensor) -> None:
-    check.tensor(op, arg, t)
-    if t.dtype != torch.int64:
-        check.fail(op, arg, f"must be an int64 tensor, got {t.dtype}", TypeError)
-    if t.dim() > 1 or t.numel() != 1:
-        check.fail(op, arg, f"must hold one value, shape () or (1,), got {tuple(t.shape)}")
-    check.same_device(op, arg, t, "draft_probs", draft_probs)
-
-
 def _full_spec(draft_probs: Tensor, draft_token_ids: Tensor, target_probs: Tensor, seed: Tensor, offset: Tensor) -> None:
     op = SPEC
     _validate_spec_probs(op, "draft_probs", draft_probs, "(batch, num_speculate_tokens, vocab)")
@@ -879,8 +869,7 @@ def _full_spec(draft_probs: Tensor, draft_token_ids: Tensor, target_probs: Tenso
     check.require(target_probs.shape[1] == n + 1, op, "target_probs", t_shape)
     check.require(target_probs.shape[2] == V, op, "target_probs", t_shape)
     check.same_device(op, "target_probs", target_probs, "draft_probs", draft_probs)
-    _validate_spec_scalar(op, "seed", seed, draft_probs)
-    _validate_spec_scalar(op, "offset", offset, draft_probs)
+    _validate_seed_offset(op, seed, offset, "draft_probs", draft_probs)
 
 
 def _spec_probs_ok(t: Tensor) -> bool:
@@ -893,9 +882,8 @@ def validate_chain_speculative(draft_probs: Tensor, draft_token_ids: Tensor, tar
         B, n, V = draft_probs.shape
         if (_spec_probs_ok(draft_probs) and _spec_probs_ok(target_probs) and target_probs.shape == (B, n + 1, V)
                 and draft_token_ids.dtype in _INDEX_DTYPES and draft_token_ids.shape == (B, n)
-                and seed.dtype == torch.int64 and offset.dtype == torch.int64
-                and seed.numel() == 1 and offset.numel() == 1 and seed.dim() <= 1 and offset.dim() <= 1
-                and draft_probs.device == draft_token_ids.device == target_probs.device == seed.device == offset.device):
+                and _seed_offset_ok(seed, offset, draft_probs)
+                and draft_probs.device == draft_token_ids.device == target_probs.device):
             return
     except (AttributeError, IndexError, RuntimeError, ValueError, TypeError):
         pass
@@ -1128,21 +1116,6 @@ OPS = OPS + (
 _SAMPLING_FROM_PROBS = "sampling_from_probs"
 _SAMPLING_FROM_LOGITS = "sampling_from_logits"
 _TOP_K_TOP_P_FROM_LOGITS = "top_k_top_p_sampling_from_logits"
-
-
-def _validate_seed_offset(op: str, seed: Tensor, offset: Tensor, data_arg: str, data: Tensor) -> None:
-    for arg, t in (("seed", seed), ("offset", offset)):
-        check.tensor(op, arg, t)
-        if t.dtype != torch.int64:
-            check.fail(op, arg, f"must be an int64 tensor, got {t.dtype}", TypeError)
-        if t.dim() > 1 or t.numel() != 1:
-            check.fail(op, arg, f"must hold one value, shape () or (1,), got {tuple(t.shape)}")
-        check.same_device(op, arg, t, data_arg, data)
-
-
-def _seed_offset_ok(seed: Tensor, offset: Tensor, data: Tensor) -> bool:
-    return (seed.dtype == torch.int64 and offset.dtype == torch.int64 and seed.numel() == 1 and offset.numel() == 1
-            and seed.dim() <= 1 and offset.dim() <= 1 and data.device == seed.device == offset.device)
 
 
 def _full_sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> None:
