@@ -19,7 +19,7 @@ from ..reference import fixed_point_bits
 from ._common import _fixed, _random_bits31, _target
 from .logits import _CHUNK, inverse_temperature, min_p_sampling_from_probs, softmax, softmax_stats
 
-_FLT_MAX = 3.4028234663852886e38
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
