@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -338,8 +339,9 @@ def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_w
     if wrap is None and query.shape[0] and head_size % 16 == 0 and not (
             _aligned_heads(query, head_size) and _aligned_heads(key, head_size)):
         # rare: heads off 16 bytes would narrow the head's vector (rmsnorm's row keeps its output's), so its
-        # reduction order; on contiguous copies
-        q, k = query.contiguous(), None if key is None else key.contiguous()
+        # reduction order; on fresh copies (``.contiguous()`` returns a contiguous misaligned view itself)
+        q = query.clone(memory_format=torch.contiguous_format)
+        k = None if key is None else key.clone(memory_format=torch.contiguous_format)
         qk_launch(positions, q, k, q_weight, k_weight, eps, head_size, cos_sin_cache, is_neox, config)
         query.copy_(q)
         if key is not None:
