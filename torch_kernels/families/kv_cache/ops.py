@@ -305,6 +305,8 @@ def make_caches(num_blocks: int, block_size: int, heads: int, head_size: int, dt
 
 def make_slots(tokens: int, num_slots: int, padded: int = 0, device=None) -> Tensor:
     """Distinct random slots, the last ``padded`` of them -1 (a padded batch)."""
+    if tokens > num_slots:
+        raise ValueError(f"{tokens} distinct slots asked of a cache of {num_slots}")
     slots = torch.randperm(num_slots, device=device)[:tokens].to(torch.int64)
     if padded:
         slots[tokens - padded:] = -1
@@ -361,8 +363,12 @@ def _samples(device, dtype) -> Iterator[tuple]:
         yield args
 
 
+#: the token-count cases' cache: 16384 slots, one per token at the largest count the tests take
+_TOKENS_BLOCKS = 2048
+
+
 def _tokens(n: int, device) -> tuple:
-    return cache_args(n, 2, 16, 40, 8, min(n, 1), 0, "nhd", False, device, torch.float32), (0, 1, 4)
+    return cache_args(n, 2, 16, _TOKENS_BLOCKS, 8, min(n, 1), 0, "nhd", False, device, torch.float32), (0, 1, 4)
 
 
 def compare(got: list, want: list, dtype=None) -> None:
@@ -652,7 +658,7 @@ def _rope_samples(device, dtype) -> Iterator[tuple]:
 
 
 def _rope_tokens(n: int, device) -> tuple:
-    return rope_args(n, 4, 2, 16, 16, True, "2d", 40, 8, min(n, 1), False, device, torch.float32), (0, 1, 2, 3, 9)
+    return rope_args(n, 4, 2, 16, 16, True, "2d", _TOKENS_BLOCKS, 8, min(n, 1), False, device, torch.float32), (0, 1, 2, 3, 9)
 
 
 def _rope_bench_shape(tokens: int, hidden: Optional[int], profile: str):

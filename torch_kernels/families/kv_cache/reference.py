@@ -50,25 +50,27 @@ def write_rows(key_cache: Tensor, value_cache: Tensor, k: Tensor, v: Tensor, slo
     A token outside it is sent to the first valid token's slot with that token's rows (the same bits
     written twice), or, with none valid, to slot 0 with what slot 0 holds: no write changes a slot
     that no valid token names, and no data-dependent shape is needed."""
-    tokens = k.shape[0]
     blocks, block_size = key_cache.shape[0], key_cache.shape[1]
-    if tokens == 0 or blocks * block_size == 0:
+    if blocks * block_size == 0:
         return
     bits = _BITS[key_cache.element_size()]
     kc, vc = key_cache.view(bits), value_cache.view(bits)
     k, v = k.view(bits), v.view(bits)  # fp8 rows arrive as their uint8 bits
     s = slot_mapping
     valid = (s >= 0) & (s < blocks * block_size)
-    # the first valid token, 0 when there is none; as a (1,) index (a 0-d one would be read to the host)
-    first = valid.to(torch.int32).argmax().reshape(1)
-    any_valid = valid.index_select(0, first)
-    slot = torch.where(valid, s, torch.where(any_valid, s.index_select(0, first), torch.zeros_like(any_valid, dtype=s.dtype)))
+    # the first valid token as a mask, its slot and rows as sums over it: no index, no host read, and
+    # every step defined at 0 tokens (an unbacked token count is traced without a guard on it)
+    first = valid & (valid.to(torch.int32).cumsum(0) == 1)
+    any_valid = valid.any()
+    slot = torch.where(valid, s, torch.where(first, s, 0).sum())
     index = (slot // block_size, slot % block_size)
     keep = valid[:, None, None]
-    k_fill = torch.where(any_valid[:, None, None], k.index_select(0, first), kc[0, :1])
-    v_fill = torch.where(any_valid[:, None, None], v.index_select(0, first), vc[0, :1])
-    kc.index_put_(index, torch.where(keep, k, k_fill))
-    vc.index_put_(index, torch.where(keep, v, v_fill))
+
+    def fill(x: Tensor, cache: Tensor) -> Tensor:
+        row = torch.where(first[:, None, None], x, 0).sum(0, keepdim=True, dtype=torch.int64).to(x.dtype)
+        return torch.where(any_valid, row, cache[0, :1])
+    kc.index_put_(index, torch.where(keep, k, fill(k, kc)))
+    vc.index_put_(index, torch.where(keep, v, fill(v, vc)))
 
 
 def reshape_and_cache_flash(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
