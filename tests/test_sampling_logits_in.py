@@ -88,7 +88,10 @@ def _args(op, x, top_k=0, top_p=1.0, temperature=1.0, seed=1234, offset=5):
 
 
 def _ids_in(kept, ids):
-    return bool(kept.to(ids.device).gather(1, ids.long()[:, None]).all())
+    """Each id in its row's kept set; a row without mass (all -inf, a NaN, +inf) draws token 0."""
+    kept = kept.to(ids.device)
+    inside = kept.gather(1, ids.long()[:, None]).squeeze(1)
+    return bool(torch.where(kept.any(1), inside, ids == 0).all())
 
 
 KEPT_CASES = [

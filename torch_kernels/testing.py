@@ -1,6 +1,8 @@
 """What the tests and the self-check share: the comparison against the reference. The tolerance table
 and ``assert_close`` live with the op definitions (``opdef.py``), which compare with them too."""
 
+import inspect
+
 import torch
 
 from . import dispatch, ops, registry
@@ -45,8 +47,12 @@ def as_dispatched(spec):
         return impl.fn
     fn, reference = impl.fn, registry.BY_OP[spec.op][Backend.TORCH].load()
 
-    def dispatched(*args):
-        return (reference if impl.refuses(args) is not None else fn)(*args)
+    signature = inspect.signature(reference)
+
+    def dispatched(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return (reference if impl.refuses(tuple(bound.arguments.values())) is not None else fn)(*args, **kwargs)
     return dispatched
 
 
