@@ -329,34 +329,40 @@ def compare_samples(got: list, want: list, dtype) -> None:
 # family's only dtype), top_k 50, top_p 0.9. Rounds of selection over each row: no copy-bandwidth goal.
 
 #: per profile: (vocabulary, batch rows at most); gpu: Llama-3's vocabulary, a decode batch of 64
-BENCH_SIZES = {"gpu": (128256, 64), "cpu": (1024, 8)}
+#: per profile: (default vocabulary, most rows); gpu: Llama-3's vocabulary, batches up to 512
+BENCH_SIZES = {"gpu": (128256, 512), "cpu": (1024, 8)}
 BENCH_TOP_K, BENCH_TOP_P = 50, 0.9
 
 
+def _bench_vocab(given: tuple, profile: str) -> tuple:
+    """The vocabularies a sampling op runs at: those ``--shapes`` names (``256x32000``), else the default."""
+    return given or (BENCH_SIZES[profile][0],)
+
+
 def _bench_shape(tokens: int, hidden: Optional[int], profile: str):
-    vocab, rows_cap = BENCH_SIZES[profile]
+    vocab, rows_cap = hidden or BENCH_SIZES[profile][0], BENCH_SIZES[profile][1]
     rows = min(tokens, rows_cap)
-    return rows, None, f"{rows}x{vocab}"
+    return rows, vocab, f"{rows}x{vocab}"
 
 
-def _bench_inputs(rows: int, profile: str, device):
-    probs = torch.softmax(torch.randn(rows, BENCH_SIZES[profile][0], device=device, dtype=torch.float32) * 3, -1)
+def _bench_inputs(rows: int, vocab: int, device):
+    probs = torch.softmax(torch.randn(rows, vocab, device=device, dtype=torch.float32) * 3, -1)
     return (probs, torch.full((rows,), BENCH_TOP_K, dtype=torch.int32, device=device),
             torch.full((rows,), BENCH_TOP_P, device=device))
 
 
 def _bench_args_top_k_renorm(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
-    probs, top_k, _ = _bench_inputs(rows, profile, device)
+    probs, top_k, _ = _bench_inputs(rows, hidden, device)
     return probs, top_k
 
 
 def _bench_args_top_p_renorm(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
-    probs, _, top_p = _bench_inputs(rows, profile, device)
+    probs, _, top_p = _bench_inputs(rows, hidden, device)
     return probs, top_p
 
 
 def _bench_args_sampling(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
-    return _bench_inputs(rows, profile, device) + (torch.tensor(1234, device=device), torch.tensor(0, device=device))
+    return _bench_inputs(rows, hidden, device) + (torch.tensor(1234, device=device), torch.tensor(0, device=device))
 
 
 def _bench_nbytes(reads: int):
@@ -429,7 +435,8 @@ def _flashinfer(op: str):
 
 
 def _bench(op: str, args, reads: int, compare=None) -> BenchCase:
-    return BenchCase(_bench_shape, args, _bench_nbytes(reads), flashinfer=_flashinfer(op), compare=compare, axis="rows")
+    return BenchCase(_bench_shape, args, _bench_nbytes(reads), own_hidden=_bench_vocab, flashinfer=_flashinfer(op),
+                     compare=compare, axis="rows")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -631,12 +638,12 @@ BENCH_TEMPERATURE = 0.7
 
 
 def _bench_args_softmax(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
-    logits = torch.randn(rows, BENCH_SIZES[profile][0], device=device) * 3
+    logits = torch.randn(rows, hidden, device=device) * 3
     return logits.to(_logit_dtype(dtype)), None, BENCH_TEMPERATURE
 
 
 def _bench_args_top_k_mask(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
-    logits = torch.randn(rows, BENCH_SIZES[profile][0], device=device) * 3
+    logits = torch.randn(rows, hidden, device=device) * 3
     return logits.to(_logit_dtype(dtype)), None, BENCH_TOP_K
 
 
@@ -761,7 +768,7 @@ BENCH_MIN_P = 0.1
 
 
 def _bench_args_min_p(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
-    probs, _, _ = _bench_inputs(rows, profile, device)
+    probs, _, _ = _bench_inputs(rows, hidden, device)
     return probs, None, BENCH_MIN_P, torch.tensor(1234, device=device), torch.tensor(0, device=device)
 
 
@@ -813,18 +820,19 @@ OPS = (
     OpDef("softmax(Tensor logits, Tensor? maybe_temperature_arr=None, float temperature_val=1.0) -> Tensor",
           validate_softmax, _fake_softmax, softmax, _samples_softmax, _tokens_softmax,
           no_grad_reason="it is an inference kernel",
-          bench=BenchCase(_bench_shape, _bench_args_softmax, _bench_nbytes_softmax, memory_bound=True,
+          bench=BenchCase(_bench_shape, _bench_args_softmax, _bench_nbytes_softmax, own_hidden=_bench_vocab, memory_bound=True,
                           flashinfer=_flashinfer_logits("softmax"), axis="rows")),
     OpDef("top_k_mask_logits(Tensor logits, Tensor? maybe_top_k_arr=None, int top_k_val=0) -> Tensor",
           validate_top_k_mask, _fake_top_k_mask, top_k_mask_logits, _samples_top_k_mask, _tokens_top_k_mask,
           no_grad_reason=_NO_GRAD,
-          bench=BenchCase(_bench_shape, _bench_args_top_k_mask, _bench_nbytes_top_k_mask,
+          bench=BenchCase(_bench_shape, _bench_args_top_k_mask, _bench_nbytes_top_k_mask, own_hidden=_bench_vocab,
                           flashinfer=_flashinfer_logits("top_k_mask_logits"), axis="rows")),
     OpDef("min_p_sampling_from_probs(Tensor probs, Tensor? maybe_min_p_arr, float min_p_val, Tensor seed, Tensor offset) "
           "-> Tensor",
           validate_min_p, _fake_min_p, min_p_sampling_from_probs, _samples_min_p, _tokens_min_p,
           no_grad_reason=_NO_GRAD, compare=compare_samples,
-          bench=BenchCase(_bench_shape, _bench_args_min_p, _bench_nbytes(1), flashinfer=_flashinfer_min_p,
+          bench=BenchCase(_bench_shape, _bench_args_min_p, _bench_nbytes(1), own_hidden=_bench_vocab,
+                          flashinfer=_flashinfer_min_p,
                           compare=_bench_compare_min_p, axis="rows")),
 )
 
@@ -1039,13 +1047,13 @@ BENCH_SPEC_TOKENS = 4
 
 
 def _bench_shape_spec(tokens: int, hidden: Optional[int], profile: str):
-    vocab, rows_cap = BENCH_SIZES[profile]
+    vocab, rows_cap = hidden or BENCH_SIZES[profile][0], BENCH_SIZES[profile][1]
     rows = min(tokens, rows_cap)
-    return rows, None, f"{rows}x{BENCH_SPEC_TOKENS}x{vocab}"
+    return rows, vocab, f"{rows}x{BENCH_SPEC_TOKENS}x{vocab}"
 
 
 def _bench_args_spec(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
-    draft, ids, target = speculative_inputs(rows, BENCH_SPEC_TOKENS, BENCH_SIZES[profile][0], device)
+    draft, ids, target = speculative_inputs(rows, BENCH_SPEC_TOKENS, hidden, device)
     return draft, ids.int(), target, torch.tensor(1234, device=device), torch.tensor(0, device=device)
 
 
@@ -1103,7 +1111,8 @@ OPS = OPS + (
           "Tensor offset) -> (Tensor, Tensor, Tensor)",
           validate_chain_speculative, _fake_chain_speculative, chain_speculative_sampling, _samples_chain_speculative,
           _tokens_chain_speculative, no_grad_reason=_NO_GRAD, compare=compare_speculative,
-          bench=BenchCase(_bench_shape_spec, _bench_args_spec, _bench_nbytes_spec, flashinfer=_flashinfer_spec,
+          bench=BenchCase(_bench_shape_spec, _bench_args_spec, _bench_nbytes_spec, own_hidden=_bench_vocab,
+                          flashinfer=_flashinfer_spec,
                           compare=_bench_compare_spec, axis="rows")),
 )
 
@@ -1321,21 +1330,21 @@ def _tokens_top_k_top_p_from_logits(n: int, device) -> tuple:
              torch.full((n,), 0.8, device=device), 0.0, None, 0.7, _scalar(42, device), _scalar(n, device)), (0, 1, 3))
 
 
-def _bench_logits(rows: int, profile: str, device, dtype) -> Tensor:
-    return (torch.randn(rows, BENCH_SIZES[profile][0], device=device) * 3).to(_logit_dtype(dtype))
+def _bench_logits(rows: int, vocab: int, device, dtype) -> Tensor:
+    return (torch.randn(rows, vocab, device=device) * 3).to(_logit_dtype(dtype))
 
 
 def _bench_args_sampling_from_probs(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
-    probs, _, _ = _bench_inputs(rows, profile, device)
+    probs, _, _ = _bench_inputs(rows, hidden, device)
     return probs, torch.tensor(1234, device=device), torch.tensor(0, device=device)
 
 
 def _bench_args_sampling_from_logits(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
-    return _bench_logits(rows, profile, device, dtype), torch.tensor(1234, device=device), torch.tensor(0, device=device)
+    return _bench_logits(rows, hidden, device, dtype), torch.tensor(1234, device=device), torch.tensor(0, device=device)
 
 
 def _bench_args_top_k_top_p_from_logits(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
-    return (_bench_logits(rows, profile, device, dtype), None, BENCH_TOP_K, None, BENCH_TOP_P, None, 1.0,
+    return (_bench_logits(rows, hidden, device, dtype), None, BENCH_TOP_K, None, BENCH_TOP_P, None, 1.0,
             torch.tensor(1234, device=device), torch.tensor(0, device=device))
 
 
@@ -1392,7 +1401,7 @@ def _flashinfer_logits_in(op: str):
 
 
 def _bench_logits_in(op: str, args) -> BenchCase:
-    return BenchCase(_bench_shape, args, _bench_nbytes(1), flashinfer=_flashinfer_logits_in(op),
+    return BenchCase(_bench_shape, args, _bench_nbytes(1), own_hidden=_bench_vocab, flashinfer=_flashinfer_logits_in(op),
                      compare=_bench_compare_logits_in(op), axis="rows")
 
 
