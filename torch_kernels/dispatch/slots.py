@@ -111,7 +111,8 @@ class OpSlot:
 
     def _auto(self) -> Optional[Callable[..., Any]]:
         """Under ``auto``: each call to the chain of its bucket's measured winner (the winner first, then
-        the platform default's order), or ``None`` when the table has nothing for this op."""
+        the platform default's order; a stale entry's bucket to the platform default, said once), or
+        ``None`` when the table has nothing for this op."""
         from .. import tuning
 
         table = tuned_table()
@@ -125,7 +126,7 @@ class OpSlot:
             path = selection().trace_path
             if path:
                 append_line(path, f"{op}|{backend}|auto {bucket}")
-        return tuning.auto_call(table, op, self.data_arg, chains, _chain_call(op, self.impls), trace)
+        return tuning.auto_call(table, op, self.data_arg, chains, _chain_call(op, self.impls), trace, _notice)
 
     def _unavailable(self, why: Optional[str]) -> Callable[..., Any]:
         def raise_unavailable(*args: Any) -> Any:
