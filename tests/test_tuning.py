@@ -17,7 +17,7 @@ import torch
 
 from torch_kernels import dispatch, registry, tuning
 from torch_kernels.dispatch import Selection
-from torch_kernels.spec import Backend
+from torch_kernels.spec import Backend, Platform
 from torch_kernels.testing import assert_close
 
 from torch_kernels.bench import tune
@@ -474,3 +474,25 @@ def test_a_shipped_table_names_only_the_installed_kernels(name, request, monkeyp
     assert data["schema"] == tuning.SCHEMA and not stale, (
         f"{name}: a kernel changed since it was tuned (op: stale backend and buckets): {stale}; re-tune on that GPU "
         f"(python -m torch_kernels tune --table torch_kernels/tuned/{name})")
+
+
+def test_auto_function_is_what_auto_calls_whatever_the_selection(cuda_platform, tmp_path, capfd):
+    """dispatch.auto_function, which the benchmark suite times as ``auto``: the table's winner per bucket under
+    the platform default's selection too, a stale bucket the platform default, one notice."""
+    _save(cuda_platform, [_entry("rmsnorm", "float32", 96, 1, "torch"),
+                          _entry("rmsnorm", "float32", 96, 64, "torch", fingerprint="0" * 12)])
+    trace = tmp_path / "trace.txt"
+    dispatch.configure(trace_path=str(trace))  # not auto
+    capfd.readouterr()
+    fn = dispatch.auto_function("rmsnorm", 0)
+    reference = registry.BY_OP["rmsnorm"][Backend.TORCH].load()
+    w = torch.randn(96)
+    for rows in (2, 100, 2, 100):
+        x = torch.randn(rows, 96)
+        assert_close(fn(x, w, 1e-6), reference(x, w, 1e-6))
+    assert set(trace.read_text().splitlines()) == {"rmsnorm|torch", "rmsnorm|triton"}  # 2 rows: torch; 100: default
+    assert capfd.readouterr().err.count("op 'rmsnorm': entries of torch (1 bucket) were measured on another") == 1
+    trace.write_text("")
+    off_cuda = dispatch.auto_function("rmsnorm", 0, Platform())  # no table looked up: the reference
+    assert_close(off_cuda(x, w, 1e-6), reference(x, w, 1e-6))
+    assert "|auto " not in trace.read_text()

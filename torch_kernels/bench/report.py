@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ..spec import Backend
 from . import cases
 
 #: how a goal names a dtype
@@ -18,6 +19,12 @@ GOAL_TOKENS, GOAL_COPY = 4096, 0.95  # the issue's goals: >= 1.0x best peer from
 GOALS_NOT_JUDGED = "the goals are set for a CUDA GPU; this run is on CPU"
 #: the registered op's label in the tables and plots
 OP_LABEL = "deepinfer op"
+#: the label of what the op calls under DEEPINFER_OPS_BACKEND=auto
+AUTO_LABEL = "deepinfer op, auto"
+#: auto's contract: never slower than the best single backend by more than this fraction, at any shape
+AUTO_SLACK = 0.02
+#: the single backends auto is judged against (each called directly)
+SINGLE_BACKENDS = tuple(b.value for b in Backend if b is not Backend.TORCH)
 
 
 def _shape_key(r: dict):
@@ -29,7 +36,8 @@ def goals(rows: List[dict], host_goals: Optional[Dict[str, dict]] = None) -> Lis
     at least as fast as the best peer from 4096 tokens and at 0.95 of copy at the largest shape; at 1-32
     tokens no slower than the best peer (graph replay); an op's host goal (``BenchCase.host_goal``, as
     rmsnorm 1x4096 host µs no more than F.rms_norm's) judged on its measurement with its backend
-    selected (``host_goals[op]``, :func:`host_goal`) or else on the op's rows."""
+    selected (``host_goals[op]``, :func:`host_goal`) or else on the op's rows; where ``auto`` was timed,
+    at every shape no slower than the fastest single backend (checked ok) by more than :data:`AUTO_SLACK`."""
     out = []
     for op in dict.fromkeys(r["op"] for r in rows):
         mine = [r for r in rows if r["op"] == op and r["key"] == "op" and "device_us" in r]
@@ -49,6 +57,11 @@ def goals(rows: List[dict], host_goals: Optional[Dict[str, dict]] = None) -> Lis
                 worst([largest], f">= {GOAL_COPY} of copy at the largest shape", GOAL_COPY, lambda r: r.get("of copy"))
         worst([r for r in mine if r["tokens"] <= 32], "<= best peer's device time at 1-32 tokens", 1.0,
               lambda r: r.get("vs best peer"))
+        auto = auto_vs_best_backend(rows, op)
+        if auto:
+            v, at = min(auto)
+            out.append({"op": op, "goal": f"auto within {AUTO_SLACK:.0%} of the best single backend at every shape",
+                        "worst": v, "at": at, "met": v >= 1 / (1 + AUTO_SLACK)})
     host_goals = host_goals or {}
     for op in dict.fromkeys([r["op"] for r in rows] + list(host_goals)):
         goal = cases.case(op).host_goal
@@ -65,6 +78,20 @@ def goals(rows: List[dict], host_goals: Optional[Dict[str, dict]] = None) -> Lis
             out.append({"op": op, "goal": f"host µs at {label} {SHORT_DTYPE.get(goal.dtype, goal.dtype)} <= {goal.peer}'s",
                         "worst": peer / ours, "at": f"op {ours:.1f} µs{selected}, {goal.peer} {peer:.1f} µs",
                         "met": ours <= peer})
+    return out
+
+
+def auto_vs_best_backend(rows: List[dict], op: str) -> List[Tuple[float, str]]:
+    """Per shape where ``op``'s ``auto`` and a single backend were timed: (the fastest single backend's device
+    µs over auto's, where): below 1, auto is slower than that backend."""
+    out = []
+    for a in (r for r in rows if r["op"] == op and r["key"] == "auto" and "device_us" in r):
+        singles = [r for r in rows if r["op"] == op and r["shape"] == a["shape"] and r["key"] in SINGLE_BACKENDS
+                   and "device_us" in r and str(r.get("check", "")).startswith("ok")]
+        if singles:
+            best = min(singles, key=lambda r: r["device_us"])
+            out.append((best["device_us"] / a["device_us"], f"{a['shape']} (auto {a['device_us']:.3g} µs serves "
+                        f"{a.get('serves', '?')}, {best['key']} {best['device_us']:.3g})"))
     return out
 
 
@@ -111,7 +138,7 @@ def markdown(result: dict) -> str:
                                          "" if r.get("check") == "ok" else r.get("check", ""),
                                          "" if r["timing"].startswith("graph") or r["timing"] == "wall clock" else r["timing"],
                                          r.get("status", "")) if x)
-            label = f"**{r['impl']}**" if r["key"] == "op" else r["impl"] + (" (peer)" if r["role"] == "peer" else "")
+            label = f"**{r['impl']}**" if r["key"] in ("op", "auto") else r["impl"] + (" (peer)" if r["role"] == "peer" else "")
             lines.append(f"| {r['shape']} | {label} | {_fmt(r['device_us'])} | {_fmt(r.get('host_us'))} | {_fmt(r['GB/s'], 4)} "
                          f"| {_fmt(r['of copy'])} | {_fmt(r['vs best peer'])} | {note} |")
         untimed: Dict[Tuple[str, str], List[str]] = {}
