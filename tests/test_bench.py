@@ -77,11 +77,29 @@ def test_default_cpu_run(default_run):
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (the test extra has it)")
-def test_default_cpu_run_plots(default_run):
+def test_default_cpu_run_plots(default_run, tmp_path, monkeypatch):
     _, out = default_run
     for op in suite.CPU_OPS:
         png = out / "cpu" / f"{op}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    # latency on log axes (tokens and µs) above the ratio to the best peer, for every implementation
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    report.plot(_load(out), tmp_path)
+    assert len(figures) == len(suite.CPU_OPS)
+    latency, ratio = figures[0].axes[0], figures[0].axes[len(figures[0].axes) // 3]
+    assert (latency.get_xscale(), latency.get_yscale(), latency.get_ylabel()) == ("log", "log", "device µs (log)")
+    assert ratio.get_yscale() == "linear" and ratio.get_ylabel() == "best peer µs / µs"
+    assert {line.get_label() for line in latency.get_lines()} >= {report.OP_LABEL, report.AUTO_LABEL, "torch eager"}
+
+
+def test_the_gpu_grid_covers_decode_to_prefill_and_quick_stays_small():
+    gpu = cases.PROFILES["gpu"]
+    shapes = suite.op_shapes("silu_and_mul", *suite.parse_shapes("full", gpu), gpu)
+    assert sorted({rows for rows, _, _ in shapes}) == [1, 8, 32, 128, 256, 512, 1024, 2048, 4096, 16384]
+    assert len(suite.op_shapes("silu_and_mul", *suite.parse_shapes("quick", gpu), gpu)) == 3
 
 
 def _timed(key, us, shape="512x4096", check="ok", serves=None):

@@ -160,8 +160,14 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+#: the plots' rows: what each draws of a row, its y label, and whether its y axis is logarithmic
+PLOT_ROWS = (("device_us", "device µs (log)", True), ("vs best peer", "best peer µs / µs", False), ("GB/s", "GB/s", False))
+
+
 def plot(result: dict, folder: Path) -> List[Path]:
-    """One PNG per op: GB/s against tokens (log), one line per implementation, one panel per hidden size."""
+    """One PNG per op, one column per hidden size, tokens on a log x axis: device µs on a log y axis (every
+    size, the small and middle ones legible), the best peer's time over each implementation's (below the
+    line at 1, behind the fastest peer: a loss seen at a glance), and GB/s against the copy ceiling."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,23 +180,31 @@ def plot(result: dict, folder: Path) -> List[Path]:
         if not timed:
             continue
         panels = sorted({r["hidden"] for r in timed}, key=lambda x: x or 0)
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
-        for ax, hidden in zip(axes[0], panels):
+        fig, axes = plt.subplots(len(PLOT_ROWS), len(panels), figsize=(4.6 * len(panels), 3.0 * len(PLOT_ROWS)),
+                                 squeeze=False, sharex="col")
+        for col, hidden in enumerate(panels):
             sel = [r for r in timed if r["hidden"] == hidden]
-            for label in dict.fromkeys(r["impl"] for r in sel):
-                pts = sorted((r["tokens"], r["GB/s"]) for r in sel if r["impl"] == label)
-                peer = next(r["role"] == "peer" for r in sel if r["impl"] == label)
-                ax.plot(*zip(*pts), marker="o", markersize=3, linestyle="--" if peer else "-",
-                        linewidth=2.2 if label == OP_LABEL else 1.2, label=label)
-            if h["copy_ceiling_GBps"]:
-                ax.axhline(h["copy_ceiling_GBps"], color="grey", linestyle=":", linewidth=1, label="copy")
-            ax.set_xscale("log", base=2)
             ticks = sorted({r["tokens"] for r in sel})
-            ax.set_xticks(ticks, [str(t) for t in ticks])
-            ax.set_xlabel(cases.case(op).axis)
-            ax.set_ylabel("GB/s")
-            ax.set_title(sel[0]["shape"].split("x", 1)[1] if hidden is None else f"hidden {hidden}", fontsize=9)
-            ax.grid(alpha=0.3)
+            for (field, ylabel, log_y), ax in zip(PLOT_ROWS, axes[:, col]):
+                for label in dict.fromkeys(r["impl"] for r in sel):
+                    pts = sorted((r["tokens"], r[field]) for r in sel if r["impl"] == label and r.get(field))
+                    if not pts:
+                        continue
+                    peer = next(r["role"] == "peer" for r in sel if r["impl"] == label)
+                    ax.plot(*zip(*pts), marker="o", markersize=3, linestyle="--" if peer else "-",
+                            linewidth=2.2 if label in (OP_LABEL, AUTO_LABEL) else 1.2, label=label)
+                if field == "GB/s" and h["copy_ceiling_GBps"]:
+                    ax.axhline(h["copy_ceiling_GBps"], color="grey", linestyle=":", linewidth=1, label="copy")
+                if field == "vs best peer":
+                    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+                if log_y:
+                    ax.set_yscale("log")
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(ticks, [str(t) for t in ticks])
+                ax.set_ylabel(ylabel)
+                ax.grid(alpha=0.3, which="both" if log_y else "major")
+            axes[-1][col].set_xlabel(cases.case(op).axis)
+            axes[0][col].set_title(sel[0]["shape"].split("x", 1)[1] if hidden is None else f"hidden {hidden}", fontsize=9)
         axes[0][0].legend(fontsize=7)
         fig.suptitle(f"{op} ({timed[0]['dtype']}) — {h['device']}, {h['date']}", fontsize=10)
         fig.tight_layout()
