@@ -368,14 +368,18 @@ def test_a_fingerprint_changes_with_its_kernel_source_or_a_shared_module(tmp_pat
 
     def after(edit):
         path = root / edit
-        path.write_text(path.read_text() + "\n# a changed launch config\n")
+        text = path.read_text()
+        path.write_text(text + "\n# a changed launch config\n")
         fingerprints.clear()
-        return {k for k, s in specs.items() if fingerprints.of(s, root) != real[k]}
+        changed = {k for k, s in specs.items() if fingerprints.of(s, root) != real[k]}
+        path.write_text(text)
+        return changed
 
     assert after("families/norm/triton.py") == {("rmsnorm", Backend.TRITON)}
     # a shared module both Triton kernels import: both change, the references do not
     assert after("backends/triton_fp8.py") == {("rmsnorm", Backend.TRITON), ("silu_and_mul", Backend.TRITON)}
-    assert after("families/rope/triton.py") == {("rmsnorm", Backend.TRITON), ("silu_and_mul", Backend.TRITON)}
+    assert after("fp8.py") == set(specs)  # a core module every one of them imports
+    assert after("opdef.py") == after("families/rope/triton.py") == set()  # imported by fp8 only; another family
     fingerprints.clear()
     assert {k: fingerprints.of(s) for k, s in specs.items()} == real  # the installed files untouched
 

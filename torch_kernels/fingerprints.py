@@ -5,7 +5,7 @@ A tuned table (``tuning.py``) records the fingerprint of every backend it timed;
 implementation's measured another kernel and is ignored. The fingerprint of a :class:`KernelSpec` hashes
 its ``target``, ``check``, ``host`` and ``dtypes`` and the text of every module of this package that its
 target, check and host modules import, transitively (the family's kernel module, the shared ``backends/``
-modules, the core modules they use, such as ``fp8.py``); the launch configs are records in those modules,
+modules, the core modules they import, such as ``fp8.py``, without those modules' own imports); the launch configs are records in those modules,
 so an edit to a kernel, its heuristic or a shared helper changes it. Modules outside this package (a
 framework) count by name only: their versions are in the table's key.
 
@@ -70,7 +70,9 @@ def _walk_imports(name: str, path: Path, root: Path) -> Iterable[str]:
 
 def sources(modules: Iterable[str], root: Path = PACKAGE_ROOT) -> List[Tuple[str, Path]]:
     """(module, file) of ``modules`` and of every module of this package they import, transitively, sorted;
-    never the package's own ``__init__`` (it registers every op, and is no kernel's source)."""
+    never the package's own ``__init__`` (it registers every op, and is no kernel's source). A core module (one
+    directly in the package, as ``fp8``) counts without its own imports: those (``checks``, ``opdef``) are
+    the op definitions' plumbing, and an edit there would make every table stale."""
     seen: Dict[str, Path] = {}
     todo = [m for m in modules if m.startswith(PACKAGE + ".")]
     while todo:
@@ -81,7 +83,8 @@ def sources(modules: Iterable[str], root: Path = PACKAGE_ROOT) -> List[Tuple[str
         if path is None:
             continue
         seen[name] = path
-        todo.extend(_imports(name, path, root))
+        if name.count(".") > 1:
+            todo.extend(_imports(name, path, root))
     return sorted(seen.items())
 
 
