@@ -4,10 +4,10 @@ A tuned table (``tuning.py``) records the fingerprint of every backend it timed;
 ``DEEPINFER_OPS_BACKEND=auto`` an entry whose winner's fingerprint differs from the installed
 implementation's measured another kernel and is ignored. The fingerprint of a :class:`KernelSpec` hashes
 its ``target``, ``check``, ``host`` and ``dtypes`` and the text of every module of this package that its
-target, check and host modules import, transitively (the family's kernel module, the shared ``backends/``
-modules, the core modules they import, such as ``fp8.py``, without those modules' own imports); the launch configs are records in those modules,
-so an edit to a kernel, its heuristic or a shared helper changes it. Modules outside this package (a
-framework) count by name only: their versions are in the table's key.
+target, check and host modules import, transitively: the family's kernel module, the shared ``backends/``
+modules, and the core modules they import (``fp8.py``), without those modules' own imports. The launch
+configs are records in those modules, so an edit to a kernel, its heuristic or a shared helper changes
+it. A framework's modules do not count: its version is in the table's key.
 
 Standard library only, and no module is imported: the files are read (``ast``), each once per process.
 """
