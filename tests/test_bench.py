@@ -50,7 +50,7 @@ def test_default_cpu_run(default_run):
     assert {r["op"] for r in rows} == set(suite.CPU_OPS)
     profile = cases.PROFILES["cpu"]
     for op in suite.CPU_OPS:
-        for key in ("op", "torch"):
+        for key in ("op", "auto", "torch"):
             got = sorted(r["tokens"] for r in rows if r["op"] == op and r["key"] == key)
             assert got == sorted(profile.tokens), (op, key, got)
     for r in rows:
@@ -60,7 +60,8 @@ def test_default_cpu_run(default_run):
         assert r["of copy"] == pytest.approx(r["GB/s"] / h["copy_ceiling_GBps"])
         assert r["vs best peer"] > 0
         assert ("host_us" in r) == (r["tokens"] <= 32), r  # host µs at the small shapes only
-        assert (r["key"] == "op") == ("serves" in r)
+        assert (r["key"] in ("op", "auto")) == ("serves" in r)
+        assert r.get("serves", "torch") == "torch"  # the CPU key serves the reference, under auto too
     # the peer where it applies, and only there; the best peer's own ratio is 1
     assert {r["op"] for r in rows if r["key"] == "F.rms_norm"} == {"rmsnorm"}
     for op, shape in {(r["op"], r["shape"]) for r in rows}:
@@ -76,11 +77,52 @@ def test_default_cpu_run(default_run):
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (the test extra has it)")
-def test_default_cpu_run_plots(default_run):
+def test_default_cpu_run_plots(default_run, tmp_path, monkeypatch):
     _, out = default_run
     for op in suite.CPU_OPS:
         png = out / "cpu" / f"{op}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    # latency on log axes (tokens and µs) above the ratio to the best peer, for every implementation
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    report.plot(_load(out), tmp_path)
+    assert len(figures) == len(suite.CPU_OPS)
+    latency, ratio = figures[0].axes[0], figures[0].axes[len(figures[0].axes) // 3]
+    assert (latency.get_xscale(), latency.get_yscale(), latency.get_ylabel()) == ("log", "log", "device µs (log)")
+    assert ratio.get_yscale() == "linear" and ratio.get_ylabel() == "best peer µs / µs"
+    assert {line.get_label() for line in latency.get_lines()} >= {report.OP_LABEL, report.AUTO_LABEL, "torch eager"}
+
+
+def test_the_gpu_grid_covers_decode_to_prefill_and_quick_stays_small():
+    gpu = cases.PROFILES["gpu"]
+    shapes = suite.op_shapes("silu_and_mul", *suite.parse_shapes("full", gpu), gpu)
+    assert sorted({rows for rows, _, _ in shapes}) == [1, 8, 32, 128, 256, 512, 1024, 2048, 4096, 16384]
+    assert len(suite.op_shapes("silu_and_mul", *suite.parse_shapes("quick", gpu), gpu)) == 3
+
+
+def _timed(key, us, shape="512x4096", check="ok", serves=None):
+    row = {"op": "rmsnorm", "key": key, "shape": shape, "tokens": int(shape.split("x")[0]), "hidden": 4096,
+           "device_us": us, "check": check, "bytes": 1 << 20, "vs best peer": 1.0}
+    return {**row, "serves": serves} if serves else row
+
+
+def test_auto_goal_holds_auto_to_the_best_single_backend_at_every_shape():
+    rows = [_timed("auto", 2.00, "128x4096", serves="tilelang"), _timed("tilelang", 1.99, "128x4096"),
+            _timed("flashinfer", 2.5, "128x4096"),
+            # 512 tokens: auto picked FlashInfer at 3.18 µs where TileLang takes 2.52 (the case)
+            _timed("auto", 3.18, serves="flashinfer"), _timed("tilelang", 2.52), _timed("flashinfer", 3.17),
+            _timed("triton", 1.0, check="MISMATCH: x"),  # a wrong answer is no single backend to beat
+            _timed("op", 2.52), _timed("torch", 1.5)]  # the registered op and the peers are not single backends
+    (goal,) = [g for g in report.goals(rows) if g["goal"].startswith("auto")]
+    assert goal["goal"] == "auto within 2% of the best single backend at every shape" and not goal["met"]
+    assert goal["worst"] == pytest.approx(2.52 / 3.18)
+    assert goal["at"] == "512x4096 (auto 3.18 µs serves flashinfer, tilelang 2.52)"
+    fixed = [r for r in rows if not (r["key"] == "auto" and r["shape"] == "512x4096")] + [_timed("auto", 2.56)]
+    (goal,) = [g for g in report.goals(fixed) if g["goal"].startswith("auto")]
+    assert goal["met"] and goal["worst"] == pytest.approx(2.52 / 2.56)  # within 2% at both shapes
+    assert not [g for g in report.goals([r for r in rows if r["key"] != "auto"]) if g["goal"].startswith("auto")]
 
 
 def test_narrowing(tmp_path):
@@ -110,7 +152,7 @@ def test_budget_and_bad_options(tmp_path):
     assert rc == 0 and result["rows"] == [] and result["not_run"] == list(suite.CPU_OPS)
     assert "Not run (budget)" in (tmp_path / "cpu.md").read_text()
     for argv, text in ((["--ops", "rmsnorm,nope"], "'nope'; known: rmsnorm"),
-                       (["--backends", "cuda"], "'cuda'; known: op, triton"),
+                       (["--backends", "cuda"], "'cuda'; known: op, auto, triton"),
                        (["--shapes", "12y3"], "'12y3' is not TOKENS")):
         with pytest.raises(SystemExit, match=text):
             suite.main(argv + ["--cpu", "--out", str(tmp_path)])

@@ -19,6 +19,11 @@ a device) or that is larger than :data:`MAX_TABLE_BYTES` is ignored with one not
 up, once per selection, and the platform default serves. Writers merge into the file under an exclusive
 lock (a ``.lock`` file beside it, never followed if it is a link, never truncated) and replace it
 atomically, so two processes tuning at once leave one complete table.
+
+Each entry records the fingerprint (``fingerprints.py``: its source and launch config) of every backend
+timed for it. An entry measured another kernel than the one installed, its winner's fingerprint absent
+(a schema-1 table) or different, is stale: under ``auto`` its bucket takes the platform default, and the
+first call of the op says so in one notice naming the op and the backends.
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import registry
+from . import fingerprints, registry
 from ._files import open_regular
 from .spec import Backend, Platform, __version__
 
 ENV_TUNE_DIR = "DEEPINFER_OPS_TUNE_DIR"
-SCHEMA = 1
+SCHEMA = 2
+#: schema 1: entries without fingerprints, read as stale
+READ_SCHEMAS = (1, 2)
 PACKAGED_DIR = Path(__file__).resolve().parent / "tuned"
 #: A backend other than the platform default's wins a bucket only when it is faster by more than this
 #: fraction: below it the two are within the run-to-run spread of graph replay (about 1% on the H200),
@@ -97,26 +104,65 @@ def bucket_features(x) -> Tuple[str, int, int]:
     return str(x.dtype).replace("torch.", ""), width, x.numel() // (width or 1)
 
 
+def current_fingerprint(op: str, backend: str) -> str:
+    """The fingerprint of the installed implementation of ``op`` by ``backend``."""
+    return fingerprints.of(registry.BY_OP[op][Backend(backend)])
+
+
 class Table:
-    """A validated table: per op, per dtype, per tuned width, the tuned row counts and their winners."""
+    """A validated table: per op, per dtype, per tuned width, the tuned row counts and their winners
+    (``None`` where the entry is stale, once :meth:`stale` has checked the op)."""
 
     def __init__(self, key: dict, entries: List[dict], path: Optional[Path] = None) -> None:
         self.key, self.entries, self.path = key, entries, path
-        self.ops: Dict[str, Dict[str, Dict[int, List[Tuple[int, str]]]]] = {}
+        self.ops: Dict[str, Dict[str, Dict[int, List[Tuple[int, Optional[str]]]]]] = {}
+        self._stale: Dict[str, Dict[str, int]] = {}
         for e in entries:
             per_width = self.ops.setdefault(e["op"], {}).setdefault(e["dtype"], {})
-            per_width.setdefault(e["width"], []).append((e["rows"], e["winner"]))
+            per_width.setdefault(e["width"], []).append((e["rows"], e))
         for per_dtype in self.ops.values():
             for per_width in per_dtype.values():
                 for w, points in per_width.items():
                     per_width[w] = sorted(dict(points).items())
 
+    def stale(self, op: str) -> Dict[str, int]:
+        """{backend: buckets} of the entries of ``op`` whose winner's recorded fingerprint is not the
+        installed implementation's; checked once per op (the op's files read then), after which those
+        buckets' winners are ``None``: the platform default."""
+        found = self._stale.get(op)
+        if found is None:
+            found, current = {}, {}
+            for per_width in self.ops.get(op, {}).values():
+                for w, points in per_width.items():
+                    checked = []
+                    for rows, e in points:
+                        winner = e["winner"]
+                        if winner not in current:
+                            current[winner] = current_fingerprint(op, winner)
+                        if (e.get("fingerprints") or {}).get(winner) != current[winner]:
+                            found[winner] = found.get(winner, 0) + 1
+                            winner = None
+                        checked.append((rows, winner))
+                    per_width[w] = checked
+            self._stale[op] = found
+        return found
+
+    def stale_notice(self, op: str) -> Optional[str]:
+        """The one line that says which winners of ``op`` are stale, or ``None``."""
+        stale = self.stale(op)
+        if not stale:
+            return None
+        where = ", ".join(f"{b} ({n} bucket{'s' * (n > 1)})" for b, n in sorted(stale.items()))
+        return (f"tuned table {self.path or '(in memory)'}: op {op!r}: entries of {where} were measured on another "
+                "kernel than the one installed (its fingerprint differs or is not recorded) and are ignored: those "
+                "buckets take the platform default (python -m torch_kernels tune measures them again)")
+
     @classmethod
     def from_json(cls, data: object, path: Optional[Path] = None) -> "Table":
         """Validate a parsed table whole (every field a lookup reads, of its type and range) and index it;
         :class:`TableError` says what is wrong, so that no call under ``auto`` can fail on the table."""
-        if not isinstance(data, dict) or type(data.get("schema")) is not int or data["schema"] != SCHEMA:
-            raise TableError(f"not a schema-{SCHEMA} table")
+        if not isinstance(data, dict) or type(data.get("schema")) is not int or data["schema"] not in READ_SCHEMAS:
+            raise TableError(f"not a schema-{'/'.join(map(str, READ_SCHEMAS))} table")
         key, entries = data.get("key"), data.get("entries")
         if not isinstance(key, dict) or not isinstance(entries, list):
             raise TableError("partial: no key or no entries")
@@ -133,17 +179,22 @@ class Table:
                 raise TableError(f"entry {i} ({op}) names backend {_quote(winner)}, which does not implement it")
             if not (isinstance(e.get("dtype"), str) and _extent(e.get("width"), 1) and _extent(e.get("rows"), 0)):
                 raise TableError(f"partial: entry {i} ({op}) lacks dtype, width or rows")
+            prints = e.get("fingerprints")
+            if prints is not None and not (isinstance(prints, dict) and all(
+                    isinstance(b, str) and isinstance(f, str) for b, f in prints.items())):
+                raise TableError(f"partial: entry {i} ({op}): fingerprints is not an object of strings")
         return cls(key, entries, path)
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, "key": self.key, "entries": self.entries}
 
     def summary(self, op: str) -> str:
-        """One line: the winners of ``op`` per dtype and width, by tuned row count."""
+        """One line: the winners of ``op`` per dtype and width, by tuned row count (``stale`` where ignored)."""
+        self.stale(op)
         parts = []
         for dtype, per_width in sorted(self.ops.get(op, {}).items()):
             for width, points in sorted(per_width.items()):
-                parts.append(f"{dtype} w{width}: " + " ".join(f"{r}:{b}" for r, b in points))
+                parts.append(f"{dtype} w{width}: " + " ".join(f"{r}:{b or 'stale'}" for r, b in points))
         return "; ".join(parts)
 
 
@@ -266,7 +317,9 @@ def _bounds(rows: Sequence[int]) -> List[float]:
 
 def winner(table: Table, op: str, x) -> Optional[Tuple[str, str]]:
     """(backend, bucket) the table names for data argument ``x`` of ``op``, or ``None`` (dtype or op
-    not tuned): the nearest tuned width of its dtype (log scale), the nearest tuned row count."""
+    not tuned, or the bucket's entry stale): the nearest tuned width of its dtype (log scale), the nearest
+    tuned row count."""
+    table.stale(op)
     dtype, width, rows = bucket_features(x)
     widths = table.ops.get(op, {}).get(dtype)
     if not widths:
@@ -277,17 +330,21 @@ def winner(table: Table, op: str, x) -> Optional[Tuple[str, str]]:
     i = bisect.bisect_right(bounds, rows)
     lo = 0 if i == 0 else math.ceil(bounds[i - 1])
     hi = "" if i == len(bounds) else math.ceil(bounds[i]) - 1
+    if points[i][1] is None:
+        return None
     return points[i][1], f"{dtype} width {nearest} rows {lo}..{hi} (tuned at {points[i][0]})"
 
 
 def auto_call(table: Table, op: str, data_arg: int,
               chains: Dict[Backend, Tuple[Callable, Callable[[tuple], Optional[Callable]]]], default: Callable,
-              trace: Callable[[str, str], None]) -> Optional[Callable]:
+              trace: Callable[[str, str], None], notice: Callable[[str], None] = lambda line: None
+              ) -> Optional[Callable]:
     """The CUDA entry's per-call function under ``auto``: each call to its bucket's winner. ``chains``:
     per usable backend, the chain with that backend first and ``direct(args)``, the backend function
     itself when it takes every call of that dtype (else ``None``); ``default``: the platform default's
     chain, for buckets with no winner usable here. ``trace(backend, bucket)`` runs when a bucket is
-    first chosen. ``None`` if the table has nothing for ``op``.
+    first chosen; ``notice(line)`` once, here, when entries of ``op`` are stale (:meth:`Table.stale`).
+    ``None`` if the table has nothing for ``op``.
 
     The choice is remembered per (dtype, shape) of the data argument, as the backend function itself
     where it can be, so a shape seen before costs one dict lookup: it added 0.37 µs a call on the CPU
@@ -295,6 +352,9 @@ def auto_call(table: Table, op: str, data_arg: int,
     (``x.shape[-1]`` and ``x.numel()`` take 0.1-0.2 µs each there)."""
     if not table.ops.get(op):
         return None
+    line = table.stale_notice(op)
+    if line:
+        notice(line)
     traced: set = set()
     memo: Dict[tuple, Callable] = {}
 

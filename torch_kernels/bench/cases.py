@@ -36,7 +36,9 @@ class Profile:
 
 
 PROFILES = {
-    "gpu": Profile("gpu", tokens=(1, 32, 512, 4096, 16384), quick_tokens=(1, 32, 4096), hidden=(4096, 7168, 8192)),
+    # decode (1-32), batched decode and chunked prefill (128-2048, where engines spend much of their time), prefill
+    "gpu": Profile("gpu", tokens=(1, 8, 32, 128, 256, 512, 1024, 2048, 4096, 16384), quick_tokens=(1, 32, 4096),
+                   hidden=(4096, 7168, 8192)),
     # small enough that the whole CPU set (4 ops, reference and op) runs in a few seconds
     "cpu": Profile("cpu", tokens=(1, 16, 256), quick_tokens=(1, 16), hidden=(512,)),
 }

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ..spec import Backend
 from . import cases
 
 #: how a goal names a dtype
@@ -18,6 +19,12 @@ GOAL_TOKENS, GOAL_COPY = 4096, 0.95  # the issue's goals: >= 1.0x best peer from
 GOALS_NOT_JUDGED = "the goals are set for a CUDA GPU; this run is on CPU"
 #: the registered op's label in the tables and plots
 OP_LABEL = "deepinfer op"
+#: the label of what the op calls under DEEPINFER_OPS_BACKEND=auto
+AUTO_LABEL = "deepinfer op, auto"
+#: auto's contract: never slower than the best single backend by more than this fraction, at any shape
+AUTO_SLACK = 0.02
+#: the single backends auto is judged against (each called directly)
+SINGLE_BACKENDS = tuple(b.value for b in Backend if b is not Backend.TORCH)
 
 
 def _shape_key(r: dict):
@@ -29,7 +36,8 @@ def goals(rows: List[dict], host_goals: Optional[Dict[str, dict]] = None) -> Lis
     at least as fast as the best peer from 4096 tokens and at 0.95 of copy at the largest shape; at 1-32
     tokens no slower than the best peer (graph replay); an op's host goal (``BenchCase.host_goal``, as
     rmsnorm 1x4096 host µs no more than F.rms_norm's) judged on its measurement with its backend
-    selected (``host_goals[op]``, :func:`host_goal`) or else on the op's rows."""
+    selected (``host_goals[op]``, :func:`host_goal`) or else on the op's rows; where ``auto`` was timed,
+    at every shape no slower than the fastest single backend (checked ok) by more than :data:`AUTO_SLACK`."""
     out = []
     for op in dict.fromkeys(r["op"] for r in rows):
         mine = [r for r in rows if r["op"] == op and r["key"] == "op" and "device_us" in r]
@@ -49,6 +57,11 @@ def goals(rows: List[dict], host_goals: Optional[Dict[str, dict]] = None) -> Lis
                 worst([largest], f">= {GOAL_COPY} of copy at the largest shape", GOAL_COPY, lambda r: r.get("of copy"))
         worst([r for r in mine if r["tokens"] <= 32], "<= best peer's device time at 1-32 tokens", 1.0,
               lambda r: r.get("vs best peer"))
+        auto = auto_vs_best_backend(rows, op)
+        if auto:
+            v, at = min(auto)
+            out.append({"op": op, "goal": f"auto within {AUTO_SLACK:.0%} of the best single backend at every shape",
+                        "worst": v, "at": at, "met": v >= 1 / (1 + AUTO_SLACK)})
     host_goals = host_goals or {}
     for op in dict.fromkeys([r["op"] for r in rows] + list(host_goals)):
         goal = cases.case(op).host_goal
@@ -65,6 +78,20 @@ def goals(rows: List[dict], host_goals: Optional[Dict[str, dict]] = None) -> Lis
             out.append({"op": op, "goal": f"host µs at {label} {SHORT_DTYPE.get(goal.dtype, goal.dtype)} <= {goal.peer}'s",
                         "worst": peer / ours, "at": f"op {ours:.1f} µs{selected}, {goal.peer} {peer:.1f} µs",
                         "met": ours <= peer})
+    return out
+
+
+def auto_vs_best_backend(rows: List[dict], op: str) -> List[Tuple[float, str]]:
+    """Per shape where ``op``'s ``auto`` and a single backend were timed: (the fastest single backend's device
+    µs over auto's, where): below 1, auto is slower than that backend."""
+    out = []
+    for a in (r for r in rows if r["op"] == op and r["key"] == "auto" and "device_us" in r):
+        singles = [r for r in rows if r["op"] == op and r["shape"] == a["shape"] and r["key"] in SINGLE_BACKENDS
+                   and "device_us" in r and str(r.get("check", "")).startswith("ok")]
+        if singles:
+            best = min(singles, key=lambda r: r["device_us"])
+            out.append((best["device_us"] / a["device_us"], f"{a['shape']} (auto {a['device_us']:.3g} µs serves "
+                        f"{a.get('serves', '?')}, {best['key']} {best['device_us']:.3g})"))
     return out
 
 
@@ -111,7 +138,7 @@ def markdown(result: dict) -> str:
                                          "" if r.get("check") == "ok" else r.get("check", ""),
                                          "" if r["timing"].startswith("graph") or r["timing"] == "wall clock" else r["timing"],
                                          r.get("status", "")) if x)
-            label = f"**{r['impl']}**" if r["key"] == "op" else r["impl"] + (" (peer)" if r["role"] == "peer" else "")
+            label = f"**{r['impl']}**" if r["key"] in ("op", "auto") else r["impl"] + (" (peer)" if r["role"] == "peer" else "")
             lines.append(f"| {r['shape']} | {label} | {_fmt(r['device_us'])} | {_fmt(r.get('host_us'))} | {_fmt(r['GB/s'], 4)} "
                          f"| {_fmt(r['of copy'])} | {_fmt(r['vs best peer'])} | {note} |")
         untimed: Dict[Tuple[str, str], List[str]] = {}
@@ -133,8 +160,14 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+#: the plots' rows: what each draws of a row, its y label, and whether its y axis is logarithmic
+PLOT_ROWS = (("device_us", "device µs (log)", True), ("vs best peer", "best peer µs / µs", False), ("GB/s", "GB/s", False))
+
+
 def plot(result: dict, folder: Path) -> List[Path]:
-    """One PNG per op: GB/s against tokens (log), one line per implementation, one panel per hidden size."""
+    """One PNG per op, one column per hidden size, tokens on a log x axis: device µs on a log y axis (every
+    size, the small and middle ones legible), the best peer's time over each implementation's (below the
+    line at 1, behind the fastest peer: a loss seen at a glance), and GB/s against the copy ceiling."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,23 +180,31 @@ def plot(result: dict, folder: Path) -> List[Path]:
         if not timed:
             continue
         panels = sorted({r["hidden"] for r in timed}, key=lambda x: x or 0)
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
-        for ax, hidden in zip(axes[0], panels):
+        fig, axes = plt.subplots(len(PLOT_ROWS), len(panels), figsize=(4.6 * len(panels), 3.0 * len(PLOT_ROWS)),
+                                 squeeze=False, sharex="col")
+        for col, hidden in enumerate(panels):
             sel = [r for r in timed if r["hidden"] == hidden]
-            for label in dict.fromkeys(r["impl"] for r in sel):
-                pts = sorted((r["tokens"], r["GB/s"]) for r in sel if r["impl"] == label)
-                peer = next(r["role"] == "peer" for r in sel if r["impl"] == label)
-                ax.plot(*zip(*pts), marker="o", markersize=3, linestyle="--" if peer else "-",
-                        linewidth=2.2 if label == OP_LABEL else 1.2, label=label)
-            if h["copy_ceiling_GBps"]:
-                ax.axhline(h["copy_ceiling_GBps"], color="grey", linestyle=":", linewidth=1, label="copy")
-            ax.set_xscale("log", base=2)
             ticks = sorted({r["tokens"] for r in sel})
-            ax.set_xticks(ticks, [str(t) for t in ticks])
-            ax.set_xlabel(cases.case(op).axis)
-            ax.set_ylabel("GB/s")
-            ax.set_title(sel[0]["shape"].split("x", 1)[1] if hidden is None else f"hidden {hidden}", fontsize=9)
-            ax.grid(alpha=0.3)
+            for (field, ylabel, log_y), ax in zip(PLOT_ROWS, axes[:, col]):
+                for label in dict.fromkeys(r["impl"] for r in sel):
+                    pts = sorted((r["tokens"], r[field]) for r in sel if r["impl"] == label and r.get(field))
+                    if not pts:
+                        continue
+                    peer = next(r["role"] == "peer" for r in sel if r["impl"] == label)
+                    ax.plot(*zip(*pts), marker="o", markersize=3, linestyle="--" if peer else "-",
+                            linewidth=2.2 if label in (OP_LABEL, AUTO_LABEL) else 1.2, label=label)
+                if field == "GB/s" and h["copy_ceiling_GBps"]:
+                    ax.axhline(h["copy_ceiling_GBps"], color="grey", linestyle=":", linewidth=1, label="copy")
+                if field == "vs best peer":
+                    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+                if log_y:
+                    ax.set_yscale("log")
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(ticks, [str(t) for t in ticks])
+                ax.set_ylabel(ylabel)
+                ax.grid(alpha=0.3, which="both" if log_y else "major")
+            axes[-1][col].set_xlabel(cases.case(op).axis)
+            axes[0][col].set_title(sel[0]["shape"].split("x", 1)[1] if hidden is None else f"hidden {hidden}", fontsize=9)
         axes[0][0].legend(fontsize=7)
         fig.suptitle(f"{op} ({timed[0]['dtype']}) — {h['device']}, {h['date']}", fontsize=10)
         fig.tight_layout()

@@ -6,7 +6,9 @@ without one is listed as not benchmarked.
 Implementations timed for each (op, shape), by key (``--backends`` narrows to some):
 
 * ``op``: the registered op ``torch.ops.deepinfer.<op>`` (what the CUDA key selects: the ``serves``
-  column); ``triton``, ``tilelang``, ``flashinfer``: each backend of the inventory usable here
+  column); ``auto``: what the op's CUDA entry calls under ``DEEPINFER_OPS_BACKEND=auto``, whatever the
+  selection of this run (``dispatch.auto_function``: the tuned table's winner for the shape's bucket, the
+  platform default where it has none or its entry is stale; off CUDA the reference); ``triton``, ``tilelang``, ``flashinfer``: each backend of the inventory usable here
   (``registry.implementations(op)``, ``KernelSpec.is_available``), called directly; a call it refuses
   (``KernelSpec.dtypes`` or its ``check``) is reported ``refused: <why>``, not timed;
 * the peers: ``torch``, the reference in eager mode; ``compile``, ``torch.compile`` of the reference,
@@ -65,8 +67,8 @@ CPU_OPS = tuple(d.name for d in ops.ALL if d.bench is not None and d.bench.cpu_d
 #: the peers a bench case names beside the reference, compile and FlashInfer's API: key and label alike
 OTHER_PEERS = tuple(dict.fromkeys(p.name for d in ops.ALL if d.bench is not None for p in d.bench.peers))
 PEER_KEYS = ("torch", "compile", *OTHER_PEERS, "flashinfer-api")
-KEYS = ("op", *(b.value for b in Backend if b is not Backend.TORCH), *PEER_KEYS)
-LABELS = {"op": report.OP_LABEL, "torch": "torch eager", "compile": "torch.compile", **{k: k for k in OTHER_PEERS},
+KEYS = ("op", "auto", *(b.value for b in Backend if b is not Backend.TORCH), *PEER_KEYS)
+LABELS = {"op": report.OP_LABEL, "auto": report.AUTO_LABEL, "torch": "torch eager", "compile": "torch.compile", **{k: k for k in OTHER_PEERS},
           "flashinfer-api": "FlashInfer API", "flashinfer": "flashinfer backend"}
 FLUSH_BYTES = 256 << 20
 ROUNDS = 3  # device timing: every implementation of a shape in 3 interleaved rounds, the median kept
@@ -139,6 +141,9 @@ class OpRunner:
                 self.backends.append((impl, label, f"failed to load: {_first_line(e)}"))
         chain = dispatch.plan(op, platform)[0] if ctx.cuda else []
         self.chain = [dispatch.Implementation(spec, self.opdef.data_arg) for spec in chain]
+        self.default_chain = [dispatch.Implementation(spec, self.opdef.data_arg) for spec in registry.implementations(op)
+                              if spec.is_available(platform)] if ctx.cuda else []
+        self.auto = dispatch.auto_function(op, self.opdef.data_arg, platform) if "auto" in ctx.keys else None
         self.compile_status = None
         no_compile = registry.REFERENCE_NOT_COMPILABLE.get(op)
         if no_compile:
@@ -149,11 +154,13 @@ class OpRunner:
         self.compiled = (torch.compile(self.reference, dynamic=False)
                          if self.compile_status is None and "compile" in ctx.keys else None)
 
-    def serves(self, args: tuple) -> str:
-        """The backend the op's CUDA entry picks for ``args`` (first in its chain that takes them)."""
+    def serves(self, args: tuple, auto: bool = False) -> str:
+        """The backend the op's CUDA entry picks for ``args`` (first in its chain that takes them), under this
+        run's selection or (``auto``) under ``DEEPINFER_OPS_BACKEND=auto``."""
         if not self.ctx.cuda:
             return "torch"
-        chain, table = self.chain, dispatch.tuned_table() if dispatch.selection().auto else None
+        chain = self.default_chain if auto else self.chain
+        table = dispatch.tuned_table() if auto or dispatch.selection().auto else None
         chosen = tuning.winner(table, self.op, args[self.opdef.data_arg]) if table else None
         if chosen:  # auto: the bucket's winner first, then the platform default's order
             chain = sorted(chain, key=lambda impl: impl.spec.backend.value != chosen[0])
@@ -188,6 +195,8 @@ class OpRunner:
         keys, out = self.ctx.keys, []
         if "op" in keys:
             out.append(Impl("op", LABELS["op"], "ours", self.overload))
+        if self.auto is not None:
+            out.append(Impl("auto", LABELS["auto"], "ours", self.auto))
         for impl, label, status in self.backends:
             if status is None:
                 why = impl.refuses(args)
@@ -271,8 +280,8 @@ def run_case(runner: OpRunner, rows: int, hidden: Optional[int], label: str, arg
     results, live = [], []
     for impl in runner.impls(args):
         row = {**base, "impl": impl.label, "key": impl.key, "role": impl.role}
-        if impl.key == "op":
-            row["serves"] = runner.serves(args)
+        if impl.key in ("op", "auto"):
+            row["serves"] = runner.serves(args, auto=impl.key == "auto")
         if impl.status is not None:
             results.append({**row, "status": impl.status})
             continue

@@ -6,7 +6,8 @@ reference, then device µs by CUDA-graph replay) restricted to our backends, onc
 Per bucket (op, dtype, width, rows of the data argument) the fastest backend wins, unless the platform
 default's own backend for that call is within ``tuning.MIN_GAIN`` of it (the run-to-run spread), or the
 backend draws from its own random stream (``registry.OWN_RANDOM_STREAM``: auto never changes an op's
-samples). The measurements are written under ``--out`` as the suite writes them, the winners merged into
+samples). Each entry records the fingerprint of every backend timed (``torch_kernels/fingerprints.py``), by
+which ``auto`` ignores it once that kernel changes. The measurements are written under ``--out`` as the suite writes them, the winners merged into
 the table (``--table``, default the user's table for this GPU).
 
     python -m torch_kernels tune [--ops rmsnorm,silu_and_mul] [--shapes full|quick|1,32,4096x8192]
@@ -47,7 +48,9 @@ def winners(result: dict) -> List[dict]:
         best = min(candidates, key=candidates.get)
         winner = default if candidates[default] <= candidates[best] * (1 + tuning.MIN_GAIN) else best
         out.append({"op": op, "dtype": dtype, "width": width, "rows": rows, "winner": winner, "default": default,
-                    "us": {b: round(t, 3) for b, t in sorted(us.items())}})
+                    "us": {b: round(t, 3) for b, t in sorted(us.items())},
+                    "fingerprints": {b: tuning.current_fingerprint(op, b) for b in sorted(us)
+                                     if Backend(b) in registry.BY_OP[op]}})
     return out
 
 
@@ -81,7 +84,8 @@ def lookup_cost_us(rounds: int = 31) -> LookupCost:
 
     # the table must name a real op with a Triton backend; the kernel does nothing whatever the op
     op = next(op for op in registry.OPS if Backend.TRITON in registry.BY_OP[op])
-    entries = [{"op": op, "dtype": "bfloat16", "width": w, "rows": t, "winner": "triton"}
+    prints = {"triton": tuning.current_fingerprint(op, "triton")}  # fresh entries: the lookup a tuned GPU makes
+    entries = [{"op": op, "dtype": "bfloat16", "width": w, "rows": t, "winner": "triton", "fingerprints": prints}
                for w in (4096, 7168, 8192) for t in (1, 32, 512, 4096, 16384)]
     table = tuning.Table.from_json({"schema": tuning.SCHEMA, "key": {}, "entries": entries})
     kernel = lambda x, w, eps: None  # noqa: E731

@@ -43,13 +43,14 @@ from .settings import (AUTO, ENV_BACKEND, ENV_COMPILE_ROUTE, ENV_FALLBACK, ENV_O
 from .trace import append_line
 from .planning import plan
 from .compile_routes import compile_route, note_compile_route
-from .slots import Implementation, OpSlot, ReferenceSlot, on_new_selection, reference_slot, slot, tuned_table
+from .slots import (Implementation, OpSlot, ReferenceSlot, auto_function, on_new_selection, reference_slot, slot,
+                    tuned_table)
 from .control import configure, set_platform
 
 __all__ = [
     "AUTO", "ENV_BACKEND", "ENV_COMPILE_ROUTE", "ENV_FALLBACK", "ENV_OF", "ENV_STRICT", "ENV_TRACE",
     "ENV_TRACE_ARGS", "ENV_VERBOSE", "Implementation", "KernelUnavailableError", "OpSlot", "ReferenceSlot", "Selection",
-    "append_line", "compile_route", "configure", "note_compile_route", "on_new_selection", "parse_compile_route",
+    "append_line", "auto_function", "compile_route", "configure", "note_compile_route", "on_new_selection", "parse_compile_route",
     "plan", "platform", "reference_slot", "selection", "set_platform", "slot", "tuned_table",
 ]
 

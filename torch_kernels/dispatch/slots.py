@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
+from .. import registry
 from ..spec import Backend, KernelSpec, Platform
 from .planning import plan
 from .settings import AUTO, ENV_BACKEND, ENV_STRICT, KernelUnavailableError, _lock, _notice, platform, selection
@@ -111,21 +112,20 @@ class OpSlot:
 
     def _auto(self) -> Optional[Callable[..., Any]]:
         """Under ``auto``: each call to the chain of its bucket's measured winner (the winner first, then
-        the platform default's order), or ``None`` when the table has nothing for this op."""
+        the platform default's order; a stale entry's bucket to the platform default, said once), or
+        ``None`` when the table has nothing for this op."""
         from .. import tuning
 
         table = tuned_table()
         if table is None:
             return None
         op = self.op
-        chains = {i.spec.backend: (_chain_call(op, [i] + [j for j in self.impls if j is not i]), i.direct)
-                  for i in self.impls}
 
         def trace(backend: str, bucket: str) -> None:
             path = selection().trace_path
             if path:
                 append_line(path, f"{op}|{backend}|auto {bucket}")
-        return tuning.auto_call(table, op, self.data_arg, chains, _chain_call(op, self.impls), trace)
+        return _auto_call(op, self.impls, self.data_arg, table, trace)
 
     def _unavailable(self, why: Optional[str]) -> Callable[..., Any]:
         def raise_unavailable(*args: Any) -> Any:
@@ -137,6 +137,27 @@ class OpSlot:
         out = impl.run(*args)
         self.call = impl.fn  # from now on the backend function itself: no per-call cost here
         return out
+
+
+def _auto_call(op: str, impls: List[Implementation], data_arg: int, table,
+               trace: Callable[[str, str], None]) -> Optional[Callable[..., Any]]:
+    """``tuning.auto_call`` over ``impls`` (the platform default's order): per backend, its chain with it first."""
+    from .. import tuning
+
+    chains = {i.spec.backend: (_chain_call(op, [i] + [j for j in impls if j is not i]), i.direct) for i in impls}
+    return tuning.auto_call(table, op, data_arg, chains, _chain_call(op, impls), trace, _notice)
+
+
+def auto_function(op: str, data_arg: int = 0, on: Optional[Platform] = None) -> Callable[..., Any]:
+    """What the CUDA entry of ``op`` calls per call under ``DEEPINFER_OPS_BACKEND=auto``, whatever the current
+    selection: the bucket's winner of the tuned table (:func:`tuned_table`), the platform default's chain where
+    the table has nothing (no table, op or dtype not tuned, entry stale). Off CUDA, with no table there, the
+    platform default: the reference. The benchmark suite times it beside each backend."""
+    on = on or platform()
+    impls = [Implementation(k, data_arg) for k in registry.implementations(op) if k.is_available(on)]
+    table = tuned_table(on) if on.is_cuda else None
+    fn = _auto_call(op, impls, data_arg, table, lambda backend, bucket: None) if table is not None else None
+    return fn or _chain_call(op, impls)
 
 
 def _chain_call(op: str, impls: List[Implementation]) -> Callable[..., Any]:
