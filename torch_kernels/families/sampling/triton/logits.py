@@ -1,6 +1,6 @@
 """Triton logits ops and min-p sampling: ``softmax`` (two passes over the row, the max and sum online),
-``top_k_mask_logits`` (the k-th largest by multi-pivot counts over order keys, then a masked copy),
-``min_p_sampling_from_probs`` (three passes: max, kept mass, the draw); one program per row, the
+``top_k_mask_logits`` (the k-th largest order key by a radix select over slices of the row, then a
+masked copy), ``min_p_sampling_from_probs`` (three passes: max, kept mass, the draw; one program a row), the
 reference's semantics exactly (``reference.softmax``, ``reference.top_k_mask_logits``,
 ``reference.min_p_sampling_from_probs``: the same fixed-point masses and Philox stream as the family)."""
 
@@ -13,7 +13,6 @@ from ..reference import fixed_point_bits
 from ._common import _fixed, _random_bits31, _target, _value_bits
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
-_NP = 16  # pivots a counting pass: 4 bits of the 32-bit key a pass, 8 passes at most
 
 
 @triton.jit
@@ -72,41 +71,84 @@ def _order_key(raw):
     return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 
+# top_k_mask_logits: the k-th largest order key of each row by radix select over its 32 bits, 8 a
+# pass, MSB first (4 passes); each pass histograms the next byte of the keys that match the bytes
+# chosen so far, over slices of the row in parallel programs (integer counts: exact in any order),
+# then one program a row picks the byte where the count from the top reaches k. Then a masked copy.
+# One program a row with 16 pivots a pass took 1.8 ms at 1x128256 on the H200 (FlashInfer 29 µs).
+
+_RADIX_BITS = 8
+_RADIX_PROGRAMS = 512  # (row, slice) programs to aim for: about 4 a streaming multiprocessor
+
+
 @triton.jit
-def _top_k_mask_kernel(x_ptr, x_stride, k_ptr, k_val, out_ptr, out_stride, V,
-                       HAS_K: tl.constexpr, CHUNK: tl.constexpr, NP: tl.constexpr):
+def _radix_init_kernel(k_ptr, k_val, state_ptr, V, HAS_K: tl.constexpr):
+    """``state[row] = (prefix 0, k)``; ``k`` 0 for a row that keeps every value (k outside (0, V))."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_stride
-    o_row = out_ptr + row * out_stride
     if HAS_K:
         k = tl.load(k_ptr + row).to(tl.int64)
     else:
-        k = tl.full((), 0, tl.int64) + k_val  # k_val == 1 arrives as a constexpr
+        k = tl.full((), 0, tl.int64) + k_val
+    k = tl.where((k > 0) & (k < V), k, 0)
+    tl.store(state_ptr + 2 * row, tl.zeros((), tl.int64))
+    tl.store(state_ptr + 2 * row + 1, k)
+
+
+@triton.jit
+def _radix_count_kernel(x_ptr, x_stride, state_ptr, counts_ptr, V, slice_len,
+                        SHIFT: tl.constexpr, CHUNK: tl.constexpr):
+    """Histogram of byte ``SHIFT`` of the unsigned keys (``key + 2^31``) in this program's slice whose
+    higher bytes equal the row's prefix, added to ``counts[row, 0:256]``."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(state_ptr + 2 * row + 1) > 0:
+        prefix = tl.load(state_ptr + 2 * row)
+        x_row = x_ptr + row * x_stride
+        lo = tl.program_id(1) * slice_len
+        offs = tl.arange(0, CHUNK)
+        hist = tl.zeros((2 * 256,), tl.int32)
+        for start in range(lo, tl.minimum(lo + slice_len, V), CHUNK):
+            cols = start + offs
+            live = cols < V
+            u = _order_key(tl.load(x_row + cols, mask=live, other=0.0)).to(tl.int64) + 2147483648
+            match = live & ((u >> (SHIFT + 8)) == prefix)
+            digit = ((u >> SHIFT) & 255).to(tl.int32)
+            hist += tl.histogram(tl.where(match, digit, 256 + digit), 2 * 256)  # bins 256.. take the rest
+        kept, _ = tl.split(tl.permute(tl.reshape(hist, (2, 256)), (1, 0)))
+        tl.atomic_add(counts_ptr + row * 256 + tl.arange(0, 256), kept, sem="relaxed")
+
+
+@triton.jit
+def _radix_select_kernel(state_ptr, counts_ptr):
+    """The byte ``d`` where the count of matching keys from the top first reaches k: the prefix
+    gains ``d``, k loses the count above it; the row's counts are cleared for the next pass."""
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.load(state_ptr + 2 * row + 1)
+    if k > 0:
+        digits = tl.arange(0, 256)
+        c = tl.load(counts_ptr + row * 256 + digits).to(tl.int64)
+        at_or_above = tl.sum(c, axis=0) - tl.cumsum(c, axis=0) + c  # matching keys with a byte >= d
+        d = tl.max(tl.where(at_or_above >= k, digits, -1), axis=0)
+        above = tl.sum(tl.where(digits > d, c, 0), axis=0)
+        tl.store(state_ptr + 2 * row, (tl.load(state_ptr + 2 * row) << 8) | d.to(tl.int64))
+        tl.store(state_ptr + 2 * row + 1, k - above)
+        tl.store(counts_ptr + row * 256 + digits, tl.zeros((256,), tl.int32))
+
+
+@triton.jit
+def _top_k_mask_copy_kernel(x_ptr, x_stride, state_ptr, out_ptr, out_stride, V, slice_len, CHUNK: tl.constexpr):
+    """``out = x`` where the key is at least the row's k-th largest (every value where k kept all), else -inf."""
+    row = tl.program_id(0).to(tl.int64)
+    keep_all = tl.load(state_ptr + 2 * row + 1) == 0
+    threshold = tl.where(keep_all, 0, tl.load(state_ptr + 2 * row))  # unsigned keys: 0 is the least
+    x_row = x_ptr + row * x_stride
+    o_row = out_ptr + row * out_stride
+    lo = tl.program_id(1) * slice_len
     offs = tl.arange(0, CHUNK)
-    # the largest t with count(key >= t) >= k: count(>= lo) >= k, count(>= hi) < k (int64 bounds)
-    lo = tl.full((), -2147483648, tl.int64)
-    hi = tl.full((), 2147483648, tl.int64)
-    if (k > 0) & (k < V):
-        j = tl.arange(1, NP + 1).to(tl.int64)
-        while hi - lo > 1:
-            step = (hi - lo + NP) // (NP + 1)
-            piv = tl.minimum(lo + j * step, hi)  # NP pivots in (lo, hi], hi counts below k
-            # int32 compares: a pivot at 2^31 and one at 2^31 - 1 both count 0 (+inf's key is 0x7f800000)
-            piv32 = tl.minimum(piv, 2147483647).to(tl.int32)
-            cnt = tl.zeros((NP,), tl.int32)
-            for start in range(0, V, CHUNK):
-                cols = start + offs
-                key = _order_key(tl.load(x_row + cols, mask=cols < V, other=-float("inf")))
-                key = tl.where(cols < V, key, -2147483648)  # past the row: below every pivot (> lo >= -2^31)
-                cnt += tl.sum((key[:, None] >= piv32[None, :]).to(tl.int32), axis=0)
-            ok = cnt >= k
-            lo = tl.maximum(lo, tl.max(tl.where(ok, piv, lo), axis=0))
-            hi = tl.min(tl.where(ok, hi, piv), axis=0)
-    for start in range(0, V, CHUNK):
+    for start in range(lo, tl.minimum(lo + slice_len, V), CHUNK):
         cols = start + offs
         mask = cols < V
         raw = tl.load(x_row + cols, mask=mask, other=0.0)
-        keep = _order_key(raw).to(tl.int64) >= lo
+        keep = _order_key(raw).to(tl.int64) + 2147483648 >= threshold
         tl.store(o_row + cols, tl.where(keep, raw, -float("inf")).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -123,11 +165,23 @@ def softmax(logits: Tensor, maybe_temperature_arr=None, temperature_val: float =
 def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0) -> Tensor:
     B, V = logits.shape
     out = torch.empty((B, V), dtype=logits.dtype, device=logits.device)
-    if B:
-        has_k = maybe_top_k_arr is not None
-        k_val = max(min(int(top_k_val), V), -1)  # the kernel takes an int32 scalar; every k outside (0, V) keeps all
-        _top_k_mask_kernel[(B,)](logits, logits.stride(0), maybe_top_k_arr if has_k else out, k_val,
-                                 out, out.stride(0), V, HAS_K=has_k, CHUNK=_CHUNK, NP=_NP, num_warps=4)
+    if B == 0 or V == 0:
+        return out
+    has_k = maybe_top_k_arr is not None
+    k_val = max(min(int(top_k_val), V), -1)  # the kernel takes an int32 scalar; every k outside (0, V) keeps all
+    chunks = triton.cdiv(V, _CHUNK)
+    slices = max(1, min(chunks, _RADIX_PROGRAMS // B))
+    slice_len = triton.cdiv(chunks, slices) * _CHUNK
+    grid = (B, triton.cdiv(V, slice_len))
+    state = torch.empty((B, 2), dtype=torch.int64, device=logits.device)
+    counts = torch.zeros((B, 256), dtype=torch.int32, device=logits.device)
+    _radix_init_kernel[(B,)](maybe_top_k_arr if has_k else state, k_val, state, V, HAS_K=has_k)
+    for shift in range(32 - _RADIX_BITS, -1, -_RADIX_BITS):
+        _radix_count_kernel[grid](logits, logits.stride(0), state, counts, V, slice_len, SHIFT=shift, CHUNK=_CHUNK,
+                                  num_warps=4)
+        _radix_select_kernel[(B,)](state, counts, num_warps=4)
+    _top_k_mask_copy_kernel[grid](logits, logits.stride(0), state, out, out.stride(0), V, slice_len, CHUNK=_CHUNK,
+                                  num_warps=4)
     return out
 
 
