@@ -133,6 +133,24 @@ def test_token_count_changes_do_not_recompile(op, device):
         assert counter.frame_count == 1, (mark.__name__, counter.frame_count)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_default_cuda_call_never_syncs_the_device(op):
+    """Every op's default eager CUDA call, once its kernels are loaded, runs without a device sync
+    (torch's sync debug mode raises on one): no check, seed draw or fallback reads a tensor back."""
+    overload, opdef = _overload(op), ops.BY_NAME[op]
+    rounds = [[tuple(a) for a in opdef.samples("cuda", torch.bfloat16)] for _ in range(2)]
+    for args in rounds[0]:  # first calls compile and load the kernels
+        overload(*args)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for args in rounds[1]:
+            overload(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 # --- bad input (each family tests its own cases; this checks the fake path) ---
 
 def test_bad_input_raises_at_trace_time():
