@@ -103,7 +103,8 @@ def test_each_host_call_fits_its_schema(op):
     call, schema = _call_of(op), _overload(op)._schema
     assert len(call.roles) == len(schema.arguments)
     for role, arg in zip(call.roles, schema.arguments):
-        assert isinstance(arg.type, torch.FloatType if role == "f" else torch.TensorType), (role, arg)
+        t = arg.type.getElementType() if role == "w" and isinstance(arg.type, torch.OptionalType) else arg.type
+        assert isinstance(t, torch.FloatType if role == "f" else torch.TensorType), (role, arg)
     assert len(schema.returns) == (1 if call.output else 0)
     assert all(call.roles[i] == "r" for i in _written(op))
 
@@ -633,3 +634,8 @@ def test_offer_reads_the_signature_by_role_with_trailing_defaults_left_out(monke
         fast_path.offer(op, None, tuple(args))  # no sole server
     assert published == expected
     assert [op for op, _ in asked] == SERVED
+    for op in SERVED:  # an optional vector passed as None: never published (the entry passes such calls on)
+        roles = _call_of(op).roles
+        if "w" in roles and isinstance(_overload(op)._schema.arguments[roles.index("w")].type, torch.OptionalType):
+            fast_path.offer(op, fast_path.SERVED[op], tuple(None if r == "w" else x.clone() for r in roles if r != "f"))
+    assert published == expected and len(asked) == len(SERVED)

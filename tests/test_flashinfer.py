@@ -437,6 +437,18 @@ def test_norm_refusals(fake):
     assert n.fused_add_rmsnorm_refuses(x, x.clone(), w) is None
 
 
+def test_norm_without_weight_takes_a_weight_of_ones(fake):
+    """weight=None (rmsnorm, fused_add_rmsnorm): the kernels read a weight, so they get cached ones in
+    the input's dtype, and the refusals look at those."""
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    assert fake.norm.rmsnorm_refuses(x, None) is None and fake.norm.fused_add_rmsnorm_refuses(x, x.clone(), None) is None
+    assert_close(fake.norm.rmsnorm(x, None, 1e-5), _reference("rmsnorm")(x, None, 1e-5))
+    fake.norm.fused_add_rmsnorm(x.clone(), x.clone(), None, 1e-5)
+    weights = [call["weight"] for name, call in fake.calls if name.startswith("norm_module")]
+    assert len(weights) == 2 and weights[0] is weights[1]
+    assert weights[0].dtype == torch.bfloat16 and torch.equal(weights[0], torch.ones(96, dtype=torch.bfloat16))
+
+
 def test_norm_zero_rows_launch_nothing(fake):
     x, w = torch.randn(0, 64, dtype=torch.float16), torch.randn(64, dtype=torch.float16)
     assert fake.norm.rmsnorm(x, w).shape == (0, 64)
