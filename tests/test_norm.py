@@ -490,3 +490,56 @@ def test_no_weight_tilelang_and_flashinfer_take_a_cached_weight_of_ones(op, monk
         assert w.dtype == dtype and w.shape == (96,) and torch.equal(w, torch.ones(96, dtype=dtype))
         assert seen[-2][2 if fused else 1] is w  # cached
         assert unit_weight.ones_like_row(x) is w
+
+
+@pytest.mark.parametrize("op", UNWEIGHTED)
+def test_no_weight_compiles_to_one_node_without_recompiling(op):
+    """weight=None traced (aot_eager, unbacked token count): one node, one graph for 3, 1, 0 and 300 tokens."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = getattr(torch.ops.deepinfer, op).default
+    fused = op in FUSED
+
+    def block(x, *r):
+        if fused:
+            fn(x, r[0], None, 1e-6)
+            return x + 0, r[0] + 0
+        return fn(x, None, 1e-6) + 0
+
+    compiled = torch.compile(block, backend=counter, fullgraph=True)
+    for t in (3, 1, 0, 300):
+        args = [torch.randn(t, 96) for _ in range(2 if fused else 1)]
+        want = block(*(a.clone() for a in args))
+        for a in args:
+            torch._dynamo.decorators.mark_unbacked(a, 0)
+        got = compiled(*args)
+        for g, w in zip(got if fused else (got,), want if fused else (want,)):
+            assert torch.equal(g, w)
+    assert counter.frame_count == 1
+    calls = [n for g in counter.graphs for n in g.graph.nodes if "deepinfer" in str(n.target)]
+    assert len(calls) == 1, calls
+
+
+@pytest.mark.parametrize("op", UNWEIGHTED)
+def test_no_weight_decomposed_by_inductor_on_cpu_is_the_eager_op(op):
+    """The decompose route (the reference traced by Inductor) takes weight=None too."""
+    fn = getattr(torch.ops.deepinfer, op).default
+    fused = op in FUSED
+    x, r = torch.randn(7, 257), torch.randn(7, 257)
+    if fused:
+        block = lambda x, r: (fn(x, r, None, 1e-6), x * 1, r * 1)[1:]  # noqa: E731
+    else:
+        block = lambda x: fn(x * 2, None, 1e-6) + 1  # noqa: E731
+    torch._dynamo.reset()
+    previous = torch_kernels.configure(compile_route={op: "decompose"})
+    try:
+        args = (x, r) if fused else (x,)
+        got = torch.compile(block, fullgraph=True)(*(a.clone() for a in args))
+        want = block(*(a.clone() for a in args))
+    finally:
+        torch_kernels.configure(previous)
+        torch._dynamo.reset()
+    for g, w in zip(got if fused else (got,), want if fused else (want,)):
+        assert_close(g, w)
