@@ -476,6 +476,26 @@ def test_calls_it_does_not_serve_reach_the_python_kernels(op, tilelang_entry):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", [op for op in SERVED if "Tensor? weight" in OP_DEFS[op].schema])
+def test_a_none_weight_goes_to_python_and_is_a_weight_of_ones(op, tilelang_entry):
+    """The entry passes weight=None calls on (its vector is not given), after a signature with a weight
+    was published; Python serves them with a weight of ones, bit for bit."""
+    width, dtype = 768, torch.bfloat16
+    _run_and_compare(op, _args(op, (4, width), dtype))  # publishes
+    for _ in range(2):
+        args = _args(op, (4, width), dtype)
+        ones = [torch.ones(width, dtype=dtype, device="cuda") if role == "w" else
+                a.clone() if isinstance(a, torch.Tensor) else a for a, role in zip(args, _call_of(op).roles)]
+        args = [None if role == "w" else a for a, role in zip(args, _call_of(op).roles)]
+        before = fast_path.counters()
+        got = _results(op, args, getattr(torch.ops.deepinfer, op)(*args))
+        after = fast_path.counters()
+        assert after["passed_on"] == before["passed_on"] + 1 and after["served"] == before["served"]
+        for g, w in zip(got, _results(op, ones, getattr(torch.ops.deepinfer, op)(*ones))):
+            assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", IN_PLACE)
 def test_overlapping_written_arguments_go_to_python(op, tilelang_entry):
     """A written argument sharing bytes with another tensor argument is refused in C++ and passed on: the

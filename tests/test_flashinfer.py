@@ -517,6 +517,20 @@ def test_rope_maps_onto_apply_rope_with_cos_sin_cache_inplace(fake_release, case
     assert call["is_neox"] is case[5] and call["head_size"] == case[3] and call["positions"] is args[0]
 
 
+@pytest.mark.parametrize("layout", ["2d", "qkv", "3d"])
+def test_rope_batched_positions_reach_flashinfer_as_token_rows(fake, layout):
+    """vLLM's batched form (positions (B, S), rows (B, S, ...)): FlashInfer gets 1-D positions and the
+    (B*S, ...) views of the caller's tensors, checked and rotated as the flat call."""
+    flat = _rope_args(6, 4, 2, 128, 64, True, layout)
+    bat = rope_ops.batched(flat, 2)
+    assert fake.rope.rotary_embedding_refuses(*bat) is None
+    fake.calls.clear()
+    fake.rope.rotary_embedding(*bat)
+    (name, call), = [c for c in fake.calls if c[0].endswith("inplace")]
+    assert call["positions"].shape == (6,) and call["query"].shape == flat[1].shape
+    assert call["query"].data_ptr() == bat[1].data_ptr() and call["key"].data_ptr() == bat[2].data_ptr()
+
+
 def test_rope_refusals(fake):
     r = fake.rope
     ok = _rope_args(3, 4, 2, 128, 64, True, "2d")
