@@ -103,7 +103,8 @@ def test_each_host_call_fits_its_schema(op):
     call, schema = _call_of(op), _overload(op)._schema
     assert len(call.roles) == len(schema.arguments)
     for role, arg in zip(call.roles, schema.arguments):
-        assert isinstance(arg.type, torch.FloatType if role == "f" else torch.TensorType), (role, arg)
+        t = arg.type.getElementType() if role == "w" and isinstance(arg.type, torch.OptionalType) else arg.type
+        assert isinstance(t, torch.FloatType if role == "f" else torch.TensorType), (role, arg)
     assert len(schema.returns) == (1 if call.output else 0)
     assert all(call.roles[i] == "r" for i in _written(op))
 
@@ -475,6 +476,26 @@ def test_calls_it_does_not_serve_reach_the_python_kernels(op, tilelang_entry):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", [op for op in SERVED if "Tensor? weight" in OP_DEFS[op].schema])
+def test_a_none_weight_goes_to_python_and_is_a_weight_of_ones(op, tilelang_entry):
+    """The entry passes weight=None calls on (its vector is not given), after a signature with a weight
+    was published; Python serves them with a weight of ones, bit for bit."""
+    width, dtype = 768, torch.bfloat16
+    _run_and_compare(op, _args(op, (4, width), dtype))  # publishes
+    for _ in range(2):
+        args = _args(op, (4, width), dtype)
+        ones = [torch.ones(width, dtype=dtype, device="cuda") if role == "w" else
+                a.clone() if isinstance(a, torch.Tensor) else a for a, role in zip(args, _call_of(op).roles)]
+        args = [None if role == "w" else a for a, role in zip(args, _call_of(op).roles)]
+        before = fast_path.counters()
+        got = _results(op, args, getattr(torch.ops.deepinfer, op)(*args))
+        after = fast_path.counters()
+        assert after["passed_on"] == before["passed_on"] + 1 and after["served"] == before["served"]
+        for g, w in zip(got, _results(op, ones, getattr(torch.ops.deepinfer, op)(*ones))):
+            assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", IN_PLACE)
 def test_overlapping_written_arguments_go_to_python(op, tilelang_entry):
     """A written argument sharing bytes with another tensor argument is refused in C++ and passed on: the
@@ -633,3 +654,8 @@ def test_offer_reads_the_signature_by_role_with_trailing_defaults_left_out(monke
         fast_path.offer(op, None, tuple(args))  # no sole server
     assert published == expected
     assert [op for op, _ in asked] == SERVED
+    for op in SERVED:  # an optional vector passed as None: never published (the entry passes such calls on)
+        roles = _call_of(op).roles
+        if "w" in roles and isinstance(_overload(op)._schema.arguments[roles.index("w")].type, torch.OptionalType):
+            fast_path.offer(op, fast_path.SERVED[op], tuple(None if r == "w" else x.clone() for r in roles if r != "f"))
+    assert published == expected and len(asked) == len(SERVED)

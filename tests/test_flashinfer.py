@@ -437,6 +437,18 @@ def test_norm_refusals(fake):
     assert n.fused_add_rmsnorm_refuses(x, x.clone(), w) is None
 
 
+def test_norm_without_weight_takes_a_weight_of_ones(fake):
+    """weight=None (rmsnorm, fused_add_rmsnorm): the kernels read a weight, so they get cached ones in
+    the input's dtype, and the refusals look at those."""
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    assert fake.norm.rmsnorm_refuses(x, None) is None and fake.norm.fused_add_rmsnorm_refuses(x, x.clone(), None) is None
+    assert_close(fake.norm.rmsnorm(x, None, 1e-5), _reference("rmsnorm")(x, None, 1e-5))
+    fake.norm.fused_add_rmsnorm(x.clone(), x.clone(), None, 1e-5)
+    weights = [call["weight"] for name, call in fake.calls if name.startswith("norm_module")]
+    assert len(weights) == 2 and weights[0] is weights[1]
+    assert weights[0].dtype == torch.bfloat16 and torch.equal(weights[0], torch.ones(96, dtype=torch.bfloat16))
+
+
 def test_norm_zero_rows_launch_nothing(fake):
     x, w = torch.randn(0, 64, dtype=torch.float16), torch.randn(64, dtype=torch.float16)
     assert fake.norm.rmsnorm(x, w).shape == (0, 64)
@@ -503,6 +515,20 @@ def test_rope_maps_onto_apply_rope_with_cos_sin_cache_inplace(fake_release, case
     assert_close(got[1], outputs_of(ref_rope.rotary_embedding, args, (1, 2))[1])
     (name, call), = [c for c in fake_release.calls if c[0].endswith("inplace")]
     assert call["is_neox"] is case[5] and call["head_size"] == case[3] and call["positions"] is args[0]
+
+
+@pytest.mark.parametrize("layout", ["2d", "qkv", "3d"])
+def test_rope_batched_positions_reach_flashinfer_as_token_rows(fake, layout):
+    """vLLM's batched form (positions (B, S), rows (B, S, ...)): FlashInfer gets 1-D positions and the
+    (B*S, ...) views of the caller's tensors, checked and rotated as the flat call."""
+    flat = _rope_args(6, 4, 2, 128, 64, True, layout)
+    bat = rope_ops.batched(flat, 2)
+    assert fake.rope.rotary_embedding_refuses(*bat) is None
+    fake.calls.clear()
+    fake.rope.rotary_embedding(*bat)
+    (name, call), = [c for c in fake.calls if c[0].endswith("inplace")]
+    assert call["positions"].shape == (6,) and call["query"].shape == flat[1].shape
+    assert call["query"].data_ptr() == bat[1].data_ptr() and call["key"].data_ptr() == bat[2].data_ptr()
 
 
 def test_rope_refusals(fake):

@@ -427,6 +427,13 @@ OURS_NOT_REWRITTEN = {
     "fused_add_rmsnorm on a graph input": (lambda x, w: (d.fused_add_rmsnorm(x, r := x * 3, w, 1e-6),
                                                          *d.scaled_fp8_quant(x, None, True), r)[1:],
                                            ["fused_add_rmsnorm", "scaled_fp8_quant"]),
+    # the FP8 norms take a weight: weight=None stays the unfused pair
+    "rmsnorm without weight": (lambda x, w: d.scaled_fp8_quant(d.rmsnorm(x, None, 1e-6), None, True),
+                               ["rmsnorm", "scaled_fp8_quant"]),
+    "fused_add_rmsnorm without weight": (
+        lambda x, w: (lambda h, r: (d.fused_add_rmsnorm(h, r, None, 1e-6), *d.scaled_fp8_quant(h, None, True), r)[1:])(
+            x @ torch.eye(x.shape[-1], dtype=x.dtype), x * 3),
+        ["fused_add_rmsnorm", "scaled_fp8_quant"]),
     "fused_add_rmsnorm input read again": (
         lambda x, w: (lambda h, r: (d.fused_add_rmsnorm(h, r, w, 1e-6), *d.scaled_fp8_quant(h, None, True), h + 1, r)[1:])(
             x.clone(), x * 3),

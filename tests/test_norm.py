@@ -23,6 +23,8 @@ GPU_SHAPES = [((4096, 8192), None), ((33, 7168), 8192), ((1, 131072), None)]
 _PLAIN = [op for op in family_ops("norm") if not op.endswith("_fp8_quant")]
 NORM = [op for op in _PLAIN if "!" not in ops.BY_NAME[op].schema]
 FUSED = [op for op in _PLAIN if "!" in ops.BY_NAME[op].schema]
+# the ops that take weight=None (vLLM's RMSNorm(has_weight=False)); the others require a weight
+UNWEIGHTED = [op for op in family_ops("norm") if "Tensor? weight" in ops.BY_NAME[op].schema]
 
 
 def _rows(shape, stride, dtype, device, scale=1.0):
@@ -275,6 +277,8 @@ def test_none_for_a_tensor_names_the_op_and_the_argument(op, device):
     """Through the registered op and the typed wrapper (on CUDA also through the C++ entry)."""
     names = ("input", "residual", "weight") if op in FUSED else ("input", "weight")
     for i, name in enumerate(names):
+        if name == "weight" and op in UNWEIGHTED:  # None: no scale (test_no_weight_is_a_weight_of_ones)
+            continue
         args = [torch.randn(4, 64, device=device) for _ in names[:-1]] + [torch.randn(64, device=device), 1e-6]
         args[i] = None
         for call in (getattr(torch.ops.deepinfer, op).default, getattr(torch_kernels, op)):
@@ -376,3 +380,166 @@ def test_inplace_overlap_raises_at_trace_time():
         buf, w = torch.randn(tokens, 2 * N), torch.randn(N)
         assert_close(halves_compiled(buf.clone(), w), halves(buf.clone(), w))
     assert counter.frame_count == 1  # the check reads size hints, so it guards on no token count
+
+
+# --- weight=None ------------------------------------------------------------------------------------
+
+
+def test_the_unweighted_ops_are_rmsnorm_and_fused_add_rmsnorm():
+    assert UNWEIGHTED == ["rmsnorm", "fused_add_rmsnorm"]
+
+
+def _no_weight_cases(device):
+    cases = [((1, 1), None), ((7, 1000), None), ((2, 3, 257), None), ((0, 64), None), ((5, 96), 160),
+             ((2, 20000), None)]
+    return cases + ([((4096, 8192), None), ((33, 7168), 8192)] if device == "cuda" else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+@pytest.mark.parametrize("op", UNWEIGHTED)
+def test_no_weight_is_a_weight_of_ones(op, dtype, device):
+    """Bit for bit, on every backend here (the registered op, the reference, Triton interpreted on the
+    CPU; on CUDA each backend as dispatched), NaN and Inf included."""
+    for shape, stride in _no_weight_cases(device):
+        ones = torch.ones(shape[-1], dtype=dtype, device=device)
+        x = _rows(shape, stride, dtype, device)
+        if x.numel() > 2:
+            x.view(-1, shape[-1])[0, :2] = torch.tensor([float("nan"), float("inf")])
+        for name, fn in _backends(op, device):
+            if dtype == torch.float64 and name not in ("registered", "torch"):
+                continue
+            if op in NORM:
+                got, want = fn(x, None, 1e-5), fn(x, ones, 1e-5)
+                assert got.dtype == dtype and got.shape == x.shape
+                assert torch.equal(got.isnan(), want.isnan()), f"{name} {shape}"
+                assert torch.equal(got.nan_to_num(), want.nan_to_num()), f"{name} {shape}"
+            else:
+                res = _rows(shape, stride, dtype, device)
+                xa, ra, xb, rb = x.clone(), res.clone(), x.clone(), res.clone()
+                if stride is not None:
+                    xa, ra, xb, rb = (_restride(t, stride) for t in (xa, ra, xb, rb))
+                assert fn(xa, ra, None, 1e-5) is None
+                fn(xb, rb, ones, 1e-5)
+                for got, want in ((xa, xb), (ra, rb)):
+                    assert torch.equal(got.isnan(), want.isnan()), f"{name} {shape}"
+                    assert torch.equal(got.nan_to_num(), want.nan_to_num()), f"{name} {shape}"
+
+
+def test_no_weight_gradient_is_the_gradient_with_ones():
+    x = torch.randn(3, 40, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: torch.ops.deepinfer.rmsnorm(x, None, 1e-6), (x,))
+    g = torch.randn(3, 40, dtype=torch.float64)
+    (dx,) = torch.autograd.grad(torch.ops.deepinfer.rmsnorm(x, None, 1e-6), x, g)
+    (want,) = torch.autograd.grad(torch.ops.deepinfer.rmsnorm(x, torch.ones(40, dtype=torch.float64), 1e-6), x, g)
+    assert torch.allclose(dx, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("op", [op for op in family_ops("norm") if op not in UNWEIGHTED])
+def test_the_other_norms_require_a_weight(op):
+    """Gemma's weight is an offset from one, and the FP8 norms keep theirs: None names the argument."""
+    x = torch.randn(4, 64)
+    args = (x, x.clone(), None) if "fused" in op else (x, None)
+    for call in (getattr(torch.ops.deepinfer, op).default, getattr(torch_kernels, op)):
+        with pytest.raises(TypeError, match=rf"^deepinfer::{op}: argument 'weight' must be a Tensor, got NoneType"):
+            call(*args, 1e-6)
+
+
+@pytest.mark.parametrize("op", UNWEIGHTED)
+def test_no_weight_bad_input_still_names_the_argument(op):
+    fused = op in FUSED
+    call = getattr(torch.ops.deepinfer, op).default
+    x = torch.randn(4, 64)
+    tail = (None, 1e-6)
+    for args, name, err in (((torch.randn(4, 0),) + ((torch.randn(4, 0),) if fused else ()), "input", ValueError),
+                            ((torch.randn(4, 64).t(),) + ((torch.randn(64, 4),) if fused else ()), "input", ValueError),
+                            ((x.int(),) + ((x.int(),) if fused else ()), "input", TypeError)):
+        with pytest.raises(err, match=rf"^deepinfer::{op}: argument '{name}'"):
+            call(*args, *tail)
+    with pytest.raises(ValueError, match=rf"^deepinfer::{op}: argument 'eps'"):
+        call(*((x, x.clone()) if fused else (x,)), None, -1.0)
+    if fused:
+        with pytest.raises(ValueError, match=rf"^deepinfer::{op}: argument 'residual'"):
+            call(x, x, None, 1e-6)
+        buf = torch.randn(4, 96)
+        with pytest.raises(ValueError, match=rf"^deepinfer::{op}: argument '(input|residual)'"):
+            call(buf[:, :64], buf[:, 32:], None, 1e-6)  # overlapping columns
+        xa, ra = torch.randn(4, 64), torch.randn(4, 32)
+        with pytest.raises(ValueError, match=rf"^deepinfer::{op}: argument 'residual'"):
+            call(xa, ra, None, 1e-6)
+
+
+@pytest.mark.parametrize("op", UNWEIGHTED)
+def test_no_weight_tilelang_and_flashinfer_take_a_cached_weight_of_ones(op, monkeypatch):
+    """The kernels of both read a weight: they get ones in the input's dtype, one tensor per
+    (device, dtype, hidden size); the launchers' argument mapping, checked without a GPU."""
+    from torch_kernels.families.norm import tilelang as tl_norm, unit_weight
+
+    seen = []
+
+    def host(*args):
+        seen.append(args)
+    monkeypatch.setattr(tl_norm, "_function", lambda *a: (host, 8))
+    fused = op in FUSED
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(3, 96, dtype=dtype)
+        args = (x, x.clone()) if fused else (x,)
+        for _ in range(2):
+            getattr(tl_norm, op)(*args, None, 1e-6)
+        w = seen[-1][2 if fused else 1]
+        assert w.dtype == dtype and w.shape == (96,) and torch.equal(w, torch.ones(96, dtype=dtype))
+        assert seen[-2][2 if fused else 1] is w  # cached
+        assert unit_weight.ones_like_row(x) is w
+
+
+@pytest.mark.parametrize("op", UNWEIGHTED)
+def test_no_weight_compiles_to_one_node_without_recompiling(op):
+    """weight=None traced (aot_eager, unbacked token count): one node, one graph for 3, 1, 0 and 300 tokens."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = getattr(torch.ops.deepinfer, op).default
+    fused = op in FUSED
+
+    def block(x, *r):
+        if fused:
+            fn(x, r[0], None, 1e-6)
+            return x + 0, r[0] + 0
+        return fn(x, None, 1e-6) + 0
+
+    compiled = torch.compile(block, backend=counter, fullgraph=True)
+    for t in (3, 1, 0, 300):
+        args = [torch.randn(t, 96) for _ in range(2 if fused else 1)]
+        want = block(*(a.clone() for a in args))
+        for a in args:
+            torch._dynamo.decorators.mark_unbacked(a, 0)
+        got = compiled(*args)
+        for g, w in zip(got if fused else (got,), want if fused else (want,)):
+            assert torch.equal(g, w)
+    assert counter.frame_count == 1
+    calls = [n for g in counter.graphs for n in g.graph.nodes if "deepinfer" in str(n.target)]
+    assert len(calls) == 1, calls
+
+
+@pytest.mark.parametrize("op", UNWEIGHTED)
+def test_no_weight_decomposed_by_inductor_on_cpu_is_the_eager_op(op):
+    """The decompose route (the reference traced by Inductor) takes weight=None too."""
+    fn = getattr(torch.ops.deepinfer, op).default
+    fused = op in FUSED
+    x, r = torch.randn(7, 257), torch.randn(7, 257)
+    if fused:
+        block = lambda x, r: (fn(x, r, None, 1e-6), x * 1, r * 1)[1:]  # noqa: E731
+    else:
+        block = lambda x: fn(x * 2, None, 1e-6) + 1  # noqa: E731
+    torch._dynamo.reset()
+    previous = torch_kernels.configure(compile_route={op: "decompose"})
+    try:
+        args = (x, r) if fused else (x,)
+        got = torch.compile(block, fullgraph=True)(*(a.clone() for a in args))
+        want = block(*(a.clone() for a in args))
+    finally:
+        torch_kernels.configure(previous)
+        torch._dynamo.reset()
+    for g, w in zip(got if fused else (got,), want if fused else (want,)):
+        assert_close(g, w)

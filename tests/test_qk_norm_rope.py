@@ -339,7 +339,9 @@ def _bad_cases(device):
         ("fp16 cache for fp32 query", args(cache=cache.half()), TypeError, "cos_sin_cache"),
         ("key of another dtype", args(k=k.double()), TypeError, "key"),
         ("integer query", args(q=torch.ones(4, 64, dtype=torch.int32, device=device)), TypeError, "query"),
-        ("2-D positions", args(positions=positions.view(2, 2)), ValueError, "positions"),
+        # vLLM refuses (B, S) positions with (B*S, ...) rows too ("the same batch_size and seq_len")
+        ("(B, S) positions with (B*S, H*D) rows", args(positions=positions.view(2, 2)), ValueError, "query"),
+        ("3-D positions", args(positions=positions.view(2, 2, 1)), ValueError, "positions"),
         ("positions for another token count", args(positions=positions[:3]), ValueError, "positions"),
         ("float positions", args(positions=positions.float()), TypeError, "positions"),
         ("key that is the query", args(k=q, kw=qw), ValueError, "key"),
@@ -409,7 +411,7 @@ for n, dt, wdt, w_aligned in json.loads(sys.argv[1]):
     asm = compile_(norm._rmsnorm_rows, dict(x_ptr="*" + dt, x_row_stride="i32", res_ptr="*" + dt, res_row_stride="i32",
                    out_ptr="*" + dt, out_row_stride="i32", w_ptr="*" + wdt, N="i32", eps="fp32", s_ptr="*" + dt,
                    s_row_stride="i32", s_group_stride="i32", scale_ptr="*" + dt),
-                   dict(BLOCK_N=cfg.block_n, ONE_PASS=True, HAS_RESIDUAL=False, GEMMA=False, RELOAD=False, QUANT=0,
+                   dict(BLOCK_N=cfg.block_n, ONE_PASS=True, HAS_RESIDUAL=False, GEMMA=False, HAS_WEIGHT=True, RELOAD=False, QUANT=0,
                         GROUP_SIZE=1, UE8M0=False, V=min(16 // BYTES[dt], cfg.block_n), NUMPY_MAX=False,
                         EMULATE_CAST=False),
                    ["x_ptr", "res_ptr", "out_ptr", "s_ptr", "scale_ptr"] + w + strides, cfg.num_warps)

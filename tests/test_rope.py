@@ -12,7 +12,7 @@ import torch_kernels
 from torch_kernels import registry
 from torch_kernels.families.rope import ops as rope
 from torch_kernels.spec import Backend
-from torch_kernels.testing import assert_close
+from torch_kernels.testing import assert_close, clone_keep_strides
 
 from conftest import DEVICES, assert_bad_inputs_raise, implementations_on, triton_here
 
@@ -259,7 +259,14 @@ def _bad_cases(device):
         ("negative position", args(positions=torch.tensor([0, -1, 5, 2], device=device, dtype=torch.int32)), ValueError, "positions"),
         ("float positions", args(positions=positions.float()), TypeError, "positions"),
         ("int16 positions", args(positions=positions.short()), TypeError, "positions"),
-        ("2-D positions", args(positions=positions.view(2, 2)), ValueError, "positions"),
+        # vLLM refuses (B, S) positions with (B*S, ...) rows too ("the same batch_size and seq_len")
+        ("(B, S) positions with (B*S, H*D) rows", args(positions=positions.view(2, 2)), ValueError, "query"),
+        ("3-D positions", args(positions=positions.view(2, 2, 1)), ValueError, "positions"),
+        ("(B, S) positions, key of another (B, S)",
+         args(positions=positions.view(2, 2), q=q.view(2, 2, 64), k=k.view(4, 1, 32)), ValueError, "key"),
+        ("(B, S) positions, rows of a sliced sequence dim that do not collapse",
+         args(positions=positions.view(2, 2), q=torch.randn(2, 3, 64, device=device)[:, :2], k=k.view(2, 2, 32)),
+         ValueError, "query"),
         ("positions for another token count", args(positions=positions[:3]), ValueError, "positions"),
         ("key of another dtype", args(k=k.double()), TypeError, "key"),
         ("key for another token count", args(k=torch.randn(5, 32, device=device)), ValueError, "key"),
@@ -472,3 +479,107 @@ def test_rotary_embedding_cuda_default_selection_is_a_kernel():
     from torch_kernels import dispatch
     chain, notice = dispatch.plan(OP)
     assert chain[0].backend is not Backend.TORCH and notice is None
+
+
+# --- vLLM's batched form: positions (B, S), query and key (B, S, ...) ------------------------------
+
+QK_OP = "qk_rmsnorm_rope"
+# (batch, seq_len, q heads, k heads, head_size, rot_dim, is_neox, layout): (B, S, H*hs) rows, strided
+# (B, S, ...) slices of a fused qkv tensor, (B, S, H, hs) views, one token, GPT-J and partial rotary
+BATCHED_CASES = [(2, 3, 4, 2, 64, 64, True, "2d"), (3, 5, 3, 1, 96, 48, False, "qkv"),
+                 (2, 4, 5, 3, 32, 16, True, "3d"), (1, 1, 1, 1, 64, 64, False, "2d"), (4, 2, 2, 0, 64, 64, True, "qkv")]
+
+
+def _batched_pair(op, case, device, dtype):
+    """The flat call's arguments and the batched form of copies of them (views of the copies' tensors)."""
+    b, sl, hq, hk, hs, rd, neox, layout = case
+    make = rope.make_args if op == OP else rope.make_qk_args
+    flat = make(b * sl, hq, hk, hs, rd, neox, layout, device, dtype)
+    if flat[2] is None and op == QK_OP:
+        flat = flat[:4] + (None,) + flat[5:]
+    copy = lambda a: a if not isinstance(a, torch.Tensor) else clone_keep_strides(a)  # noqa: E731
+    return flat, rope.batched(tuple(copy(a) for a in flat), b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", [OP, QK_OP])
+def test_batched_positions_are_the_flattened_call_bit_for_bit(op, dtype, device):
+    """On every backend here: in place on the caller's (B, S, ...) tensors, equal to the (B*S, ...) call."""
+    for case in BATCHED_CASES:
+        for name, fn in implementations_on(op, device):
+            flat, bat = _batched_pair(op, case, device, dtype)
+            before = bat[1].clone()
+            q_ptr = bat[1].data_ptr()
+            assert fn(*flat) is None and fn(*bat) is None
+            assert bat[1].data_ptr() == q_ptr and bat[1].shape[:2] == bat[0].shape
+            assert not torch.equal(bat[1], before), f"{name}: query not rotated"
+            for i, what in ((1, "query"), (2, "key")):
+                if flat[i] is not None:
+                    assert torch.equal(bat[i].reshape(flat[i].shape), flat[i]), f"{name} {case}: {what}"
+
+
+@pytest.mark.parametrize("op", [OP, QK_OP])
+def test_batched_positions_reach_tilelang_as_token_rows(op, monkeypatch):
+    """TileLang's launchers flatten before they pick a kernel: 1-D positions and (B*S, ...) views of
+    the caller's tensors (checked without a GPU)."""
+    from torch_kernels.families.rope import tilelang as tl_rope
+
+    seen = []
+    monkeypatch.setattr(tl_rope, "_qk_function" if op == QK_OP else "_function",
+                        lambda *key: (lambda *args: seen.append((key, args))))
+    if op == QK_OP:
+        monkeypatch.setattr(tl_rope, "_qk_aligned", lambda *a: True)
+    flat, bat = _batched_pair(op, (2, 3, 4, 2, 64, 64, True, "qkv"), "cpu", torch.bfloat16)
+    getattr(tl_rope, op)(*flat)
+    getattr(tl_rope, op)(*bat)
+    (key_flat, args_flat), (key_bat, args_bat) = seen
+    assert key_flat == key_bat
+    p, q, k = args_bat[:3]
+    assert p.shape == (6,) and q.shape == flat[1].shape and q.stride() == flat[1].stride()
+    assert q.data_ptr() == bat[1].data_ptr() and k.data_ptr() == bat[2].data_ptr()
+
+
+@pytest.mark.parametrize("unbacked", [False, True], ids=["dynamic", "unbacked"])
+@pytest.mark.parametrize("op", [OP, QK_OP])
+def test_batched_positions_compile_to_one_node_without_recompiling(op, unbacked):
+    """Dynamic (or unbacked: contiguous rows) batch and sequence sizes: one graph, one node of the op,
+    for every (B, S)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = getattr(torch.ops.deepinfer, op).default
+
+    def block(*args):
+        fn(*args)
+        return args[1] + 0, args[2] + 0
+
+    compiled = torch.compile(block, backend=counter, fullgraph=True, dynamic=not unbacked)
+    frames = []
+    for b, sl in ((2, 3), (3, 5), (4, 7)):
+        flat, bat = _batched_pair(op, (b, sl, 4, 2, 64, 64, True, "2d" if unbacked else "qkv"), "cpu", torch.float32)
+        want = block(*flat)
+        for t in bat[:3] if unbacked else ():
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+            torch._dynamo.decorators.mark_unbacked(t, 1)
+        got = compiled(*bat)
+        frames.append(counter.frame_count)
+        for g, w in zip(got, want):
+            assert torch.equal(g.reshape(w.shape), w)
+    assert frames[0] == frames[-1], frames  # (qk_rmsnorm_rope's first call also counts a frame with an empty graph)
+    calls = [n for g in counter.graphs for n in g.graph.nodes if n.op == "call_function" and "deepinfer" in str(n.target)]
+    assert len(calls) == 1, calls
+
+
+@pytest.mark.parametrize("op", [OP, QK_OP])
+def test_batched_positions_bad_shapes_raise_at_trace_time(op):
+    """The fake function flattens as the eager validator does: (B, S) positions with (B*S, ...) rows
+    fail while compiling, naming query."""
+    flat, _ = _batched_pair(op, (2, 3, 4, 2, 64, 64, True, "2d"), "cpu", torch.float32)
+    args = (flat[0].view(2, 3),) + flat[1:]
+    fn = getattr(torch.ops.deepinfer, op).default
+    compiled = torch.compile(lambda *a: fn(*a), backend="eager", fullgraph=True)
+    for call in (fn, compiled):
+        with pytest.raises(Exception, match=rf"deepinfer::{op}: argument 'query' must be \(B, S, H \* head_size\)"):
+            call(*args)

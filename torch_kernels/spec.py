@@ -137,8 +137,8 @@ class HostCall:
     """How the C++ entry calls a backend's compiled host function for one op (``fast_path.py``).
 
     ``roles`` has one letter per schema argument: ``r`` rows shaped like the data argument (the first
-    ``r``), ``w`` a 1-D vector of its last dimension (both contiguous and 16-byte aligned), ``f`` a float
-    that must be >= 0, passed by value. ``output`` is what the entry allocates (:data:`HOST_OUTPUTS`).
+    ``r``), ``w`` a 1-D vector of its last dimension (both contiguous and 16-byte aligned; a ``Tensor?`` one
+    passed as ``None`` sends the call to the Python kernels), ``f`` a float that must be >= 0, passed by value. ``output`` is what the entry allocates (:data:`HOST_OUTPUTS`).
     ``order`` is the host function's arguments: every schema argument's index once, ``-1`` for the output.
     """
 

@@ -336,7 +336,10 @@ void install(const std::string& name, const std::string& roles, const std::strin
   for (int i = 0; i < s.num_args; ++i) {
     const char r = roles[i];
     const c10::TypeKind kind = arguments[i].type()->kind();
-    const bool tensor = kind == c10::TypeKind::TensorType;
+    // a vector may be optional (Tensor?): a call passing None goes on to Python (serve's given())
+    const bool optional = kind == c10::TypeKind::OptionalType &&
+                          arguments[i].type()->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType;
+    const bool tensor = kind == c10::TypeKind::TensorType || (r == 'w' && optional);
     TORCH_CHECK(((r == 'r' || r == 'w') && tensor) || (r == 'f' && kind == c10::TypeKind::FloatType), where,
                 "argument 'roles': '", r, "' for argument '", arguments[i].name(), "' of type ", arguments[i].type()->str());
     s.roles[i] = r;

@@ -408,7 +408,7 @@ class _Producer(_Part):
 def _our_producer(y: fx.Node) -> Optional[_Producer]:
     if _is(y, *NORMS, *ACTIVATIONS):
         a = _bind(y)
-        if a is None:
+        if a is None or y.target in NORMS and a["weight"] is None:  # the FP8 norms take a weight
             return None
         kwargs = {"input": a["input"]} if y.target in ACTIVATIONS else \
             {"input": a["input"], "weight": a["weight"], "eps": a["eps"]}
@@ -418,6 +418,8 @@ def _our_producer(y: fx.Node) -> Optional[_Producer]:
     af = y.args[0]
     op = af.args[0]
     a = _bind(af, op)
+    if a is None or a.get("weight") is None:  # the FP8 norms take a weight
+        return None
     if af.target is _AF2:
         extra = set(af.kwargs) - {"weight", "eps", "_input_base_index", "_residual_base_index", "_all_bases"}
         bases, i, r = af.kwargs["_all_bases"], af.kwargs["_input_base_index"], af.kwargs["_residual_base_index"]

@@ -17,6 +17,7 @@ Calls the kernels cannot take go to the next backend (``<op>_refuses``, and fp16
 ``KernelSpec.dtypes``: the kernels dispatch on those two types):
 
 * a weight of another dtype than the input: the kernels read it as the input's type;
+  ``weight=None`` is served with a cached weight of ones in the input's dtype (``unit_weight.py``);
 * misaligned rows: each thread loads ``vec = gcd(8, N)`` elements, so every row start and the weight
   must sit on ``2 * vec`` bytes;
 * rows that do not form one ``(T, N)`` view, or reach past 2^32 elements (``uint32`` row offsets);
@@ -34,6 +35,7 @@ from torch import Tensor
 
 from ...backends.rows import rows_view
 from ...backends import flashinfer_jit as _module
+from .unit_weight import ones_like_row
 
 _MAX_VEC = 8  # elements per 16-byte load of fp16/bf16: the kernels use gcd(8, N)
 _MAX_THREADS = 1024  # threads per block: min(1024, N / vec)
@@ -89,32 +91,33 @@ def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemm
             x, res, weight, eps, device_support_pdl(input.device))
 
 
-def rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
-    return _norm(input, weight, eps, gemma=False)
+def rmsnorm(input: Tensor, weight: Optional[Tensor], eps: float = 1e-6) -> Tensor:
+    # no weight: the kernels read one, so a weight of ones in the input's dtype (a product with 1 is exact)
+    return _norm(input, ones_like_row(input) if weight is None else weight, eps, gemma=False)
 
 
 def gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     return _norm(input, weight, eps, gemma=True)
 
 
-def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
-    _fused_add(input, residual, weight, eps, gemma=False)
+def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float = 1e-6) -> None:
+    _fused_add(input, residual, ones_like_row(input) if weight is None else weight, eps, gemma=False)
 
 
 def gemma_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
     _fused_add(input, residual, weight, eps, gemma=True)
 
 
-def rmsnorm_refuses(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Optional[str]:
-    return _refuses(input, weight)
+def rmsnorm_refuses(input: Tensor, weight: Optional[Tensor], eps: float = 1e-6) -> Optional[str]:
+    return _refuses(input, ones_like_row(input) if weight is None else weight)
 
 
 def gemma_rmsnorm_refuses(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Optional[str]:
     return _refuses(input, weight)
 
 
-def fused_add_rmsnorm_refuses(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> Optional[str]:
-    return _refuses(input, weight, residual)
+def fused_add_rmsnorm_refuses(input: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float = 1e-6) -> Optional[str]:
+    return _refuses(input, ones_like_row(input) if weight is None else weight, residual)
 
 
 def gemma_fused_add_rmsnorm_refuses(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> Optional[str]:

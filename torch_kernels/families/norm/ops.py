@@ -17,22 +17,29 @@ from ...opdef import BenchCase, HostGoal, OpDef, Peer, assert_close
 _DEFAULT_EPS = 1e-6
 
 
-def _validate_norm(op: str, input: Tensor, weight: Tensor, eps: float) -> None:
+#: the ops whose weight may be None (vLLM's RMSNorm(has_weight=False)): the norm without its scale
+UNWEIGHTED_OPS = ("rmsnorm", "fused_add_rmsnorm")
+
+
+def _validate_norm(op: str, input: Tensor, weight: Optional[Tensor], eps: float) -> None:
     check.tensor(op, "input", input)
-    check.tensor(op, "weight", weight)
+    if weight is not None or op not in UNWEIGHTED_OPS:
+        check.tensor(op, "weight", weight)
     check.floating(op, "input", input)
-    check.floating(op, "weight", weight)
     check.last_dim_contiguous(op, "input", input)
     check.require(input.shape[-1] != 0, op, "input", "must have a hidden size (last dimension) of at least 1")
+    if not eps >= 0.0:
+        check.fail(op, "eps", f"must be a non-negative float, got {eps!r}")
+    if weight is None:
+        return
+    check.floating(op, "weight", weight)
     check.require(weight.dim() == 1 and weight.shape[0] == input.shape[-1], op, "weight",
                   lambda: f"must have shape ({input.shape[-1]},) to match the hidden size of 'input', got {tuple(weight.shape)}")
     check.last_dim_contiguous(op, "weight", weight)
     check.same_device(op, "weight", weight, "input", input)
-    if not eps >= 0.0:
-        check.fail(op, "eps", f"must be a non-negative float, got {eps!r}")
 
 
-def _validate_fused(op: str, input: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+def _validate_fused(op: str, input: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float) -> None:
     _validate_norm(op, input, weight, eps)
     check.tensor(op, "residual", residual)
     check.same_shape(op, "residual", residual, "input", input)
@@ -72,9 +79,15 @@ def _strided_rows_apart(input: Tensor, residual: Tensor, x: int, r: int, w: int,
 
 
 def _validator_norm(op: str):
-    def validate(input: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS) -> None:
+    unweighted = op in UNWEIGHTED_OPS
+
+    def validate(input: Tensor, weight: Optional[Tensor], eps: float = _DEFAULT_EPS) -> None:
         try:
-            if (input.dtype in check.FLOATING and weight.dtype in check.FLOATING and weight.dim() == 1
+            if weight is None:
+                if (unweighted and input.dtype in check.FLOATING and input.shape[-1] != 0 and input.stride(-1) == 1
+                        and eps >= 0.0):
+                    return
+            elif (input.dtype in check.FLOATING and weight.dtype in check.FLOATING and weight.dim() == 1
                     and 0 != input.shape[-1] == weight.shape[0] and input.stride(-1) == 1 and weight.is_contiguous()
                     and input.device == weight.device and eps >= 0.0):
                 return
@@ -85,9 +98,21 @@ def _validator_norm(op: str):
 
 
 def _validator_fused(op: str):
-    def validate(input: Tensor, residual: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS) -> None:
+    unweighted = op in UNWEIGHTED_OPS
+
+    def validate(input: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float = _DEFAULT_EPS) -> None:
         try:
-            if (input.dtype in check.FLOATING and residual.dtype == input.dtype and weight.dtype in check.FLOATING
+            if weight is None:
+                if (unweighted and input.dtype in check.FLOATING and residual.dtype == input.dtype
+                        and 0 != input.shape[-1] and residual.shape == input.shape and residual is not input
+                        and input.device == residual.device and eps >= 0.0):
+                    x, r = input.data_ptr(), residual.data_ptr()
+                    if input.is_contiguous() and residual.is_contiguous():
+                        if abs(x - r) >= input.nbytes:
+                            return
+                    elif _strided_rows_apart(input, residual, x, r, -1, 0):  # no weight: a span of 0 bytes
+                        return
+            elif (input.dtype in check.FLOATING and residual.dtype == input.dtype and weight.dtype in check.FLOATING
                     and weight.dim() == 1 and 0 != input.shape[-1] == weight.shape[0] and residual.shape == input.shape
                     and residual is not input and weight.is_contiguous()
                     and input.device == residual.device == weight.device and eps >= 0.0):
@@ -105,14 +130,14 @@ def _validator_fused(op: str):
 
 
 def _fake_norm(op: str):
-    def fake(input: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS) -> Tensor:
+    def fake(input: Tensor, weight: Optional[Tensor], eps: float = _DEFAULT_EPS) -> Tensor:
         _validate_norm(op, input, weight, eps)
         return input.new_empty(input.shape)
     return fake
 
 
 def _fake_fused(op: str):
-    def fake(input: Tensor, residual: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS) -> None:
+    def fake(input: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float = _DEFAULT_EPS) -> None:
         _validate_fused(op, input, residual, weight, eps)
     return fake
 
@@ -220,6 +245,9 @@ def _rms_backward(gemma: bool):
         x, weight = ctx.saved_tensors
         cd = torch.promote_types(x.dtype, torch.float32)
         xf, g = x.to(cd), grad.to(cd)
+        if weight is None:  # the norm without its scale: w = 1, no gradient for it
+            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+            return (r * (g - xf * r.pow(2) * (g * xf).mean(-1, keepdim=True))).to(x.dtype), None, None
         w = weight.to(cd) + 1.0 if gemma else weight.to(cd)
         # y = x * r * w with r = rsqrt(mean(x^2) + eps):
         # dx = r * (g*w - x * r^2 * mean(g*w*x)),  dw = sum over rows of g * x * r
@@ -235,7 +263,7 @@ def _rms_backward(gemma: bool):
 # Typed wrappers: what IDEs show, and what docs/ops.md is generated from.
 
 
-def rmsnorm(input: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS) -> Tensor:
+def rmsnorm(input: Tensor, weight: Optional[Tensor], eps: float = _DEFAULT_EPS) -> Tensor:
     """``out = input * rsqrt(mean(input^2, dim=-1) + eps) * weight``
 
     Root-mean-square layer normalisation over the last dimension, computed in fp32 (fp64 for fp64
@@ -243,7 +271,8 @@ def rmsnorm(input: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS) -> Tensor:
 
     Args:
         input: ``(..., N)`` fp16/bf16/fp32/fp64, last dimension contiguous (rows may be strided).
-        weight: ``(N,)``, any floating dtype, on the device of ``input``.
+        weight: ``(N,)``, any floating dtype, on the device of ``input``; or ``None``, no scale (vLLM's
+            ``RMSNorm(has_weight=False)``): bit for bit the result of a weight of ones.
         eps: added to the mean square; default ``1e-6``.
 
     Returns:
@@ -252,7 +281,7 @@ def rmsnorm(input: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS) -> Tensor:
     return torch.ops.deepinfer.rmsnorm.default(input, weight, eps)
 
 
-def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = _DEFAULT_EPS) -> None:
+def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float = _DEFAULT_EPS) -> None:
     """``residual += input; input = residual * rsqrt(mean(residual^2, dim=-1) + eps) * weight``, in place
 
     The pre-norm residual step of a decoder layer (vLLM's ``fused_add_rms_norm``, FlashInfer's
@@ -262,7 +291,7 @@ def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: floa
     Args:
         input: ``(..., N)`` fp16/bf16/fp32/fp64, last dimension contiguous; receives the normalised output.
         residual: ``(..., N)``, the shape and dtype of ``input``; receives ``residual + input``.
-        weight: ``(N,)``, any floating dtype.
+        weight: ``(N,)``, any floating dtype; or ``None``, no scale: bit for bit a weight of ones.
         eps: added to the mean square; default ``1e-6``.
 
     ``input``, ``residual`` and ``weight`` must not share memory, nor two elements of ``input`` or of
@@ -422,15 +451,28 @@ def _rows(lead, n: int, stride: Optional[int], device, dtype) -> Tensor:
     return torch.randn(*lead, stride, device=device, dtype=dtype)[..., :n]
 
 
-def _samples_norm(device, dtype) -> Iterator[tuple]:
-    for lead, n, stride in SAMPLE_SHAPES:
-        yield _rows(lead, n, stride, device, dtype), torch.randn(n, device=device, dtype=dtype), 1e-6
+#: the samples of the ops that take ``weight=None``: 3-D, strided rows, zero tokens (few: each sample
+#: may cost a recompile where the tests compile them all, at most 8)
+UNWEIGHTED_SAMPLE_SHAPES = (((2, 3), 257, None), ((4,), 96, 160), ((0,), 64, None))
 
 
-def _samples_fused(device, dtype) -> Iterator[tuple]:
-    for lead, n, stride in SAMPLE_SHAPES:
-        yield (_rows(lead, n, stride, device, dtype), _rows(lead, n, stride, device, dtype),
-               torch.randn(n, device=device, dtype=dtype), 1e-5)
+def _samples_norm(unweighted: bool):
+    def samples(device, dtype) -> Iterator[tuple]:
+        for lead, n, stride in SAMPLE_SHAPES:
+            yield _rows(lead, n, stride, device, dtype), torch.randn(n, device=device, dtype=dtype), 1e-6
+        for lead, n, stride in UNWEIGHTED_SAMPLE_SHAPES if unweighted else ():
+            yield _rows(lead, n, stride, device, dtype), None, 1e-6
+    return samples
+
+
+def _samples_fused(unweighted: bool):
+    def samples(device, dtype) -> Iterator[tuple]:
+        for lead, n, stride in SAMPLE_SHAPES:
+            yield (_rows(lead, n, stride, device, dtype), _rows(lead, n, stride, device, dtype),
+                   torch.randn(n, device=device, dtype=dtype), 1e-5)
+        for lead, n, stride in UNWEIGHTED_SAMPLE_SHAPES if unweighted else ():
+            yield _rows(lead, n, stride, device, dtype), _rows(lead, n, stride, device, dtype), None, 1e-5
+    return samples
 
 
 def _tokens_norm(n: int, device) -> tuple:
@@ -623,15 +665,19 @@ def _fused_quant_op(name: str, wrapper, bench: BenchCase) -> OpDef:
                  compare=_compare_quant, bench=bench)
 
 
+def _weight_type(name: str) -> str:
+    return "Tensor?" if name in UNWEIGHTED_OPS else "Tensor"
+
+
 def _norm_op(name: str, wrapper, gemma: bool, bench: BenchCase) -> OpDef:
-    return OpDef(f"{name}(Tensor input, Tensor weight, float eps={_DEFAULT_EPS}) -> Tensor",
-                 _validator_norm(name), _fake_norm(name), wrapper, _samples_norm, _tokens_norm,
+    return OpDef(f"{name}(Tensor input, {_weight_type(name)} weight, float eps={_DEFAULT_EPS}) -> Tensor",
+                 _validator_norm(name), _fake_norm(name), wrapper, _samples_norm(name in UNWEIGHTED_OPS), _tokens_norm,
                  backward=_rms_backward(gemma), setup_context=_setup_context, bench=bench)
 
 
 def _fused_op(name: str, wrapper, bench: BenchCase) -> OpDef:
-    return OpDef(f"{name}(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps={_DEFAULT_EPS}) -> ()",
-                 _validator_fused(name), _fake_fused(name), wrapper, _samples_fused, _tokens_fused,
+    return OpDef(f"{name}(Tensor(a!) input, Tensor(b!) residual, {_weight_type(name)} weight, float eps={_DEFAULT_EPS}) -> ()",
+                 _validator_fused(name), _fake_fused(name), wrapper, _samples_fused(name in UNWEIGHTED_OPS), _tokens_fused,
                  no_grad_reason="it overwrites input and residual in place; use rmsnorm(input + residual, weight) to differentiate",
                  bench=bench)
 

@@ -17,15 +17,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _normalize(x: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
-    """``x * rsqrt(mean(x^2, -1) + eps) * w`` in ``x``'s (compute) dtype; ``w`` is ``1 + weight`` for Gemma."""
+def _normalize(x: Tensor, weight: Optional[Tensor], eps: float, gemma: bool) -> Tensor:
+    """``x * rsqrt(mean(x^2, -1) + eps) * w`` in ``x``'s (compute) dtype; ``w`` is ``1 + weight`` for Gemma;
+    no weight: no scale, bit for bit ``w = 1`` (a product with 1 is exact)."""
+    if weight is None:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     w = weight.to(x.dtype)
     if gemma:
         w = w + 1.0
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+def rmsnorm(input: Tensor, weight: Optional[Tensor], eps: float = 1e-6) -> Tensor:
     x = input.to(compute_dtype(input.dtype))
     return _normalize(x, weight, eps, gemma=False).to(input.dtype).contiguous()
 
@@ -43,7 +46,7 @@ def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemm
     input.copy_(_normalize(s, weight, eps, gemma))
 
 
-def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
+def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float = 1e-6) -> None:
     _fused_add(input, residual, weight, eps, gemma=False)
 
 

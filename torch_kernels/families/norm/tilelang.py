@@ -36,6 +36,7 @@ from torch import Tensor
 from ... import fp8 as _fp8_core
 from ...backends.rows import rows_view
 from ...backends import norm_rows as _rows, tilelang_fp8 as _fp8, tilelang_jit as _jit
+from .unit_weight import ones_like_row
 
 _NAME = "rmsnorm"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
@@ -675,16 +676,17 @@ def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemm
     fn(x, res, weight, eps)
 
 
-def rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
-    return _norm(input, weight, eps, gemma=False)
+def rmsnorm(input: Tensor, weight: Optional[Tensor], eps: float = 1e-6) -> Tensor:
+    # no weight: the kernel of a weight of ones in the input's dtype (a product with 1 is exact)
+    return _norm(input, ones_like_row(input) if weight is None else weight, eps, gemma=False)
 
 
 def gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     return _norm(input, weight, eps, gemma=True)
 
 
-def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:
-    _fused_add(input, residual, weight, eps, gemma=False)
+def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float = 1e-6) -> None:
+    _fused_add(input, residual, ones_like_row(input) if weight is None else weight, eps, gemma=False)
 
 
 def gemma_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> None:

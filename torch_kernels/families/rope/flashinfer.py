@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ...backends import flashinfer_jit as _module
+from .tokens import flat_tokens
 
 _HEAD_SIZES = (64, 128, 256, 512)  # DISPATCH_HEAD_DIM in BatchQKApplyRotaryPosIdsCosSinCache
 _ALIGN = 16  # bytes per vector load
@@ -49,6 +50,7 @@ def _strides(x: Tensor, head_size: int):
 
 def rotary_embedding_refuses(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
                              cos_sin_cache: Tensor, is_neox: bool) -> Optional[str]:
+    positions, query, key = flat_tokens(positions, query, key)
     if key is None:
         return "no key: FlashInfer's apply_rope_with_cos_sin_cache_inplace rotates query and key together"
     if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
@@ -78,6 +80,7 @@ def rotary_embedding_refuses(positions: Tensor, query: Tensor, key: Optional[Ten
 
 def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
                      cos_sin_cache: Tensor, is_neox: bool) -> None:
+    positions, query, key = flat_tokens(positions, query, key)
     if query.shape[0] == 0:  # a grid of 0 blocks is a launch error
         return
     if not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):

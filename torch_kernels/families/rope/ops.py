@@ -14,10 +14,12 @@ from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from ... import checks as check
 from ...opdef import BenchCase, OpDef, Peer
 from ...rotary import make_cos_sin_cache  # noqa: F401  (callers build caches with it)
+from .tokens import collapses, flat_tokens
 
 OP = "rotary_embedding"
 _POSITION_DTYPES = (torch.int32, torch.int64)
@@ -38,7 +40,8 @@ def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head
     check.tensor(OP, "cos_sin_cache", cos_sin_cache)
     if positions.dtype not in _POSITION_DTYPES:
         check.fail(OP, "positions", f"must be an int32 or int64 tensor, got {positions.dtype}", TypeError)
-    check.require(positions.dim() == 1, OP, "positions", lambda: f"must be 1-D (num_tokens,), got shape {tuple(positions.shape)}")
+    check.require(positions.dim() == 1, OP, "positions",
+                  lambda: f"must be 1-D (num_tokens,) or 2-D (batch, seq_len), got shape {tuple(positions.shape)}")
     check.floating(OP, "query", query)
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 1:
         check.fail(OP, "head_size", f"must be a positive int, got {head_size!r}")
@@ -145,17 +148,47 @@ def _fast_ok(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size:
     return False
 
 
+def _batched(positions, query, key, OP: str = OP) -> tuple:
+    """vLLM's batched form, ``positions (B, S)`` with ``query``/``key`` ``(B, S, ...)``, as the ``(B*S, ...)``
+    views the backends take (``tokens.py``); any other call as it is. vLLM refuses ``(B, S)`` positions
+    with ``(B*S, ...)`` rows, and so does this; batch and sequence dims that do not collapse into one
+    token stride (vLLM steps them by the sequence stride alone) are refused here."""
+    if not (isinstance(positions, Tensor) and positions.dim() == 2):
+        return positions, query, key
+    lead = tuple(positions.shape)
+    for name, t in (("query", query), ("key", key)):
+        if t is None and name == "key":
+            continue
+        check.tensor(OP, name, t)
+        shape = lambda: (f"must be (B, S, H * head_size) or (B, S, H, head_size) with positions (B, S) = "  # noqa: E731
+                         f"{lead}, got shape {tuple(t.shape)}")
+        check.require(t.dim() in (3, 4), OP, name, shape)
+        for size, want in zip(t.shape[:2], lead):  # one SymBool each: unbacked sizes trace
+            check.require(size == want, OP, name, shape)
+        # undecided on unbacked sizes: the fake lets it pass, the eager entry of the traced call checks it
+        check.require(guard_or_true(collapses(t)), OP, name,
+                      lambda: f"must have batch and sequence dims that collapse into one token stride with positions "
+                              f"(B, S), got strides {t.stride()}")
+    return flat_tokens(positions, query, key)
+
+
 def validate(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int, cos_sin_cache: Tensor,
              is_neox: bool) -> None:
     if _fast_ok(positions, query, key, head_size, cos_sin_cache):
         _check_positions_in_cache(positions, cos_sin_cache.shape[0], positions.shape[0])
         return
+    flat = _batched(positions, query, key)
+    if flat[0] is not positions and _fast_ok(*flat, head_size, cos_sin_cache):  # the batched form's common call
+        _check_positions_in_cache(flat[0], cos_sin_cache.shape[0], flat[0].shape[0])
+        return
+    positions, query, key = flat
     _validate_full(positions, query, key, head_size, cos_sin_cache, is_neox)
     _check_positions_in_cache(positions, cos_sin_cache.shape[0], positions.numel())
 
 
 def _fake(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int, cos_sin_cache: Tensor,
           is_neox: bool) -> None:
+    positions, query, key = _batched(positions, query, key)
     _validate_full(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
@@ -175,11 +208,16 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], he
     Dims ``r..head_size`` of each head (partial rotary) are neither read nor written. Computed in fp32
     (fp64 for fp64 input) and rounded once.
 
+    Batched form (vLLM's): ``positions (B, S)`` with ``query``/``key`` ``(B, S, H * head_size)`` or
+    ``(B, S, H, head_size)``, whose batch and sequence dims collapse into one token stride; bit for bit
+    the call on their ``(B*S, ...)`` views, in place. ``(B, S)`` positions with ``(B*S, ...)`` rows are
+    refused, as vLLM refuses them.
+
     Args:
-        positions: ``(T,)`` int32 or int64, each in ``[0, max_position)``: checked in eager calls on
-            the CPU (``torch_kernels.families.rope.ops.CHECK_POSITIONS``: on CUDA the check syncs the
-            device); where unchecked (on CUDA, under ``torch.compile``), a token outside the cache
-            gets NaN in its rotated dims, on every backend and route.
+        positions: ``(T,)`` (or ``(B, S)``) int32 or int64, each in ``[0, max_position)``: checked in
+            eager calls on the CPU (``torch_kernels.families.rope.ops.CHECK_POSITIONS``: on CUDA the
+            check syncs the device); where unchecked (on CUDA, under ``torch.compile``), a token
+            outside the cache gets NaN in its rotated dims, on every backend and route.
         query: ``(T, Hq * head_size)`` or ``(T, Hq, head_size)``, fp16/bf16/fp32/fp64, last dimension
             contiguous (rows and heads may be strided, e.g. slices of a fused qkv tensor). Rotated in place.
         key: ``(T, Hk * head_size)`` or ``(T, Hk, head_size)`` with the dtype of ``query``, or ``None``.
@@ -235,9 +273,27 @@ SAMPLE_CASES = (
 )
 
 
+def batched(args: tuple, batch: int) -> tuple:
+    """vLLM's batched form of ``args`` (from :func:`make_args` or :func:`make_qk_args`, ``batch`` dividing
+    its token count): positions ``(B, S)``, query and key ``(B, S, ...)`` views of the same tensors."""
+    positions, query, key = args[0], args[1], args[2]
+    s = positions.shape[0] // batch
+    return (positions.view(batch, s), query.view(batch, s, *query.shape[1:]),
+            None if key is None else key.view(batch, s, *key.shape[1:]), *args[3:])
+
+
+#: the batched form: (batch, seq_len, then SAMPLE_CASES' fields): strided (B, S, ...) slices of a fused
+#: qkv tensor, as vLLM passes them; one only, since each sample may cost a recompile where the tests
+#: compile them all (at most 8); tests/test_rope.py covers the other layouts
+BATCHED_SAMPLE_CASES = ((3, 2, 3, 1, 96, 48, False, "qkv", torch.int32, False),)
+
+
 def _samples(device, dtype) -> Iterator[tuple]:
     for t, hq, hk, hs, rd, neox, layout, pdt, cache_in_dtype in SAMPLE_CASES:
         yield make_args(t, hq, hk, hs, rd, neox, layout, device, dtype, dtype if cache_in_dtype else torch.float32, pdt)
+    for b, sl, hq, hk, hs, rd, neox, layout, pdt, cache_in_dtype in BATCHED_SAMPLE_CASES:
+        yield batched(make_args(b * sl, hq, hk, hs, rd, neox, layout, device, dtype,
+                                dtype if cache_in_dtype else torch.float32, pdt), max(b, 1))
 
 
 def _tokens(n: int, device) -> tuple:
@@ -334,12 +390,14 @@ def qk_validate(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weigh
                 return
     except (AttributeError, IndexError, RuntimeError, TypeError):  # not tensors, 0-d: the full checks say what
         pass
+    positions, query, key = _batched(positions, query, key, QK_OP)
     _qk_validate_full(positions, query, key, q_weight, k_weight, eps, head_size, cos_sin_cache, is_neox)
     _check_positions_in_cache(positions, cos_sin_cache.shape[0], positions.numel(), QK_OP)
 
 
 def _qk_fake(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight: Tensor, k_weight: Optional[Tensor],
              eps: float, head_size: int, cos_sin_cache: Tensor, is_neox: bool) -> None:
+    positions, query, key = _batched(positions, query, key, QK_OP)
     _qk_validate_full(positions, query, key, q_weight, k_weight, eps, head_size, cos_sin_cache, is_neox)
 
 
@@ -357,9 +415,11 @@ def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_w
     (partial rotary) keep the normalised value. Each backend gives, bit for bit, its own ``rmsnorm``
     then its own ``rotary_embedding`` (:func:`unfused`).
 
+    Takes ``rotary_embedding``'s batched form too: ``positions (B, S)``, ``query``/``key`` ``(B, S, ...)``.
+
     Args:
-        positions: ``(T,)`` int32 or int64 in ``[0, max_position)``, checked as ``rotary_embedding``
-            checks them (``CHECK_POSITIONS``).
+        positions: ``(T,)`` (or ``(B, S)``) int32 or int64 in ``[0, max_position)``, checked as
+            ``rotary_embedding`` checks them (``CHECK_POSITIONS``).
         query: ``(T, Hq * head_size)`` or ``(T, Hq, head_size)``, fp16/bf16/fp32/fp64, last dimension
             contiguous (rows and heads may be strided: slices of a fused qkv tensor). Normalised and
             rotated in place.
@@ -425,6 +485,8 @@ def _qk_samples(device, dtype) -> Iterator[tuple]:
     for t, hq, hk, hs, rd, neox, layout, fp32_weight, pdt in QK_SAMPLE_CASES:
         yield make_qk_args(t, hq, hk, hs, rd, neox, layout, device, dtype, torch.float32 if fp32_weight else dtype,
                            positions_dtype=pdt)
+    for b, sl, hq, hk, hs, rd, neox, layout, pdt, _ in BATCHED_SAMPLE_CASES:
+        yield batched(make_qk_args(b * sl, hq, hk, hs, rd, neox, layout, device, dtype, positions_dtype=pdt), max(b, 1))
 
 
 def _qk_tokens(n: int, device) -> tuple:

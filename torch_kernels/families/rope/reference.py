@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ... import rotary
+from .tokens import flat_tokens
 
 
 def _positions_unchecked(positions: Tensor) -> bool:
@@ -34,6 +35,7 @@ def _cos_sin(positions: Tensor, cos_sin_cache: Tensor, dtype: torch.dtype):
 
 def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
                      cos_sin_cache: Tensor, is_neox: bool) -> None:
+    positions, query, key = flat_tokens(positions, query, key)
     cos, sin = _cos_sin(positions, cos_sin_cache, rotary.compute_dtype(query.dtype))
     for x in (query, key):
         if x is not None:
@@ -51,6 +53,7 @@ def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_w
                     k_weight: Optional[Tensor], eps: float, head_size: int, cos_sin_cache: Tensor,
                     is_neox: bool) -> None:
     # The norm rounded to the dtype, then rotary_embedding's rotation of those values: the unfused pair.
+    positions, query, key = flat_tokens(positions, query, key)
     cos, sin = _cos_sin(positions, cos_sin_cache, rotary.compute_dtype(query.dtype))
     for x, w in ((query, q_weight), (key, k_weight)):
         if x is not None:

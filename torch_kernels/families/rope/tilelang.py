@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ...backends import norm_rows as _rows, tilelang_jit as _jit
 from ...backends.tilelang_rotary import turned_first, turned_second
+from .tokens import flat_tokens
 
 _NAME = "rotary_embedding"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -198,6 +199,7 @@ def _aligned(q: Tensor, k: Optional[Tensor], cache: Tensor, head_size: int, seg:
 
 def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
                      cos_sin_cache: Tensor, is_neox: bool) -> None:
+    positions, query, key = flat_tokens(positions, query, key)
     num_tokens = query.shape[0]
     if num_tokens == 0:
         return
@@ -360,6 +362,7 @@ def _qk_aligned(x: Optional[Tensor], w: Optional[Tensor], vec: int) -> bool:
 def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight: Tensor,
                     k_weight: Optional[Tensor], eps: float, head_size: int, cos_sin_cache: Tensor,
                     is_neox: bool) -> None:
+    positions, query, key = flat_tokens(positions, query, key)
     num_tokens = query.shape[0]
     if num_tokens == 0:
         return

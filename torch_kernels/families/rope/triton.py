@@ -26,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...backends.triton_rotary import cos_sin, rotate_tile
+from .tokens import flat_tokens
 
 # 1024 pairs a tile over 4 warps: a 16-byte vector of bf16 per half-row at head size 128 (untuned:
 # `bench_rope.py --sweep`; docs/design/rope.md).
@@ -148,6 +149,7 @@ def launch(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: i
 
 def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
                      cos_sin_cache: Tensor, is_neox: bool, *, wrap=None, config=None) -> None:
+    positions, query, key = flat_tokens(positions, query, key)
     launch(positions, query, key, head_size, cos_sin_cache, is_neox, config, wrap=wrap)
 
 
@@ -336,6 +338,7 @@ def qk_launch(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight:
 def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight: Tensor,
                     k_weight: Optional[Tensor], eps: float, head_size: int, cos_sin_cache: Tensor, is_neox: bool, *,
                     wrap=None, config=None) -> None:
+    positions, query, key = flat_tokens(positions, query, key)
     if wrap is None and query.shape[0] and head_size % 16 == 0 and not (
             _aligned_heads(query, head_size) and _aligned_heads(key, head_size)):
         # rare: heads off 16 bytes would narrow the head's vector (rmsnorm's row keeps its output's), so its
