@@ -26,8 +26,8 @@ class TestSchemas(expecttest.TestCase):
     def test_registered_schemas(self):
         text = "\n".join(str(_overload(op.name)._schema) for op in ops.ALL)
         self.assertExpectedInline(text, """\
-deepinfer::rmsnorm(Tensor input, Tensor weight, float eps=9.9999999999999995e-07) -> Tensor
-deepinfer::fused_add_rmsnorm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps=9.9999999999999995e-07) -> ()
+deepinfer::rmsnorm(Tensor input, Tensor? weight, float eps=9.9999999999999995e-07) -> Tensor
+deepinfer::fused_add_rmsnorm(Tensor(a!) input, Tensor(b!) residual, Tensor? weight, float eps=9.9999999999999995e-07) -> ()
 deepinfer::gemma_rmsnorm(Tensor input, Tensor weight, float eps=9.9999999999999995e-07) -> Tensor
 deepinfer::gemma_fused_add_rmsnorm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps=9.9999999999999995e-07) -> ()
 deepinfer::rmsnorm_fp8_quant(Tensor input, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)
