@@ -10,20 +10,22 @@
   ``top_k_top_p_sampling_from_probs`` kernels (an fp32 probabilities tensor in between).
 """
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import _fixed, _random_bits31, _target
+from ._common import _fixed, _random_bits31, _target, rng_tensors
 from .logits import _CHUNK, inverse_temperature, min_p_sampling_from_probs, softmax, softmax_stats
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
-def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
-    return min_p_sampling_from_probs(probs, None, 0.0, seed, offset)
+def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor, indices: Optional[Tensor] = None) -> Tensor:
+    return min_p_sampling_from_probs(probs, None, 0.0, seed, offset, indices)
 
 
 @triton.jit
@@ -38,7 +40,7 @@ def _prob_bits(x_row, cols, mask, inv, m, inv_s):
 
 @triton.jit
 def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, seed_ptr, offset_ptr, out_ptr, V, q_bits,
-                                 CHUNK: tl.constexpr):
+                                 CHUNK: tl.constexpr, PER_ROW_RNG: tl.constexpr):
     """Pass 1 is ``_softmax_kernel``'s (so ``m`` and ``s`` are its bits); pass 2 the kept mass, at the
     exponent of ``1 / s`` (the largest probability, ``exp(0) / s``), redone at the row's true largest
     pattern where they differ (a row without mass); pass 3 the draw, stopping at the chunk that holds it."""
@@ -63,7 +65,7 @@ def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, seed_ptr, offset_ptr, o
         for start in range(0, V, CHUNK):
             cols = start + offs
             mass += tl.sum(_fixed(_prob_bits(x_row, cols, cols < V, inv, m, inv_s), e_max, q_bits), axis=0)
-    target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
+    target = _target(_random_bits31(seed_ptr, offset_ptr, row, PER_ROW_RNG), mass)
     base = tl.zeros((), tl.int64)
     token = tl.full((), 2147483647, tl.int32)
     for start in range(0, V, CHUNK):
@@ -79,18 +81,19 @@ def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int32, device=logits.device)
     if B:
+        seed, offset, per_row = rng_tensors(seed, offset, B)
         # CHUNK and num_warps as softmax's launch: pass 1 then sums in its order
         _sampling_from_logits_kernel[(B,)](logits, logits.stride(0), 1.0, seed, offset, out, V, fixed_point_bits(V),
-                                           CHUNK=_CHUNK, num_warps=4)
+                                           CHUNK=_CHUNK, PER_ROW_RNG=per_row, num_warps=4)
     return out
 
 
 def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val: int, maybe_top_p_arr,
                                      top_p_val: float, maybe_temperature_arr, temperature_val: float,
-                                     seed: Tensor, offset: Tensor) -> Tensor:
+                                     seed: Tensor, offset: Tensor, filter_apply_order: str = "top_k_first") -> Tensor:
     from . import _launch  # the package imports this module: no circle at import time
 
     probs = softmax(logits, maybe_temperature_arr, temperature_val)
     top_k = top_k_val if maybe_top_k_arr is None else maybe_top_k_arr  # a scalar: a kernel argument
     top_p = top_p_val if maybe_top_p_arr is None else maybe_top_p_arr
-    return _launch(probs, top_k, top_p, seed, offset, sample=True)
+    return _launch(probs, top_k, top_p, seed, offset, sample=True, joint=filter_apply_order == "joint")
