@@ -5,6 +5,7 @@ indices and per-row seeds: bit for bit what the op gives on the gathered rows, o
 
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -328,6 +329,109 @@ def test_bad_forms_name_the_op_and_the_argument():
 
 
 # ------------------------------------------------------------------------------------------------
+# The FlashInfer backend in these forms, against test_flashinfer.py's fake FlashInfer (on CPU), given
+# FlashInfer's joint sampler and its indices and per-row seeds.
+
+_JOINT_SIGNATURE = ("(probs, top_k, top_p, indices=None, filter_apply_order='top_k_first', deterministic=True, "
+                    "generator=None, check_nan=False, seed=None, offset=None, return_valid=False, top_k_max=None)")
+
+
+def _fake_forms_release():
+    from test_flashinfer import FakeFlashInfer
+
+    class FakeForms(FakeFlashInfer):
+        """Adds FlashInfer's joint sampler, and reads ``indices`` and (0.6.4 on) per-row seed tensors."""
+
+        def install(self):
+            super().install()
+            sys.modules["flashinfer.sampling"].top_k_top_p_sampling_from_probs = self._fn(
+                "sampling.top_k_top_p_sampling_from_probs", self._joint, _JOINT_SIGNATURE)
+            return self
+
+        def _draw(self, probs, accepted, seed, offset, out_dtype):
+            n = probs.shape[0]
+            if self.v < (0, 6, 4):
+                assert isinstance(seed, int) and isinstance(offset, int)
+                seed, offset = torch.tensor([seed]), torch.tensor([offset])
+            assert seed.dtype == offset.dtype == torch.int64 and seed.dim() == offset.dim() == 1
+            assert seed.shape[0] in (1, n) and offset.shape[0] in (1, n)
+            seed, offset = seed.expand(n), offset.expand(n)
+            out = torch.zeros(n, dtype=out_dtype)
+            for row in range(n):
+                w = torch.where(accepted[row], probs[row], 0.0).double()
+                if w.sum() > 0:
+                    g = torch.Generator().manual_seed((int(seed[row]) * 1000003 + int(offset[row]) * 7919 + row) % 2**63)
+                    out[row] = int(torch.multinomial(w, 1, generator=g))
+            return out
+
+        @staticmethod
+        def _above(probs):
+            above = probs[:, None, :] > probs[:, :, None]
+            return above.sum(-1), (above * probs[:, None, :]).sum(-1)
+
+        def _top_p_sampling(self, probs, top_p, indices, deterministic, generator, check_nan, seed, offset,
+                            return_valid=False):
+            assert probs.dtype == torch.float32 and probs.is_contiguous() and top_p.dtype == torch.float32
+            if indices is not None:
+                probs, top_p = probs[indices.long()], top_p[indices.long()]
+            _, mass = self._above(probs)
+            accepted = (probs > 0) & (mass < top_p[:, None])
+            return self._draw(probs, accepted, seed, offset, torch.int32 if indices is None else indices.dtype)
+
+        def _joint(self, probs, top_k, top_p, indices, filter_apply_order, deterministic, generator, check_nan, seed,
+                   offset, return_valid, top_k_max):
+            assert filter_apply_order == "joint" and probs.dtype == torch.float32 and probs.is_contiguous()
+            sums = probs.double().sum(-1)
+            assert ((sums - 1).abs() < 1e-5).all(), "FlashInfer's joint test reads masses as fractions of 1"
+            B, V = probs.shape
+            k = top_k.long() if isinstance(top_k, torch.Tensor) else torch.full((B,), top_k)
+            p = top_p if isinstance(top_p, torch.Tensor) else torch.full((B,), top_p)
+            if indices is not None:
+                probs, k, p = probs[indices.long()], k[indices.long()], p[indices.long()]
+            count, mass = self._above(probs)
+            accepted = (probs > 0) & (count < k[:, None]) & (mass < p[:, None])
+            return self._draw(probs, accepted, seed, offset, torch.int32 if indices is None else indices.dtype)
+
+    return FakeForms
+
+
+@pytest.mark.parametrize("release", ["0.6.0", "0.6.18.post1", "0.7.4"])
+def test_flashinfer_backend_forms_on_a_fake(release, monkeypatch):
+    from torch_kernels.testing import TOP_P_SLACK
+    fake = _fake_forms_release()(release, monkeypatch).install()
+    s = fake.sampling
+    torch.manual_seed(38)
+    probs = torch.softmax(torch.randn(5, 40), -1) * 0.3  # unnormalised rows: the backend's scaling
+    k = torch.tensor([5, 0, 12, 3, 40])
+    p = torch.tensor([0.5, 0.3, 0.9, 1.0, 0.2])
+    idx = torch.tensor([4, 2, 2, 0, 1, 3])
+    seeds, offsets = torch.arange(6) + 10, torch.arange(6)
+    per_row_taken = fake.v >= (0, 6, 4)
+    for order in ("top_k_first", "joint"):
+        for seed, offset, ix in ((_t(3, "cpu"), _t([1], "cpu"), None), (seeds[:5], offsets[:5], None),
+                                 (_t(3, "cpu"), _t(1, "cpu"), idx), (seeds, offsets, idx)):
+            args = (probs, k, p, seed, offset, 0, 1.0, order, ix)
+            why = s.top_k_top_p_sampling_from_probs_refuses(*args)
+            if seed.numel() > 1 and not per_row_taken:
+                assert "per-row" in why, why
+                continue
+            assert why is None, why
+            ids = s.top_k_top_p_sampling_from_probs(*args)
+            rows, kk, pp = (probs, k, p) if ix is None else (probs[ix], k[ix], p[ix])
+            assert ids.dtype == torch.int32 and ids.shape == (rows.shape[0],)
+            bits = reference.value_bits(rows)
+            q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(40))
+            kept = reference.kept_mask(bits, q, kk, pp + TOP_P_SLACK, joint=order == "joint")[0]
+            assert kept.gather(1, ids.long()[:, None]).all(), f"{order}: an id outside the kept set"
+            name, call = fake.calls[-1]
+            assert name == ("sampling.top_k_top_p_sampling_from_probs" if order == "joint"
+                            else "sampling.top_p_sampling_from_probs")
+            assert call["indices"] is ix and call["deterministic"] is True
+            if per_row_taken:
+                assert call["seed"].data_ptr() == seed.data_ptr(), "the seeds are read on the device"
+
+
+# ------------------------------------------------------------------------------------------------
 # On a GPU: FlashInfer keeps the same sets in these forms (its own random stream).
 
 
@@ -344,10 +448,9 @@ def test_flashinfer_forms_keep_the_reference_set():
     k = torch.randint(1, 2000, (8,), device="cuda")
     p = torch.rand(8, device="cuda") * 0.5 + 0.1
     idx = torch.tensor([7, 7, 0, 3, 3, 3], device="cuda")
-    seeds, offsets = torch.arange(6, device="cuda") + 100, torch.arange(6, device="cuda")
+    seeds, offsets = torch.arange(8, device="cuda") + 100, torch.arange(8, device="cuda")
     for order in ("top_k_first", "joint"):
-        for s, o, ix in ((_t(1, "cuda"), _t(2, "cuda"), None), (seeds[:8].repeat(2)[:8], offsets.repeat(2)[:8], None),
-                         (seeds, offsets, idx)):
+        for s, o, ix in ((_t(1, "cuda"), _t(2, "cuda"), None), (seeds, offsets, None), (seeds[:6], offsets[:6], idx)):
             ids = fn(probs, k, p, s, o, 0, 1.0, order, ix)
             rows = probs if ix is None else probs[ix]
             kk, pp = (k, p) if ix is None else (k[ix], p[ix])
@@ -356,3 +459,31 @@ def test_flashinfer_forms_keep_the_reference_set():
             kept = reference.kept_mask(bits, q, kk, pp + TOP_P_SLACK, joint=order == "joint")[0]
             assert ids.dtype == torch.int32 and ids.shape == (rows.shape[0],)
             assert kept.gather(1, ids.long()[:, None]).all(), f"{order}: an id outside the kept set"
+
+
+@pytest.mark.gpu
+def test_per_row_seeds_cuda_graph_replays_with_the_offsets_advanced():
+    """Captured with per-row seed and offset tensors (and indices): each replay after the offsets are
+    advanced in place draws what the eager call draws."""
+    torch.manual_seed(39)
+    probs = _softmax(32, 128256, "cuda")
+    seeds = torch.randint(-2**62, 2**62, (48,), device="cuda")
+    offsets = torch.zeros(48, dtype=torch.int64, device="cuda")
+    idx = torch.randint(0, 32, (48,), device="cuda")
+    calls = {
+        SAMPLING: lambda s, o: torch_kernels.top_k_top_p_sampling_from_probs(probs, 50, 0.9, s[:32], o[:32],
+                                                                             filter_apply_order="joint"),
+        MIN_P: lambda s, o: torch_kernels.min_p_sampling_from_probs(probs, 0.1, s[:1], o[:32]),
+        FROM_PROBS: lambda s, o: torch_kernels.sampling_from_probs(probs, s, o, indices=idx),
+    }
+    for op, call in calls.items():
+        call(seeds, offsets)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call(seeds, offsets)
+        for step in range(3):
+            offsets.fill_(step)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, call(seeds, offsets)), f"{op}: replay {step} differs from the eager call"
