@@ -1508,3 +1508,114 @@ OPS = OPS + (
           compare=compare_samples,
           bench=_bench_logits_in(_TOP_K_TOP_P_FROM_LOGITS, _bench_args_top_k_top_p_from_logits)),
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# The log-probabilities of sampled tokens, as vLLM's sampler returns them beside the ids (its
+# ``logprobs_mode="raw_logprobs"``, or ``"processed_logprobs"`` with a temperature): one pass of the
+# softmax's statistics and one count, no log-probabilities tensor of the vocabulary.
+
+_LOGPROBS = "sampled_token_logprobs"
+
+
+def _full_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr: Optional[Tensor] = None,
+                   temperature_val: float = 1.0) -> None:
+    op = _LOGPROBS
+    _validate_logits(op, logits)
+    _validate_row_values(op, "token_ids", token_ids, _INDEX_DTYPES, "int32 or int64", logits)
+    if maybe_temperature_arr is not None:
+        _validate_row_values(op, "maybe_temperature_arr", maybe_temperature_arr, _TEMPERATURE_DTYPES,
+                             "float16, bfloat16, float32 or float64", logits)
+    if not _temperature_ok(temperature_val):
+        check.fail(op, "temperature_val", f"must be a finite float >= 0, got {temperature_val!r}")
+
+
+def validate_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr: Optional[Tensor] = None,
+                      temperature_val: float = 1.0) -> None:
+    try:
+        if (_logits_ok(logits) and _temperature_ok(temperature_val) and _row_arr_ok(token_ids, _INDEX_DTYPES, logits)
+                and token_ids is not None and _row_arr_ok(maybe_temperature_arr, _TEMPERATURE_DTYPES, logits)):
+            return
+    except (AttributeError, IndexError, RuntimeError):
+        pass
+    _full_logprobs(logits, token_ids, maybe_temperature_arr, temperature_val)
+
+
+def _fake_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr: Optional[Tensor] = None,
+                   temperature_val: float = 1.0):
+    _full_logprobs(logits, token_ids, maybe_temperature_arr, temperature_val)
+    B = logits.shape[0]
+    return logits.new_empty((B,), dtype=torch.float32), logits.new_empty((B,), dtype=torch.int64)
+
+
+def sampled_token_logprobs(logits: Tensor, token_ids: Tensor,
+                           temperature: Union[float, Tensor, None] = 1.0) -> tuple[Tensor, Tensor]:
+    """``logprob[b] = log_softmax(logits[b] / t[b])[token_ids[b]]``, ``rank[b] = #{j: x[b, j] >= x[b, token_ids[b]]}``
+
+    The log-probability of each row's sampled token and its rank, as vLLM's sampler returns them
+    beside the ids (``logprobs_mode="raw_logprobs"`` at temperature 1, ``"processed_logprobs"`` with
+    the sampling temperature before top-k/top-p), without writing a log-probabilities tensor of the
+    vocabulary. ``x = logits * (1 / t)`` in fp32 as the ``softmax`` op reads it (``-inf`` stays
+    ``-inf``, ``t == 0`` makes the row uniform over its finite logits); the log-probability is
+    ``x_tok - max(x) - log(sum(exp(x - max(x))))`` in fp32, the rank counts the values at or above
+    the token's (1 for the largest, ties counted; vLLM counts on the rounded log-probabilities, which
+    may merge values within an ulp). An id outside ``[0, V)`` gives NaN and rank 0 (not checked: a
+    sync); a NaN logit or a row of all ``-inf`` gives NaN. Backends agree on the rank exactly and on
+    the log-probability to fp32 rounding (the order of the sum).
+
+    Args:
+        logits: ``(B, V)`` float32, float16 or bfloat16, last dimension contiguous (rows may be strided).
+        token_ids: ``(B,)`` int32 or int64 on the device of ``logits``, one sampled id a row.
+        temperature: as ``softmax``'s: a float ``>= 0`` (``None``: 1) or a ``(B,)`` tensor. The op's
+            schema takes it as ``maybe_temperature_arr`` and ``temperature_val``.
+
+    Returns:
+        ``(logprobs (B,) float32, ranks (B,) int64)``. Not differentiable.
+    """
+    arr, val = _tensor_or_scalar(_LOGPROBS, "temperature", 1.0 if temperature is None else temperature, float,
+                                 "a float")
+    return torch.ops.deepinfer.sampled_token_logprobs.default(logits, token_ids, arr, val if arr is None else 1.0)
+
+
+def _samples_logprobs(device, dtype) -> Iterator[tuple]:
+    for i, (logits, per_row, _) in enumerate(_logit_inputs(device, dtype)):
+        B, V = logits.shape
+        ids = torch.randint(0, V, (B,), device=device).to((torch.int64, torch.int32)[i % 2])
+        if B:
+            ids[0] = logits[0].float().argmax()  # the largest: rank 1 (or its ties)
+        if per_row:
+            t = torch.rand(B, device=device) * 2 + 0.1
+            t[:1] = 0.0 if i == 4 else t[:1]  # temperature 0: uniform over the finite logits
+            yield logits, ids, t.to((torch.float32, torch.bfloat16)[i % 2]), 1.0
+        else:
+            yield logits, ids, None, (1.0, 0.7, 1.3)[i % 3]
+
+
+def _tokens_logprobs(n: int, device) -> tuple:
+    return ((torch.randn(n, 64, device=device) * 3, torch.randint(0, 64, (n,), device=device), None, 1.0), (0, 1))
+
+
+def _bench_args_logprobs(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    logits = _bench_logits(rows, profile, device, dtype)
+    return logits, torch.randint(0, logits.shape[1], (rows,), device=device), None, 1.0
+
+
+def _bench_nbytes_logprobs(args: tuple) -> int:
+    return 2 * args[0].numel() * args[0].element_size()  # two reads of the logits
+
+
+def _torch_logprobs(logits, token_ids, *_):
+    logprobs = logits.float().log_softmax(-1)  # vLLM's compute_logprobs, then gather_logprobs' two lines
+    token = logprobs.gather(-1, token_ids.long()[:, None])
+    return token.squeeze(-1), (logprobs >= token).sum(-1)
+
+
+OPS = OPS + (
+    OpDef("sampled_token_logprobs(Tensor logits, Tensor token_ids, Tensor? maybe_temperature_arr=None, "
+          "float temperature_val=1.0) -> (Tensor, Tensor)",
+          validate_logprobs, _fake_logprobs, sampled_token_logprobs, _samples_logprobs, _tokens_logprobs,
+          no_grad_reason="it is an inference kernel",
+          bench=BenchCase(_bench_shape, _bench_args_logprobs, _bench_nbytes_logprobs, memory_bound=True,
+                          flashinfer=lambda args: "FlashInfer has no log-probability op",
+                          peers=(Peer("torch log_softmax + gather (vLLM's)", _torch_logprobs),), axis="rows")),
+)

@@ -387,3 +387,22 @@ def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val:
     probs = softmax(logits, maybe_temperature_arr, temperature_val)
     return top_k_top_p_sampling_from_probs(probs, maybe_top_k_arr, maybe_top_p_arr, seed, offset, top_k_val, top_p_val,
                                            filter_apply_order)
+
+
+# ----------------------------------------------------------------------------------------------
+# The log-probabilities of sampled tokens (what vLLM's sampler returns beside the ids): the wrapper's
+# docstring in ``ops.py`` is the definition.
+
+
+def sampled_token_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr=None, temperature_val: float = 1.0):
+    B, V = logits.shape
+    x = logits.float() * inverse_temperature(maybe_temperature_arr, temperature_val, B, logits.device)
+    x = torch.where(logits == float("-inf"), float("-inf"), x)  # softmax's reading
+    ids = token_ids.long()
+    valid = (ids >= 0) & (ids < V)
+    x_tok = x.gather(1, torch.where(valid, ids, 0).unsqueeze(-1))
+    m = x.amax(-1, keepdim=True)
+    s = torch.exp(x - m).sum(-1, keepdim=True)
+    logprob = (x_tok - m - torch.log(s)).squeeze(-1)
+    rank = (x >= x_tok).sum(-1)
+    return torch.where(valid, logprob, float("nan")), torch.where(valid, rank, 0)

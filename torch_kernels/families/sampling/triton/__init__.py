@@ -43,7 +43,8 @@ from ._common import rng_tensors
 from .filter import _filter_kernel, _renorm_write_kernel, _row_mass_kernel
 from .histogram import _hist_prepasses
 from .logits import min_p_sampling_from_probs, softmax, top_k_mask_logits  # noqa: F401  (one module)
-from .logits_in import sampling_from_logits, sampling_from_probs, top_k_top_p_sampling_from_logits  # noqa: F401
+from .logits_in import (sampled_token_logprobs, sampling_from_logits, sampling_from_probs,  # noqa: F401
+                        top_k_top_p_sampling_from_logits)
 from .speculative import chain_speculative_sampling  # noqa: F401  (its own module)
 
 

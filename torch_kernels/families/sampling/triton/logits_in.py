@@ -8,6 +8,7 @@
   probabilities tensor; the ids are those of ``softmax`` then ``sampling_from_probs`` on this backend.
 * ``top_k_top_p_sampling_from_logits``: the composition of this backend's ``softmax`` and
   ``top_k_top_p_sampling_from_probs`` kernels (an fp32 probabilities tensor in between).
+* ``sampled_token_logprobs``: the softmax kernel's first pass, then one counting pass for the rank.
 """
 
 from typing import Optional
@@ -97,3 +98,44 @@ def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val:
     top_k = top_k_val if maybe_top_k_arr is None else maybe_top_k_arr  # a scalar: a kernel argument
     top_p = top_p_val if maybe_top_p_arr is None else maybe_top_p_arr
     return _launch(probs, top_k, top_p, seed, offset, sample=True, joint=filter_apply_order == "joint")
+
+
+@triton.jit
+def _sampled_logprobs_kernel(x_ptr, x_stride, t_ptr, t_val, ids_ptr, lp_ptr, rank_ptr, V,
+                             HAS_T: tl.constexpr, CHUNK: tl.constexpr):
+    """Pass 1 is ``_softmax_kernel``'s (the row's ``m`` and ``s``); pass 2 counts the values at or above
+    the token's: ``log p = x_tok - m - log(s)`` and its rank (``reference.sampled_token_logprobs``)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    if HAS_T:
+        t = tl.load(t_ptr + row).to(tl.float32)
+    else:
+        t = t_val
+    inv = inverse_temperature(t)
+    m, s = softmax_stats(x_row, V, inv, CHUNK)
+    tok = tl.load(ids_ptr + row).to(tl.int64)
+    valid = (tok >= 0) & (tok < V)
+    raw_tok = tl.load(x_row + tl.where(valid, tok, 0)).to(tl.float32)
+    x_tok = tl.where(raw_tok == -float("inf"), -float("inf"), raw_tok * inv)
+    offs = tl.arange(0, CHUNK)
+    count = tl.zeros([CHUNK], dtype=tl.int64)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        raw = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        x = tl.where(raw == -float("inf"), -float("inf"), raw * inv)
+        count += ((x >= x_tok) & (cols < V)).to(tl.int64)
+    tl.store(lp_ptr + row, tl.where(valid, x_tok - m - tl.log(s), float("nan")))
+    tl.store(rank_ptr + row, tl.where(valid, tl.sum(count, axis=0), 0))
+
+
+def sampled_token_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr=None, temperature_val: float = 1.0):
+    B, V = logits.shape
+    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
+    ranks = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B:
+        has_t = maybe_temperature_arr is not None
+        # CHUNK and num_warps as softmax's launch: m and s are its bits
+        _sampled_logprobs_kernel[(B,)](logits, logits.stride(0), maybe_temperature_arr if has_t else logprobs,
+                                       float(temperature_val), token_ids, logprobs, ranks, V, HAS_T=has_t,
+                                       CHUNK=_CHUNK, num_warps=4)
+    return logprobs, ranks
