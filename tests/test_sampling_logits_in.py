@@ -267,7 +267,8 @@ def test_backends_match_reference(op, dtype, device):
         assert op == FROM_PROBS or args[0].dtype == dtype
         before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         want = ref(*args)
-        assert want.dtype == torch.int32 and want.shape == args[0].shape[:1]
+        indices = args[3] if op == FROM_PROBS and len(args) > 3 else None  # output rows: one per index
+        assert want.dtype == torch.int32 and want.shape == (args[0] if indices is None else indices).shape[:1]
         for name, fn in backends:
             got = fn(*args)
             assert got.dtype == torch.int32 and torch.equal(got.cpu(), want.cpu()), \

@@ -29,9 +29,16 @@ The wrapper converts what FlashInfer reads differently (a few elementwise passes
   graphs capture them). FlashInfer releases whose ``seed`` takes no tensor (0.6.0) get ``.item()``,
   refused while a CUDA graph is being captured.
 
+``filter_apply_order="joint"`` is FlashInfer's one-kernel joint sampler, on rows normalised to sum 1
+(its top-p test compares the mass above a token with ``top_p`` itself). ``indices`` are passed to
+FlashInfer (its top-p step reads ``probs[indices[i]]`` and that row's parameters), the ids cast to
+int32. Per-row ``seed``/``offset`` tensors are passed as FlashInfer 0.7 takes them (its stream still
+includes the output row's index).
+
 Refused (``top_k_top_p_sampling_from_probs_refuses``): 2^32 elements or more (``uint32`` offsets);
 without ``top_k_renorm_probs(is_deterministic=)`` (0.6.x; 0.7.4 has it), vocabularies above one CTA a
-row, whose float-atomic sums would make a ``(seed, offset)`` draw differently run to run.
+row, whose float-atomic sums would make a ``(seed, offset)`` draw differently run to run; per-row seeds
+or offsets where FlashInfer takes them as ints only.
 """
 
 import functools
@@ -45,6 +52,7 @@ from torch import Tensor
 from ...backends import flashinfer_jit as _module
 
 _FLT_MAX = torch.finfo(torch.float32).max
+_FLT_MIN = torch.finfo(torch.float32).tiny
 _TOP_P_OFF = 2.0  # above any sum of renormalised probabilities
 _TOP_P_MIN = 1e-30  # below any mass above a token other than the largest
 _RADIX_FIXED_SMEM = 2080  # bytes of RadixTopKRenormProb's shared memory besides its chunk of the row
@@ -65,10 +73,15 @@ def _one_cta_vocab(device: torch.device) -> int:
 
 def top_k_top_p_sampling_from_probs_refuses(probs: Tensor, maybe_top_k_arr: Optional[Tensor],
                                             maybe_top_p_arr: Optional[Tensor], seed: Tensor, offset: Tensor,
-                                            top_k_val: int = 0, top_p_val: float = 1.0) -> Optional[str]:
+                                            top_k_val: int = 0, top_p_val: float = 1.0,
+                                            filter_apply_order: str = "top_k_first",
+                                            indices: Optional[Tensor] = None) -> Optional[str]:
     if probs.numel() >= 2**32:
         return "2^32 elements or more (FlashInfer's offsets are uint32)"
-    if not _DETERMINISTIC_RENORM and probs.shape[1] > _one_cta_vocab(probs.device):
+    if not _TENSOR_SEEDS and (seed.numel() != 1 or offset.numel() != 1):
+        return f"FlashInfer {_module.VERSION_TEXT} takes seed/offset as ints: per-row seeds or offsets are not taken"
+    if (filter_apply_order == "top_k_first" and not _DETERMINISTIC_RENORM
+            and probs.shape[1] > _one_cta_vocab(probs.device)):
         return (f"vocabulary {probs.shape[1]} needs several CTAs a row in FlashInfer {_module.VERSION_TEXT}'s "
                 "top_k_renorm_probs, whose float-atomic sums are not reproducible per (seed, offset)")
     if not _TENSOR_SEEDS and _capturing(probs):
@@ -87,10 +100,12 @@ def _probs(probs: Tensor) -> Tensor:
 
 
 def top_k_top_p_sampling_from_probs(probs: Tensor, maybe_top_k_arr: Optional[Tensor], maybe_top_p_arr: Optional[Tensor],
-                                    seed: Tensor, offset: Tensor, top_k_val: int = 0, top_p_val: float = 1.0) -> Tensor:
+                                    seed: Tensor, offset: Tensor, top_k_val: int = 0, top_p_val: float = 1.0,
+                                    filter_apply_order: str = "top_k_first", indices: Optional[Tensor] = None) -> Tensor:
     B, V = probs.shape
-    if B == 0:  # a grid of 0 blocks is a launch error
-        return torch.empty(0, dtype=torch.int32, device=probs.device)
+    rows = B if indices is None else indices.shape[0]
+    if B == 0 or rows == 0:  # a grid of 0 blocks is a launch error
+        return torch.empty(rows, dtype=torch.int32, device=probs.device)
     _module.jit_module("sampling", fi_sampling.gen_sampling_module, fi_sampling.get_sampling_module)
     _module.notice_once("sampling", (
         f"top_k_top_p_sampling_from_probs from 'flashinfer' {_module.VERSION_TEXT}: the reference's kept set and "
@@ -106,8 +121,15 @@ def top_k_top_p_sampling_from_probs(probs: Tensor, maybe_top_k_arr: Optional[Ten
         top_p = maybe_top_p_arr
         p = torch.where(top_p >= 1.0, _TOP_P_OFF, torch.where(top_p > _TOP_P_MIN, top_p, _TOP_P_MIN))
     if _TENSOR_SEEDS:
-        seed, offset = seed.reshape(1), offset.reshape(1)
+        seed, offset = seed.reshape(-1), offset.reshape(-1)  # (1,) or one per output row
     else:
         seed, offset = int(seed.item()), int(offset.item())  # int64 values; FlashInfer's FFI casts to uint64
+    if filter_apply_order == "joint":
+        rows_p = _probs(probs)
+        rows_p.div_(rows_p.sum(-1, keepdim=True).clamp_(min=_FLT_MIN))  # its top-p compares masses with top_p
+        ids = fi_sampling.top_k_top_p_sampling_from_probs(rows_p, k, p, indices=indices, filter_apply_order="joint",
+                                                          deterministic=True, seed=seed, offset=offset)
+        return ids.to(torch.int32)
     renorm = fi_sampling.top_k_renorm_probs(_probs(probs), k, **({"is_deterministic": True} if _DETERMINISTIC_RENORM else {}))
-    return fi_sampling.top_p_sampling_from_probs(renorm, p, deterministic=True, seed=seed, offset=offset)
+    ids = fi_sampling.top_p_sampling_from_probs(renorm, p, indices=indices, deterministic=True, seed=seed, offset=offset)
+    return ids.to(torch.int32)  # FlashInfer returns the dtype of indices

@@ -8,7 +8,7 @@ LOGITS_OPS = ("softmax", "top_k_mask_logits")
 OPS = PROBS_OPS + LOGITS_OPS + ("min_p_sampling_from_probs",)
 SPECULATIVE_OPS = ("chain_speculative_sampling",)
 LOGITS_IN_OPS = ("sampling_from_probs", "sampling_from_logits", "top_k_top_p_sampling_from_logits")
-OPS = OPS + SPECULATIVE_OPS + LOGITS_IN_OPS
+OPS = OPS + SPECULATIVE_OPS + LOGITS_IN_OPS + ("sampled_token_logprobs",)
 
 _NO_ROUTE = (
     (DECOMPOSE, "the reference sorts the vocabulary; torch.compile of it failed in Inductor (SplitScan codegen on "
@@ -36,7 +36,10 @@ FAMILY = Family(
          *(OpInfo(op, OPAQUE, no_compile_route=(
              (DECOMPOSE, "its draw is the family's int64 cumsum, on which Inductor failed for "
                          "top_k_top_p_sampling_from_probs (SplitScan codegen)"),
-             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton"))) for op in LOGITS_IN_OPS)),
+             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton"))) for op in LOGITS_IN_OPS),
+         OpInfo("sampled_token_logprobs", OPAQUE, no_compile_route=(
+             (DECOMPOSE, "opaque as softmax until Inductor's log_softmax and gather are measured beside the kernel"),
+             (INDUCTOR_TRITON, "its Triton kernel has no launch through wrap_triton")))),
     kernels=(
         *reference(__package__, OPS),
         *kernels(__package__, Backend.TRITON, PROBS_OPS,
@@ -65,5 +68,8 @@ FAMILY = Family(
         *kernels(__package__, Backend.TRITON, ("top_k_top_p_sampling_from_logits",),
                  "not fused: the Triton softmax kernel, then the top_k_top_p_sampling_from_probs kernels on its "
                  "fp32 probabilities", ("float32", "float16", "bfloat16")),
+        *kernels(__package__, Backend.TRITON, ("sampled_token_logprobs",),
+                 "one program per row: softmax's online max and sum, then a count of the values at or above the "
+                 "token's; no log-probabilities tensor", ("float32", "float16", "bfloat16")),
     ),
 )

@@ -23,6 +23,8 @@ from ...opdef import BenchCase, OpDef, Peer
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _PROBS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # read as fp32 (exact), as FlashInfer reads them
 _MAX_VOCAB = 2**31 - 1  # token ids are int32
+#: FlashInfer's ``filter_apply_order`` values: top-p over the top-k survivors, or over the whole row
+FILTER_ORDERS = ("top_k_first", "joint")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -61,19 +63,53 @@ def _validate_top_p(op: str, probs: Tensor, top_p: Optional[Tensor]) -> None:
         _validate_per_row(op, "maybe_top_p_arr", top_p, (torch.float32,), "float32", probs)
 
 
-def _validate_seed_offset(op: str, seed: Tensor, offset: Tensor, data_arg: str, data: Tensor) -> None:
+def _validate_seed_offset(op: str, seed: Tensor, offset: Tensor, data_arg: str, data: Tensor,
+                          rows: Optional[int] = None) -> None:
+    """One value each (shape ``()`` or ``(1,)``), or one per output row (``rows``, default the data's
+    batch): FlashInfer 0.7's per-row form."""
+    rows = data.shape[0] if rows is None else rows
     for arg, t in (("seed", seed), ("offset", offset)):
         check.tensor(op, arg, t)
         if t.dtype != torch.int64:
             check.fail(op, arg, f"must be an int64 tensor, got {t.dtype}", TypeError)
-        if t.dim() > 1 or t.numel() != 1:
-            check.fail(op, arg, f"must hold one value, shape () or (1,), got {tuple(t.shape)}")
+        if not _one_or_per_row(t, rows):
+            check.fail(op, arg, f"must hold one value (shape () or (1,)) or one per output row, shape ({rows},); "
+                                f"got {tuple(t.shape)}")
         check.same_device(op, arg, t, data_arg, data)
 
 
-def _seed_offset_ok(seed: Tensor, offset: Tensor, data: Tensor) -> bool:
-    return (seed.dtype == torch.int64 and offset.dtype == torch.int64 and seed.numel() == 1 and offset.numel() == 1
-            and seed.dim() <= 1 and offset.dim() <= 1 and data.device == seed.device == offset.device)
+def _one_or_per_row(t: Tensor, rows: int) -> bool:
+    return (t.dim() <= 1 and t.numel() == 1) or (t.dim() == 1 and t.shape[0] == rows)
+
+
+def _seed_offset_ok(seed: Tensor, offset: Tensor, data: Tensor, rows: Optional[int] = None) -> bool:
+    rows = data.shape[0] if rows is None else rows
+    return (seed.dtype == torch.int64 and offset.dtype == torch.int64 and _one_or_per_row(seed, rows)
+            and _one_or_per_row(offset, rows) and data.device == seed.device == offset.device)
+
+
+def _validate_indices(op: str, indices: Optional[Tensor], probs: Tensor) -> None:
+    if indices is None:
+        return
+    check.tensor(op, "indices", indices)
+    if indices.dtype not in _INDEX_DTYPES:
+        check.fail(op, "indices", f"must be int32 or int64, got {indices.dtype}", TypeError)
+    check.require(indices.dim() == 1, op, "indices",
+                  lambda: f"must be 1-D (one row of 'probs' per output row), got shape {tuple(indices.shape)}")
+    check.same_device(op, "indices", indices, "probs", probs)
+
+
+def _indices_ok(indices: Optional[Tensor], probs: Tensor) -> bool:
+    return indices is None or (indices.dtype in _INDEX_DTYPES and indices.dim() == 1 and indices.device == probs.device)
+
+
+def _out_rows(indices: Optional[Tensor], probs: Tensor) -> int:
+    return probs.shape[0] if indices is None else indices.shape[0]
+
+
+def _validate_filter_order(op: str, filter_apply_order) -> None:
+    if filter_apply_order not in FILTER_ORDERS:
+        check.fail(op, "filter_apply_order", f"must be 'top_k_first' or 'joint', got {filter_apply_order!r}")
 
 
 def _full_top_k_renorm(probs: Tensor, top_k: Optional[Tensor], top_k_val: int = 0) -> None:
@@ -89,12 +125,15 @@ def _full_top_p_renorm(probs: Tensor, top_p: Optional[Tensor], top_p_val: float 
 
 
 def _full_sampling(probs: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor], seed: Tensor, offset: Tensor,
-                   top_k_val: int = 0, top_p_val: float = 1.0) -> None:
+                   top_k_val: int = 0, top_p_val: float = 1.0, filter_apply_order: str = "top_k_first",
+                   indices: Optional[Tensor] = None) -> None:
     op = "top_k_top_p_sampling_from_probs"
     _validate_probs(op, probs)
     _validate_top_k(op, probs, top_k)
     _validate_top_p(op, probs, top_p)
-    _validate_seed_offset(op, seed, offset, "probs", probs)
+    _validate_filter_order(op, filter_apply_order)
+    _validate_indices(op, indices, probs)
+    _validate_seed_offset(op, seed, offset, "probs", probs, _out_rows(indices, probs))
 
 
 def _probs_ok(probs: Tensor) -> bool:
@@ -128,13 +167,15 @@ def validate_top_p_renorm(probs: Tensor, top_p: Optional[Tensor], top_p_val: flo
 
 
 def validate_sampling(probs: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor], seed: Tensor, offset: Tensor,
-                      top_k_val: int = 0, top_p_val: float = 1.0) -> None:
+                      top_k_val: int = 0, top_p_val: float = 1.0, filter_apply_order: str = "top_k_first",
+                      indices: Optional[Tensor] = None) -> None:
     try:
-        if _probs_ok(probs) and _k_ok(top_k, probs) and _p_ok(top_p, probs) and _seed_offset_ok(seed, offset, probs):
+        if (_probs_ok(probs) and _k_ok(top_k, probs) and _p_ok(top_p, probs) and filter_apply_order in FILTER_ORDERS
+                and _indices_ok(indices, probs) and _seed_offset_ok(seed, offset, probs, _out_rows(indices, probs))):
             return
-    except (AttributeError, IndexError, RuntimeError):
+    except (AttributeError, IndexError, RuntimeError, TypeError):
         pass
-    _full_sampling(probs, top_k, top_p, seed, offset)
+    _full_sampling(probs, top_k, top_p, seed, offset, top_k_val, top_p_val, filter_apply_order, indices)
 
 
 def _fake_top_k_renorm(probs: Tensor, top_k: Optional[Tensor], top_k_val: int = 0) -> Tensor:
@@ -148,9 +189,10 @@ def _fake_top_p_renorm(probs: Tensor, top_p: Optional[Tensor], top_p_val: float 
 
 
 def _fake_sampling(probs: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor], seed: Tensor, offset: Tensor,
-                   top_k_val: int = 0, top_p_val: float = 1.0) -> Tensor:
-    _full_sampling(probs, top_k, top_p, seed, offset)
-    return probs.new_empty(probs.shape[:1], dtype=torch.int32)
+                   top_k_val: int = 0, top_p_val: float = 1.0, filter_apply_order: str = "top_k_first",
+                   indices: Optional[Tensor] = None) -> Tensor:
+    _full_sampling(probs, top_k, top_p, seed, offset, top_k_val, top_p_val, filter_apply_order, indices)
+    return probs.new_empty((_out_rows(indices, probs),), dtype=torch.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,21 +244,23 @@ def top_p_renorm_probs(probs: Tensor, top_p: Union[float, Tensor]) -> Tensor:
 
 
 def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Union[int, Tensor], top_p: Union[float, Tensor], seed=None,
-                                    offset=None) -> Tensor:
+                                    offset=None, indices: Optional[Tensor] = None,
+                                    filter_apply_order: str = "top_k_first") -> Tensor:
     """``ids[b] ~ top_p_renorm(top_k_renorm(probs[b], top_k[b]), top_p[b])``, drawn with Philox(seed, offset, b)
 
-    One token id per row from the row's top-k survivors (ties kept), then nucleus-filtered with
-    ``top_p`` on their renormalised mass (FlashInfer's ``filter_apply_order="top_k_first"``). A token
-    outside the kept set is never returned. The draw is the inverse CDF, in token order, of the kept
-    mass at a 31-bit uniform from Philox4x32-10 with counter ``(row, offset, 0)`` and key ``seed``:
-    deterministic for a given ``(seed, offset)`` and identical on every device and on the torch and
-    Triton backends; each row has its own stream. The FlashInfer backend (served only when selected,
-    ``DEEPINFER_OPS_BACKEND=flashinfer``) draws from the same kept set with FlashInfer's own random
-    stream and decides the top-p boundary in fp32; its first call says so on stderr. With ``seed`` and
-    ``offset`` tensors, advance ``offset`` (in place, e.g. ``offset += 1``) between steps: the op reads
-    them on the device, so it can be captured in a CUDA graph and replayed. Without them a seed is drawn
-    on the device with torch's generator (``torch.manual_seed`` makes it reproducible; a CUDA graph
-    replays a fresh draw).
+    One token id per row from the row's top-k survivors (ties kept), then nucleus-filtered with ``top_p`` on
+    their renormalised mass (FlashInfer's ``filter_apply_order="top_k_first"``); with ``"joint"`` the
+    nucleus is measured on the whole row instead (a token is kept iff it passes both filters on the original
+    distribution: fewer than ``top_k`` values above it and their mass below ``top_p`` of the row's). A token
+    outside the kept set is never returned. The draw is the inverse CDF, in token order, of the kept mass at
+    a 31-bit uniform from Philox4x32-10 with counter ``(row, offset, 0)`` and key ``seed``: deterministic
+    for a given ``(seed, offset)`` and identical on every device and on the torch and Triton backends; each
+    row has its own stream. The FlashInfer backend (served only when selected,
+    ``DEEPINFER_OPS_BACKEND=flashinfer``) draws from the same kept set with FlashInfer's own random stream
+    and decides the top-p boundary in fp32; its first call says so on stderr. With ``seed`` and ``offset``
+    tensors, advance ``offset`` (in place, e.g. ``offset += 1``) between steps: the op reads them on the
+    device, so it can be captured in a CUDA graph and replayed. Without them a seed is drawn on the device
+    with torch's generator (``torch.manual_seed`` makes it reproducible; a CUDA graph replays a fresh draw).
 
     Args:
         probs: ``(B, V)`` float32, float16 or bfloat16 (read as fp32), last dimension contiguous (rows may
@@ -225,18 +269,26 @@ def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Union[int, Tensor], to
             top-k for that row. The schema takes the two forms as ``maybe_top_k_arr`` and ``top_k_val``.
         top_p: a float for every row, or a ``(B,)`` float32 tensor; ``>= 1`` disables top-p for that row,
             ``<= 0`` keeps only the largest value (schema: ``maybe_top_p_arr``, ``top_p_val``).
-        seed, offset: both ``None``, or each an int or an int64 tensor of one element (shape ``()`` or
-            ``(1,)``) on the device of ``probs``. The registered op takes them as tensors, always.
+        seed, offset: both ``None``, or each an int or an int64 tensor on the device of ``probs`` of one
+            element (shape ``()`` or ``(1,)``) or of one per output row (``(N,)``, FlashInfer 0.7's form):
+            per-row values give each row the stream it would have alone (row ``i`` draws as the op on
+            that row alone with ``seed[i]``, ``offset[i]``); a one-element one broadcasts. The
+            registered op takes them as tensors, always.
+        indices: ``None``, or an ``(N,)`` int32/int64 tensor (FlashInfer's ``indices``): output row ``i``
+            draws from ``probs[indices[i]]`` with that row's ``top_k``/``top_p`` (rows sharing a
+            distribution). Values must lie in ``[0, B)`` (not checked: reading them would sync).
+        filter_apply_order: ``"top_k_first"`` (the default) or ``"joint"``, as FlashInfer's.
 
     Returns:
-        ``(B,)`` int32 token ids. A row with no positive probability returns 0.
+        ``(N,)`` int32 token ids (``N = B`` without ``indices``; FlashInfer returns the dtype of
+        ``indices``). A row with no positive probability returns 0.
     """
     op = "top_k_top_p_sampling_from_probs"
     k_arr, k_val = _tensor_or_scalar(op, "top_k", top_k, int, "an int")
     p_arr, p_val = _tensor_or_scalar(op, "top_p", top_p, float, "a float")
     seed, offset = _seed_offset(op, probs, seed, offset)
-    return torch.ops.deepinfer.top_k_top_p_sampling_from_probs.default(probs, k_arr, p_arr, seed, offset, k_val,
-                                                                        1.0 if p_arr is not None else p_val)
+    return torch.ops.deepinfer.top_k_top_p_sampling_from_probs.default(
+        probs, k_arr, p_arr, seed, offset, k_val, 1.0 if p_arr is not None else p_val, filter_apply_order, indices)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,6 +343,18 @@ def _samples_sampling(device, dtype) -> Iterator[tuple]:
             yield probs, None, None, seed, offset, _SCALAR_K[i], _SCALAR_P[i]
         else:  # a per-row top_k with a scalar top_p
             yield probs, top_k, None, seed, offset, 0, _SCALAR_P[i]
+    yield from _forms_samples(device, dtype, lambda probs, top_k, top_p, seed, offset, idx: (
+        probs, top_k, top_p, seed, offset, 0, 1.0, "joint", idx))
+
+
+def _forms_samples(device, dtype, build) -> Iterator[tuple]:
+    """FlashInfer 0.7's forms: ``indices`` naming rows twice and per-row seeds and offsets, on the rows of
+    1000 of ``_sample_inputs``; ``build(probs, top_k, top_p, seed, offset, indices)`` makes the call."""
+    probs, top_k, top_p = list(_sample_inputs(device, dtype))[1]
+    idx = torch.tensor([2, 0, 2, 1], device=device)
+    seeds = torch.tensor([5, -1, 5, 2**40], device=device)
+    yield build(probs, top_k, top_p, seeds, _scalar(3, device, (1,)), idx.int())
+    yield build(probs, top_k, top_p, seeds[:3], seeds[:3] + 1, None)
 
 
 def _tokens_args(n: int, device):
@@ -674,30 +738,34 @@ def _flashinfer_logits(op: str):
 # stream; ``min_p`` a scalar or a per-row tensor as the logits ops take theirs.
 
 
-def _full_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: float, seed: Tensor, offset: Tensor) -> None:
+def _full_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: float, seed: Tensor, offset: Tensor,
+                indices: Optional[Tensor] = None) -> None:
     op = "min_p_sampling_from_probs"
     _validate_probs(op, probs)
     if maybe_min_p_arr is not None:
         _validate_per_row(op, "maybe_min_p_arr", maybe_min_p_arr, (torch.float32,), "float32", probs)
-    _validate_seed_offset(op, seed, offset, "probs", probs)
+    _validate_indices(op, indices, probs)
+    _validate_seed_offset(op, seed, offset, "probs", probs, _out_rows(indices, probs))
 
 
 def validate_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: float, seed: Tensor,
-                   offset: Tensor) -> None:
+                   offset: Tensor, indices: Optional[Tensor] = None) -> None:
     try:
-        if (_probs_ok(probs) and _seed_offset_ok(seed, offset, probs)
+        if (_probs_ok(probs) and _indices_ok(indices, probs)
+                and _seed_offset_ok(seed, offset, probs, _out_rows(indices, probs))
                 and (maybe_min_p_arr is None or (maybe_min_p_arr.dtype == torch.float32
                                                  and maybe_min_p_arr.shape == probs.shape[:1]
                                                  and maybe_min_p_arr.device == probs.device))):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
-    _full_min_p(probs, maybe_min_p_arr, min_p_val, seed, offset)
+    _full_min_p(probs, maybe_min_p_arr, min_p_val, seed, offset, indices)
 
 
-def _fake_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: float, seed: Tensor, offset: Tensor) -> Tensor:
-    _full_min_p(probs, maybe_min_p_arr, min_p_val, seed, offset)
-    return probs.new_empty(probs.shape[:1], dtype=torch.int32)
+def _fake_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: float, seed: Tensor, offset: Tensor,
+                indices: Optional[Tensor] = None) -> Tensor:
+    _full_min_p(probs, maybe_min_p_arr, min_p_val, seed, offset, indices)
+    return probs.new_empty((_out_rows(indices, probs),), dtype=torch.int32)
 
 
 def _seed_offset(op: str, probs: Tensor, seed, offset):
@@ -718,7 +786,8 @@ def _seed_offset(op: str, probs: Tensor, seed, offset):
     return tuple(out)
 
 
-def min_p_sampling_from_probs(probs: Tensor, min_p: Union[float, Tensor], seed=None, offset=None) -> Tensor:
+def min_p_sampling_from_probs(probs: Tensor, min_p: Union[float, Tensor], seed=None, offset=None,
+                              indices: Optional[Tensor] = None) -> Tensor:
     """``ids[b] ~ where(p >= min_p[b] * max(p[b]), p, 0)`` renormalised, drawn with Philox(seed, offset, b)
 
     FlashInfer's ``min_p_sampling_from_probs``: one token id per row from the tokens whose probability
@@ -736,17 +805,21 @@ def min_p_sampling_from_probs(probs: Tensor, min_p: Union[float, Tensor], seed=N
             NaN and negative values count as 0, ``+inf`` as the largest fp32.
         min_p: a float for every row, or a ``(B,)`` float32 tensor on the device of ``probs``. The op's
             schema takes the two forms as ``maybe_min_p_arr`` and ``min_p_val``.
-        seed, offset: both ``None``, or each an int or an int64 tensor of one element on the device of
-            ``probs`` (read on the device: advance ``offset`` in place between steps of a CUDA graph).
-            The registered op takes them as tensors, always.
+        seed, offset: both ``None``, or each an int or an int64 tensor on the device of ``probs`` of one
+            element or one per output row, as ``top_k_top_p_sampling_from_probs``'s (read on the device:
+            advance ``offset`` in place between steps of a CUDA graph). The registered op takes them as
+            tensors, always.
+        indices: ``None``, or ``(N,)`` int32/int64: output row ``i`` draws from ``probs[indices[i]]``
+            with that row's ``min_p``, as ``top_k_top_p_sampling_from_probs``'s.
 
     Returns:
-        ``(B,)`` int32 token ids. A row with no positive probability returns 0. Not differentiable.
+        ``(N,)`` int32 token ids (``N = B`` without ``indices``). A row with no positive probability
+        returns 0. Not differentiable.
     """
     op = "min_p_sampling_from_probs"
     arr, val = _tensor_or_scalar(op, "min_p", min_p, float, "a float")
     seed, offset = _seed_offset(op, probs, seed, offset)
-    return torch.ops.deepinfer.min_p_sampling_from_probs.default(probs, arr, val, seed, offset)
+    return torch.ops.deepinfer.min_p_sampling_from_probs.default(probs, arr, val, seed, offset, indices)
 
 
 def _samples_min_p(device, dtype) -> Iterator[tuple]:
@@ -757,6 +830,8 @@ def _samples_min_p(device, dtype) -> Iterator[tuple]:
             yield probs, (1 - top_p) * 0.5, 0.0, seed, offset  # per-row: 0.05 to 0.5, and 0
         else:
             yield probs, None, (0.1, 0.0, 1.0)[i // 2 % 3], seed, offset
+    yield from _forms_samples(device, dtype, lambda probs, top_k, top_p, seed, offset, idx: (
+        probs, (1 - top_p) * 0.5, 0.0, seed, offset, idx))
 
 
 def _tokens_min_p(n: int, device) -> tuple:
@@ -813,7 +888,8 @@ OPS = (
           validate_top_p_renorm, _fake_top_p_renorm, top_p_renorm_probs, _samples_top_p_renorm, _tokens_top_p_renorm,
           no_grad_reason=_NO_GRAD, bench=_bench("top_p_renorm_probs", _bench_args_top_p_renorm, 2)),
     OpDef("top_k_top_p_sampling_from_probs(Tensor probs, Tensor? maybe_top_k_arr, Tensor? maybe_top_p_arr, Tensor seed, "
-          "Tensor offset, int top_k_val=0, float top_p_val=1.0) -> Tensor",
+          "Tensor offset, int top_k_val=0, float top_p_val=1.0, str filter_apply_order=\"top_k_first\", "
+          "Tensor? indices=None) -> Tensor",
           validate_sampling, _fake_sampling, top_k_top_p_sampling_from_probs, _samples_sampling, _tokens_sampling,
           no_grad_reason=_NO_GRAD, compare=compare_samples,
           bench=_bench("top_k_top_p_sampling_from_probs", _bench_args_sampling, 1, _bench_compare_samples)),
@@ -827,8 +903,8 @@ OPS = (
           no_grad_reason=_NO_GRAD,
           bench=BenchCase(_bench_shape, _bench_args_top_k_mask, _bench_nbytes_top_k_mask, own_hidden=_bench_vocab,
                           flashinfer=_flashinfer_logits("top_k_mask_logits"), axis="rows")),
-    OpDef("min_p_sampling_from_probs(Tensor probs, Tensor? maybe_min_p_arr, float min_p_val, Tensor seed, Tensor offset) "
-          "-> Tensor",
+    OpDef("min_p_sampling_from_probs(Tensor probs, Tensor? maybe_min_p_arr, float min_p_val, Tensor seed, Tensor offset, "
+          "Tensor? indices=None) -> Tensor",
           validate_min_p, _fake_min_p, min_p_sampling_from_probs, _samples_min_p, _tokens_min_p,
           no_grad_reason=_NO_GRAD, compare=compare_samples,
           bench=BenchCase(_bench_shape, _bench_args_min_p, _bench_nbytes(1), own_hidden=_bench_vocab,
@@ -950,7 +1026,8 @@ def chain_speculative_sampling(draft_probs: Tensor, draft_token_ids: Tensor, tar
     returned); given ``maybe_output_accepted_token_num`` or ``maybe_output_emitted_draft_token_num``,
     the wrapper adds the op's counts to them in place and returns them, as FlashInfer does.
     ``deterministic`` is accepted and ignored (every backend is deterministic). ``seed`` and ``offset``
-    are one value for every row (FlashInfer's per-row seed tensors are not taken).
+    are one value for every row, or ``(B,)`` tensors of one a row (FlashInfer's per-row form; the row
+    word of the counter is then 0, so a row draws as it would alone).
 
     Args:
         draft_probs: ``(B, n, V)`` float32, last dimension contiguous (other strides free); ``n >= 0``.
@@ -961,9 +1038,9 @@ def chain_speculative_sampling(draft_probs: Tensor, draft_token_ids: Tensor, tar
         deterministic: ignored (kept for FlashInfer's signature).
         generator: a ``torch.Generator`` of the device for the seed drawn when ``seed`` and ``offset``
             are ``None``.
-        seed, offset: both ``None``, or each an int or an int64 tensor of one element on the device of
-            ``draft_probs`` (read on the device: advance ``offset`` in place between steps of a CUDA
-            graph). The registered op takes them as tensors, always.
+        seed, offset: both ``None``, or each an int or an int64 tensor on the device of ``draft_probs``
+            of one element or ``(B,)`` (read on the device: advance ``offset`` in place between steps of
+            a CUDA graph). The registered op takes them as tensors, always.
 
     Returns:
         ``(output_token_ids (B, n + 1) int32, output_accepted_token_num (B,), output_emitted_draft_token_num (B,))``:
@@ -1127,23 +1204,25 @@ _SAMPLING_FROM_LOGITS = "sampling_from_logits"
 _TOP_K_TOP_P_FROM_LOGITS = "top_k_top_p_sampling_from_logits"
 
 
-def _full_sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> None:
+def _full_sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor, indices: Optional[Tensor] = None) -> None:
     _validate_probs(_SAMPLING_FROM_PROBS, probs)
-    _validate_seed_offset(_SAMPLING_FROM_PROBS, seed, offset, "probs", probs)
+    _validate_indices(_SAMPLING_FROM_PROBS, indices, probs)
+    _validate_seed_offset(_SAMPLING_FROM_PROBS, seed, offset, "probs", probs, _out_rows(indices, probs))
 
 
-def validate_sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> None:
+def validate_sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor, indices: Optional[Tensor] = None) -> None:
     try:
-        if _probs_ok(probs) and _seed_offset_ok(seed, offset, probs):
+        if _probs_ok(probs) and _indices_ok(indices, probs) and _seed_offset_ok(seed, offset, probs,
+                                                                               _out_rows(indices, probs)):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
-    _full_sampling_from_probs(probs, seed, offset)
+    _full_sampling_from_probs(probs, seed, offset, indices)
 
 
-def _fake_sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
-    _full_sampling_from_probs(probs, seed, offset)
-    return probs.new_empty(probs.shape[:1], dtype=torch.int32)
+def _fake_sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor, indices: Optional[Tensor] = None) -> Tensor:
+    _full_sampling_from_probs(probs, seed, offset, indices)
+    return probs.new_empty((_out_rows(indices, probs),), dtype=torch.int32)
 
 
 def _full_sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> None:
@@ -1168,7 +1247,7 @@ def _fake_sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> 
 def _full_top_k_top_p_from_logits(logits: Tensor, maybe_top_k_arr: Optional[Tensor], top_k_val: int,
                                   maybe_top_p_arr: Optional[Tensor], top_p_val: float,
                                   maybe_temperature_arr: Optional[Tensor], temperature_val: float,
-                                  seed: Tensor, offset: Tensor) -> None:
+                                  seed: Tensor, offset: Tensor, filter_apply_order: str = "top_k_first") -> None:
     op = _TOP_K_TOP_P_FROM_LOGITS
     _validate_logits(op, logits)
     if maybe_top_k_arr is not None:
@@ -1180,6 +1259,7 @@ def _full_top_k_top_p_from_logits(logits: Tensor, maybe_top_k_arr: Optional[Tens
                              "float16, bfloat16, float32 or float64", logits)
     if not _temperature_ok(temperature_val):
         check.fail(op, "temperature_val", f"must be a finite float >= 0, got {temperature_val!r}")
+    _validate_filter_order(op, filter_apply_order)
     _validate_seed_offset(op, seed, offset, "logits", logits)
 
 
@@ -1190,17 +1270,18 @@ def _row_arr_ok(t: Optional[Tensor], dtypes, logits: Tensor) -> bool:
 def validate_top_k_top_p_from_logits(logits: Tensor, maybe_top_k_arr: Optional[Tensor], top_k_val: int,
                                      maybe_top_p_arr: Optional[Tensor], top_p_val: float,
                                      maybe_temperature_arr: Optional[Tensor], temperature_val: float,
-                                     seed: Tensor, offset: Tensor) -> None:
+                                     seed: Tensor, offset: Tensor, filter_apply_order: str = "top_k_first") -> None:
     try:
         if (_logits_ok(logits) and _seed_offset_ok(seed, offset, logits) and _temperature_ok(temperature_val)
+                and filter_apply_order in FILTER_ORDERS
                 and _row_arr_ok(maybe_top_k_arr, _INDEX_DTYPES, logits)
                 and _row_arr_ok(maybe_top_p_arr, (torch.float32,), logits)
                 and _row_arr_ok(maybe_temperature_arr, _TEMPERATURE_DTYPES, logits)):
             return
-    except (AttributeError, IndexError, RuntimeError):
+    except (AttributeError, IndexError, RuntimeError, TypeError):
         pass
     _full_top_k_top_p_from_logits(logits, maybe_top_k_arr, top_k_val, maybe_top_p_arr, top_p_val,
-                                  maybe_temperature_arr, temperature_val, seed, offset)
+                                  maybe_temperature_arr, temperature_val, seed, offset, filter_apply_order)
 
 
 def _fake_top_k_top_p_from_logits(logits: Tensor, *args) -> Tensor:
@@ -1208,7 +1289,7 @@ def _fake_top_k_top_p_from_logits(logits: Tensor, *args) -> Tensor:
     return logits.new_empty(logits.shape[:1], dtype=torch.int32)
 
 
-def sampling_from_probs(probs: Tensor, seed=None, offset=None) -> Tensor:
+def sampling_from_probs(probs: Tensor, seed=None, offset=None, indices: Optional[Tensor] = None) -> Tensor:
     """``ids[b] ~ probs[b] / sum(probs[b])``, drawn with Philox(seed, offset, b)
 
     FlashInfer's ``sampling_from_probs``: one token id per row from the whole (unnormalised) row, with
@@ -1222,15 +1303,18 @@ def sampling_from_probs(probs: Tensor, seed=None, offset=None) -> Tensor:
     Args:
         probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.
             NaN and negative values count as 0, ``+inf`` as the largest fp32.
-        seed, offset: both ``None``, or each an int or an int64 tensor of one element on the device of
-            ``probs`` (read on the device: advance ``offset`` in place between steps of a CUDA graph).
-            The registered op takes them as tensors, always.
+        seed, offset: both ``None``, or each an int or an int64 tensor on the device of ``probs`` of one
+            element or one per output row, as ``top_k_top_p_sampling_from_probs``'s (read on the device:
+            advance ``offset`` in place between steps of a CUDA graph). The registered op takes them as
+            tensors, always.
+        indices: ``None``, or ``(N,)`` int32/int64: output row ``i`` draws from ``probs[indices[i]]``.
 
     Returns:
-        ``(B,)`` int32 token ids. A row with no positive probability returns 0. Not differentiable.
+        ``(N,)`` int32 token ids (``N = B`` without ``indices``). A row with no positive probability
+        returns 0. Not differentiable.
     """
     seed, offset = _seed_offset(_SAMPLING_FROM_PROBS, probs, seed, offset)
-    return torch.ops.deepinfer.sampling_from_probs.default(probs, seed, offset)
+    return torch.ops.deepinfer.sampling_from_probs.default(probs, seed, offset, indices)
 
 
 def sampling_from_logits(logits: Tensor, seed=None, offset=None) -> Tensor:
@@ -1246,7 +1330,8 @@ def sampling_from_logits(logits: Tensor, seed=None, offset=None) -> Tensor:
 
     Args:
         logits: ``(B, V)`` float32, float16 or bfloat16, last dimension contiguous (rows may be strided).
-        seed, offset: as ``sampling_from_probs``'s (both ``None``: torch's generator of the device).
+        seed, offset: as ``sampling_from_probs``'s (both ``None``: torch's generator of the device;
+            per-row tensors of ``(B,)`` allowed).
 
     Returns:
         ``(B,)`` int32 token ids. A row without a probability (all ``-inf``, or a NaN or ``+inf``
@@ -1257,15 +1342,16 @@ def sampling_from_logits(logits: Tensor, seed=None, offset=None) -> Tensor:
 
 
 def top_k_top_p_sampling_from_logits(logits: Tensor, top_k: Union[int, Tensor], top_p: Union[float, Tensor],
-                                     temperature: Union[float, Tensor, None] = 1.0, seed=None, offset=None) -> Tensor:
+                                     temperature: Union[float, Tensor, None] = 1.0, seed=None, offset=None,
+                                     filter_apply_order: str = "top_k_first") -> Tensor:
     """``ids[b] ~ top_p_renorm(top_k_renorm(softmax(logits[b] / t[b]), top_k[b]), top_p[b])``, Philox(seed, offset, b)
 
-    FlashInfer's ``top_k_top_p_sampling_from_logits`` (``filter_apply_order="top_k_first"``) with a
-    temperature: ``softmax(logits, temperature)`` (fp32, the ``softmax`` op), then the top-k and top-p
-    filters and the draw of ``top_k_top_p_sampling_from_probs`` on those probabilities: the ids are
-    those of the two ops in sequence on the same ``(seed, offset)`` and backend, bit for bit (across
-    backends as ``sampling_from_logits``). The Triton backend runs the two kernels in sequence (an
-    fp32 probabilities tensor between them).
+    FlashInfer's ``top_k_top_p_sampling_from_logits`` (``filter_apply_order`` ``"top_k_first"``, the
+    default, or ``"joint"``, as ``top_k_top_p_sampling_from_probs``'s) with a temperature: ``softmax(logits,
+    temperature)`` (fp32, the ``softmax`` op), then the top-k and top-p filters and the draw of
+    ``top_k_top_p_sampling_from_probs`` on those probabilities: the ids are those of the two ops in sequence
+    on the same ``(seed, offset)`` and backend, bit for bit (across backends as ``sampling_from_logits``).
+    The Triton backend runs the two kernels in sequence (an fp32 probabilities tensor between them).
 
     Args:
         logits: ``(B, V)`` float32, float16 or bfloat16, last dimension contiguous (rows may be strided).
@@ -1274,9 +1360,11 @@ def top_k_top_p_sampling_from_logits(logits: Tensor, top_k: Union[int, Tensor], 
             top-p, ``<= 0`` keeps only the largest probability (and its ties).
         temperature: as ``softmax``'s: a float ``>= 0`` (``None``: 1) or a ``(B,)`` tensor; 0 makes a
             row uniform over its finite logits, as FlashInfer's softmax.
-        seed, offset: as ``sampling_from_probs``'s (both ``None``: torch's generator of the device).
-            The op's schema takes ``top_k``, ``top_p`` and ``temperature`` each as ``maybe_<name>_arr``
-            and ``<name>_val``, and ``seed`` and ``offset`` as tensors.
+        seed, offset: as ``sampling_from_probs``'s (both ``None``: torch's generator of the device;
+            per-row tensors of ``(B,)`` allowed). The op's schema takes ``top_k``, ``top_p`` and
+            ``temperature`` each as ``maybe_<name>_arr`` and ``<name>_val``, and ``seed`` and ``offset``
+            as tensors.
+        filter_apply_order: ``"top_k_first"`` or ``"joint"``.
 
     Returns:
         ``(B,)`` int32 token ids. A row without a probability (as ``sampling_from_logits``) returns 0.
@@ -1288,19 +1376,23 @@ def top_k_top_p_sampling_from_logits(logits: Tensor, top_k: Union[int, Tensor], 
     t_arr, t_val = _tensor_or_scalar(op, "temperature", 1.0 if temperature is None else temperature, float, "a float")
     seed, offset = _seed_offset(op, logits, seed, offset)
     return torch.ops.deepinfer.top_k_top_p_sampling_from_logits.default(
-        logits, k_arr, k_val, p_arr, p_val, t_arr, t_val if t_arr is None else 1.0, seed, offset)
+        logits, k_arr, k_val, p_arr, p_val, t_arr, t_val if t_arr is None else 1.0, seed, offset, filter_apply_order)
 
 
 def _samples_sampling_from_probs(device, dtype) -> Iterator[tuple]:
     for i, (probs, _, _) in enumerate(_sample_inputs(device)):
         shape = () if i % 2 else (1,)
         yield probs, _scalar(4321 + i, device, shape), _scalar(5 * i, device, shape)
+    yield from _forms_samples(device, torch.float32, lambda probs, top_k, top_p, seed, offset, idx: (
+        probs, seed, offset, idx))
 
 
 def _samples_sampling_from_logits(device, dtype) -> Iterator[tuple]:
     for i, (logits, _, _) in enumerate(_logit_inputs(device, dtype)):
         shape = () if i % 2 else (1,)
         yield logits, _scalar(77 + i, device, shape), _scalar(2**33 + i, device, shape)
+        if i == 2:  # per-row seeds and offsets
+            yield logits, torch.tensor([3, -3, 2**50], device=device), torch.tensor([0, 1, 2], device=device)
 
 
 def _samples_top_k_top_p_from_logits(device, dtype) -> Iterator[tuple]:
@@ -1313,6 +1405,9 @@ def _samples_top_k_top_p_from_logits(device, dtype) -> Iterator[tuple]:
             ps = torch.tensor([0.9, 0.5, 1.0, 0.0, 0.95][:B] if B else [], device=device)
             ts = torch.tensor([0.7, 1.0, 0.0, 1.5, 1.0][:B] if B else [], device=device)
             yield logits, ks, 0, ps, 0.0, ts.to((torch.float32, torch.bfloat16)[i % 2]), 1.0, seed, offset
+            if B == 3:  # the joint order, per-row seeds
+                yield (logits, ks, 0, ps * 0.3, 0.0, None, 0.8, torch.tensor([1, 2, 3], device=device), offset,
+                       "joint")
         else:
             yield logits, None, k, None, (0.9, 0.6, 1.0)[i % 3], None, (1.0, 0.7, 1.3)[i % 3], seed, offset
 
@@ -1406,7 +1501,7 @@ def _bench_logits_in(op: str, args) -> BenchCase:
 
 
 OPS = OPS + (
-    OpDef("sampling_from_probs(Tensor probs, Tensor seed, Tensor offset) -> Tensor",
+    OpDef("sampling_from_probs(Tensor probs, Tensor seed, Tensor offset, Tensor? indices=None) -> Tensor",
           validate_sampling_from_probs, _fake_sampling_from_probs, sampling_from_probs, _samples_sampling_from_probs,
           _tokens_sampling_from_probs, no_grad_reason=_NO_GRAD, compare=compare_samples,
           bench=_bench_logits_in(_SAMPLING_FROM_PROBS, _bench_args_sampling_from_probs)),
@@ -1416,9 +1511,120 @@ OPS = OPS + (
           bench=_bench_logits_in(_SAMPLING_FROM_LOGITS, _bench_args_sampling_from_logits)),
     OpDef("top_k_top_p_sampling_from_logits(Tensor logits, Tensor? maybe_top_k_arr, int top_k_val, "
           "Tensor? maybe_top_p_arr, float top_p_val, Tensor? maybe_temperature_arr, float temperature_val, "
-          "Tensor seed, Tensor offset) -> Tensor",
+          "Tensor seed, Tensor offset, str filter_apply_order=\"top_k_first\") -> Tensor",
           validate_top_k_top_p_from_logits, _fake_top_k_top_p_from_logits, top_k_top_p_sampling_from_logits,
           _samples_top_k_top_p_from_logits, _tokens_top_k_top_p_from_logits, no_grad_reason=_NO_GRAD,
           compare=compare_samples,
           bench=_bench_logits_in(_TOP_K_TOP_P_FROM_LOGITS, _bench_args_top_k_top_p_from_logits)),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# The log-probabilities of sampled tokens, as vLLM's sampler returns them beside the ids (its
+# ``logprobs_mode="raw_logprobs"``, or ``"processed_logprobs"`` with a temperature): one pass of the
+# softmax's statistics and one count, no log-probabilities tensor of the vocabulary.
+
+_LOGPROBS = "sampled_token_logprobs"
+
+
+def _full_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr: Optional[Tensor] = None,
+                   temperature_val: float = 1.0) -> None:
+    op = _LOGPROBS
+    _validate_logits(op, logits)
+    _validate_row_values(op, "token_ids", token_ids, _INDEX_DTYPES, "int32 or int64", logits)
+    if maybe_temperature_arr is not None:
+        _validate_row_values(op, "maybe_temperature_arr", maybe_temperature_arr, _TEMPERATURE_DTYPES,
+                             "float16, bfloat16, float32 or float64", logits)
+    if not _temperature_ok(temperature_val):
+        check.fail(op, "temperature_val", f"must be a finite float >= 0, got {temperature_val!r}")
+
+
+def validate_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr: Optional[Tensor] = None,
+                      temperature_val: float = 1.0) -> None:
+    try:
+        if (_logits_ok(logits) and _temperature_ok(temperature_val) and _row_arr_ok(token_ids, _INDEX_DTYPES, logits)
+                and token_ids is not None and _row_arr_ok(maybe_temperature_arr, _TEMPERATURE_DTYPES, logits)):
+            return
+    except (AttributeError, IndexError, RuntimeError):
+        pass
+    _full_logprobs(logits, token_ids, maybe_temperature_arr, temperature_val)
+
+
+def _fake_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr: Optional[Tensor] = None,
+                   temperature_val: float = 1.0):
+    _full_logprobs(logits, token_ids, maybe_temperature_arr, temperature_val)
+    B = logits.shape[0]
+    return logits.new_empty((B,), dtype=torch.float32), logits.new_empty((B,), dtype=torch.int64)
+
+
+def sampled_token_logprobs(logits: Tensor, token_ids: Tensor,
+                           temperature: Union[float, Tensor, None] = 1.0) -> tuple[Tensor, Tensor]:
+    """``logprob[b] = log_softmax(logits[b] / t[b])[token_ids[b]]``, ``rank[b] = #{j: x[b, j] >= x[b, token_ids[b]]}``
+
+    The log-probability of each row's sampled token and its rank, as vLLM's sampler returns them
+    beside the ids (``logprobs_mode="raw_logprobs"`` at temperature 1, ``"processed_logprobs"`` with
+    the sampling temperature before top-k/top-p), without writing a log-probabilities tensor of the
+    vocabulary. ``x = logits * (1 / t)`` in fp32 as the ``softmax`` op reads it (``-inf`` stays
+    ``-inf``, ``t == 0`` makes the row uniform over its finite logits); the log-probability is
+    ``x_tok - max(x) - log(sum(exp(x - max(x))))`` in fp32, the rank counts the values at or above
+    the token's (1 for the largest, ties counted; vLLM counts on the rounded log-probabilities, which
+    may merge values within an ulp). An id outside ``[0, V)`` gives NaN and rank 0 (not checked: a
+    sync); a NaN logit or a row of all ``-inf`` gives NaN. Backends agree on the rank exactly and on
+    the log-probability to fp32 rounding (the order of the sum).
+
+    Args:
+        logits: ``(B, V)`` float32, float16 or bfloat16, last dimension contiguous (rows may be strided).
+        token_ids: ``(B,)`` int32 or int64 on the device of ``logits``, one sampled id a row.
+        temperature: as ``softmax``'s: a float ``>= 0`` (``None``: 1) or a ``(B,)`` tensor. The op's
+            schema takes it as ``maybe_temperature_arr`` and ``temperature_val``.
+
+    Returns:
+        ``(logprobs (B,) float32, ranks (B,) int64)``. Not differentiable.
+    """
+    arr, val = _tensor_or_scalar(_LOGPROBS, "temperature", 1.0 if temperature is None else temperature, float,
+                                 "a float")
+    return torch.ops.deepinfer.sampled_token_logprobs.default(logits, token_ids, arr, val if arr is None else 1.0)
+
+
+def _samples_logprobs(device, dtype) -> Iterator[tuple]:
+    for i, (logits, per_row, _) in enumerate(_logit_inputs(device, dtype)):
+        B, V = logits.shape
+        ids = torch.randint(0, V, (B,), device=device).to((torch.int64, torch.int32)[i % 2])
+        if B:
+            ids[0] = logits[0].float().argmax()  # the largest: rank 1 (or its ties)
+        if per_row:
+            t = torch.rand(B, device=device) * 2 + 0.1
+            t[:1] = 0.0 if i == 4 else t[:1]  # temperature 0: uniform over the finite logits
+            yield logits, ids, t.to((torch.float32, torch.bfloat16)[i % 2]), 1.0
+        else:
+            yield logits, ids, None, (1.0, 0.7, 1.3)[i % 3]
+
+
+def _tokens_logprobs(n: int, device) -> tuple:
+    return ((torch.randn(n, 64, device=device) * 3, torch.randint(0, 64, (n,), device=device), None, 1.0), (0, 1))
+
+
+def _bench_args_logprobs(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
+    logits = _bench_logits(rows, profile, device, dtype)
+    return logits, torch.randint(0, logits.shape[1], (rows,), device=device), None, 1.0
+
+
+def _bench_nbytes_logprobs(args: tuple) -> int:
+    return 2 * args[0].numel() * args[0].element_size()  # two reads of the logits
+
+
+def _torch_logprobs(logits, token_ids, *_):
+    logprobs = logits.float().log_softmax(-1)  # vLLM's compute_logprobs, then gather_logprobs' two lines
+    token = logprobs.gather(-1, token_ids.long()[:, None])
+    return token.squeeze(-1), (logprobs >= token).sum(-1)
+
+
+OPS = OPS + (
+    OpDef("sampled_token_logprobs(Tensor logits, Tensor token_ids, Tensor? maybe_temperature_arr=None, "
+          "float temperature_val=1.0) -> (Tensor, Tensor)",
+          validate_logprobs, _fake_logprobs, sampled_token_logprobs, _samples_logprobs, _tokens_logprobs,
+          no_grad_reason="it is an inference kernel",
+          bench=BenchCase(_bench_shape, _bench_args_logprobs, _bench_nbytes_logprobs, memory_bound=True,
+                          flashinfer=lambda args: "FlashInfer has no log-probability op",
+                          peers=(Peer("torch log_softmax + gather (vLLM's)", _torch_logprobs),), axis="rows")),
 )

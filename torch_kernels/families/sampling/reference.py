@@ -25,7 +25,13 @@ only the renormalised values differ, by rounding):
   ``target = floor(r * M / 2^31)``, computed exactly in int64; the result is the first token, in
   index order, whose inclusive cumulative kept mass exceeds ``target``. It always has mass, so it is
   always kept; each kept token ``i`` is drawn with probability ``q_i / M`` up to 2^-31. A row with no
-  mass at all (all zero) returns 0.
+  mass at all (all zero) returns 0. Per-row ``seed``/``offset`` tensors (``(B,)``, either, the other
+  broadcast) key each row with its own and put 0 in the counter's row word: a row draws as it would alone.
+* **joint** (``filter_apply_order="joint"``, FlashInfer's other order): the top-p test compares
+  ``G(i)`` with ``top_p * M`` over the whole row's mass ``M`` instead of ``M_k``, keeping the tokens that
+  pass both filters on the original distribution (a superset of top-k-first's).
+* **indices** (``(N,)``): output row ``i`` draws from ``probs[indices[i]]`` with that row's
+  ``top_k``/``top_p``, its random stream that of output row ``i``.
 
 The renormalising ops return ``where(kept, p / sum(p[kept]), 0)`` in fp32 (the sum in fp64; a row
 whose kept sum is 0 returns zeros).
@@ -90,13 +96,27 @@ def philox4x32_10(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: Tensor, k1
 
 def random_bits31(rows: int, seed: Tensor, offset: Tensor, device) -> Tensor:
     """``(rows,)`` int64: 31 random bits per row, from counter ``(row, offset_lo, offset_hi, 0)`` and
-    key ``(seed_lo, seed_hi)``."""
-    seed, offset = seed.reshape(()).to(device=device, dtype=torch.int64), offset.reshape(()).to(device=device, dtype=torch.int64)
-    row = torch.arange(rows, device=device, dtype=torch.int64)
+    key ``(seed_lo, seed_hi)``. Per-row ``seed``/``offset`` (either of ``rows`` elements, the other of
+    one, broadcast): counter ``(0, offset_lo, offset_hi, 0)``, so a row draws as it would alone."""
+    seed, offset, row = rng_rows(rows, seed, offset, device)
     zero = torch.zeros_like(row)
-    c0, _, _, _ = philox4x32_10(row, zero + (offset & _U32), zero + ((offset >> 32) & _U32), zero,
-                                zero + (seed & _U32), zero + ((seed >> 32) & _U32))
+    c0, _, _, _ = philox4x32_10(row, offset & _U32, (offset >> 32) & _U32, zero, seed & _U32, (seed >> 32) & _U32)
     return c0 >> 1
+
+
+def per_row_rng(seed: Tensor, offset: Tensor) -> bool:
+    """Whether ``seed``/``offset`` give each row its own stream: either holds other than one value."""
+    return seed.numel() != 1 or offset.numel() != 1
+
+
+def rng_rows(rows: int, seed: Tensor, offset: Tensor, device):
+    """``(seed, offset, counter row word)``, each ``(rows,)`` int64: one seed and offset with the row's
+    index, or per-row ones with row word 0 (a row's stream is that of calling it alone)."""
+    per_row = per_row_rng(seed, offset)
+    seed = seed.reshape(-1).to(device=device, dtype=torch.int64).expand(rows)
+    offset = offset.reshape(-1).to(device=device, dtype=torch.int64).expand(rows)
+    row = torch.arange(rows, device=device, dtype=torch.int64)
+    return seed, offset, torch.zeros_like(row) if per_row else row
 
 
 def per_row(value, rows: int, dtype, device) -> Tensor:
@@ -105,9 +125,10 @@ def per_row(value, rows: int, dtype, device) -> Tensor:
     return value if isinstance(value, Tensor) else torch.full((rows,), value, dtype=dtype, device=device)
 
 
-def kept_mask(bits: Tensor, q: Tensor, top_k, top_p):
+def kept_mask(bits: Tensor, q: Tensor, top_k, top_p, joint: bool = False):
     """``(kept (B, V) bool, mass of the kept set (B,) int64)``; ``top_k``/``top_p`` a ``(B,)`` tensor or
-    a scalar for every row, ``None``: no filter."""
+    a scalar for every row, ``None``: no filter. ``joint``: top-p measured against the whole row's mass
+    instead of the top-k survivors' (FlashInfer's ``filter_apply_order="joint"``)."""
     B, V = bits.shape
     if top_k is not None:
         top_k = per_row(top_k, B, torch.int64, bits.device)
@@ -129,15 +150,16 @@ def kept_mask(bits: Tensor, q: Tensor, top_k, top_p):
     cum = qk.gather(-1, order).cumsum(-1)
     last_le = torch.searchsorted(asc, bits, right=True) - 1  # >= 0: bits itself is in the row
     above = m_k.unsqueeze(-1) - cum.gather(-1, last_le)
-    limit = top_p.double().unsqueeze(-1) * m_k.double().unsqueeze(-1)
+    m_p = q.sum(-1) if joint else m_k
+    limit = top_p.double().unsqueeze(-1) * m_p.double().unsqueeze(-1)
     kept = kept & ((above == 0) | (above.double() < limit))
     return kept, torch.where(kept, q, 0).sum(-1)
 
 
-def _filtered(probs: Tensor, top_k, top_p):
+def _filtered(probs: Tensor, top_k, top_p, joint: bool = False):
     bits = value_bits(probs)
     q = fixed_point(bits, bits.amax(-1, keepdim=True), fixed_point_bits(probs.shape[-1]))
-    kept, mass = kept_mask(bits, q, top_k, top_p)
+    kept, mass = kept_mask(bits, q, top_k, top_p, joint)
     return bits, q, kept, mass
 
 
@@ -169,13 +191,25 @@ def sample_kept(q: Tensor, kept: Tensor, mass: Tensor, r31: Tensor) -> Tensor:
     return (cum > target.unsqueeze(-1)).int().argmax(-1).int()  # no hit (no mass): 0
 
 
+def gather_rows(indices: Optional[Tensor], probs: Tensor, *per_row_args):
+    """``probs`` and its per-row arguments (tensors; scalars pass) at the rows ``indices`` names
+    (FlashInfer's ``indices``: output row ``i`` draws from ``probs[indices[i]]``); as they are without."""
+    if indices is None:
+        return (probs, *per_row_args)
+    idx = indices.long()
+    return (probs.index_select(0, idx),
+            *(a.index_select(0, idx) if isinstance(a, Tensor) else a for a in per_row_args))
+
+
 def top_k_top_p_sampling_from_probs(probs: Tensor, maybe_top_k_arr: Optional[Tensor], maybe_top_p_arr: Optional[Tensor],
-                                    seed: Tensor, offset: Tensor, top_k_val: int = 0, top_p_val: float = 1.0) -> Tensor:
+                                    seed: Tensor, offset: Tensor, top_k_val: int = 0, top_p_val: float = 1.0,
+                                    filter_apply_order: str = "top_k_first", indices: Optional[Tensor] = None) -> Tensor:
+    probs, maybe_top_k_arr, maybe_top_p_arr = gather_rows(indices, probs, maybe_top_k_arr, maybe_top_p_arr)
     B = probs.shape[0]
     if B == 0:
         return torch.empty(0, dtype=torch.int32, device=probs.device)
     _, q, kept, mass = _filtered(probs, top_k_val if maybe_top_k_arr is None else maybe_top_k_arr,
-                                 top_p_val if maybe_top_p_arr is None else maybe_top_p_arr)
+                                 top_p_val if maybe_top_p_arr is None else maybe_top_p_arr, filter_apply_order == "joint")
     return sample_kept(q, kept, mass, random_bits31(B, seed, offset, probs.device))
 
 
@@ -245,7 +279,9 @@ def min_p_threshold(bits: Tensor, maybe_min_p_arr, min_p_val: float) -> Tensor:
     return torch.where(below_max, pivot.view(torch.int32), m_bits)
 
 
-def min_p_sampling_from_probs(probs: Tensor, maybe_min_p_arr, min_p_val: float, seed: Tensor, offset: Tensor) -> Tensor:
+def min_p_sampling_from_probs(probs: Tensor, maybe_min_p_arr, min_p_val: float, seed: Tensor, offset: Tensor,
+                              indices: Optional[Tensor] = None) -> Tensor:
+    probs, maybe_min_p_arr = gather_rows(indices, probs, maybe_min_p_arr)
     B = probs.shape[0]
     if B == 0:
         return torch.empty(0, dtype=torch.int32, device=probs.device)
@@ -269,14 +305,12 @@ FLT_TINY = 2.0**-126
 
 def speculative_words(rows: int, positions: int, seed: Tensor, offset: Tensor, device):
     """``(w0, w1)``, each ``(rows, positions)`` int64 uint32 values: words 0 and 1 of Philox4x32-10 with
-    counter ``(row, offset_lo, offset_hi, SPECULATIVE_COUNTER + i)`` and key ``(seed_lo, seed_hi)``."""
-    seed = seed.reshape(()).to(device=device, dtype=torch.int64)
-    offset = offset.reshape(()).to(device=device, dtype=torch.int64)
-    row = torch.arange(rows, device=device, dtype=torch.int64)[:, None].expand(rows, positions)
+    counter ``(row, offset_lo, offset_hi, SPECULATIVE_COUNTER + i)`` and key ``(seed_lo, seed_hi)``
+    (per-row seeds or offsets: row word 0, as ``rng_rows``)."""
+    seed, offset, row = (t[:, None].expand(rows, positions) for t in rng_rows(rows, seed, offset, device))
     pos = torch.arange(positions, device=device, dtype=torch.int64)[None, :].expand(rows, positions)
-    zero = torch.zeros_like(row)
-    w0, w1, _, _ = philox4x32_10(row, zero + (offset & _U32), zero + ((offset >> 32) & _U32),
-                                 pos + SPECULATIVE_COUNTER, zero + (seed & _U32), zero + ((seed >> 32) & _U32))
+    w0, w1, _, _ = philox4x32_10(row, offset & _U32, (offset >> 32) & _U32, pos + SPECULATIVE_COUNTER,
+                                 seed & _U32, (seed >> 32) & _U32)
     return w0, w1
 
 
@@ -334,7 +368,8 @@ def chain_speculative_sampling(draft_probs: Tensor, draft_token_ids: Tensor, tar
 # the family's draw without a filter, and ``softmax`` (above) followed by the probs-in ops, composed.
 
 
-def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
+def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor, indices: Optional[Tensor] = None) -> Tensor:
+    (probs,) = gather_rows(indices, probs)
     B = probs.shape[0]
     if B == 0:
         return torch.empty(0, dtype=torch.int32, device=probs.device)
@@ -347,6 +382,27 @@ def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor
 
 
 def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val: int, maybe_top_p_arr, top_p_val: float,
-                                     maybe_temperature_arr, temperature_val: float, seed: Tensor, offset: Tensor) -> Tensor:
+                                     maybe_temperature_arr, temperature_val: float, seed: Tensor, offset: Tensor,
+                                     filter_apply_order: str = "top_k_first") -> Tensor:
     probs = softmax(logits, maybe_temperature_arr, temperature_val)
-    return top_k_top_p_sampling_from_probs(probs, maybe_top_k_arr, maybe_top_p_arr, seed, offset, top_k_val, top_p_val)
+    return top_k_top_p_sampling_from_probs(probs, maybe_top_k_arr, maybe_top_p_arr, seed, offset, top_k_val, top_p_val,
+                                           filter_apply_order)
+
+
+# ----------------------------------------------------------------------------------------------
+# The log-probabilities of sampled tokens (what vLLM's sampler returns beside the ids): the wrapper's
+# docstring in ``ops.py`` is the definition.
+
+
+def sampled_token_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr=None, temperature_val: float = 1.0):
+    B, V = logits.shape
+    x = logits.float() * inverse_temperature(maybe_temperature_arr, temperature_val, B, logits.device)
+    x = torch.where(logits == float("-inf"), float("-inf"), x)  # softmax's reading
+    ids = token_ids.long()
+    valid = (ids >= 0) & (ids < V)
+    x_tok = x.gather(1, torch.where(valid, ids, 0).unsqueeze(-1))
+    m = x.amax(-1, keepdim=True)
+    s = torch.exp(x - m).sum(-1, keepdim=True)
+    logprob = (x_tok - m - torch.log(s)).squeeze(-1)
+    rank = (x >= x_tok).sum(-1)
+    return torch.where(valid, logprob, float("nan")), torch.where(valid, rank, 0)

@@ -25,7 +25,9 @@ route, its fallback, windows placed by the levels and from 0, a limit exactly at
 
 Arguments arrive validated (``ops.py``): probs ``(B, V)`` fp32 with a contiguous
 last dim, ``top_k`` int32/int64 ``(B,)`` or an int, ``top_p`` fp32 ``(B,)`` or a float, seed and offset
-int64 one-element tensors, all on one device.
+int64 tensors of one element or one a row (``_common.rng_tensors``), all on one device. ``joint`` (the
+``"joint"`` filter order) measures top-p against the whole row's mass (``_row_mass_kernel``); ``indices``
+are served by gathering the named rows first.
 """
 
 from typing import Optional
@@ -34,17 +36,19 @@ import torch
 import triton
 from torch import Tensor
 
-from ..reference import fixed_point_bits
+from ..reference import fixed_point_bits, gather_rows
 from .candidates import _slice_prepass, _stride
 from .config import DEFAULT, Config
-from .filter import _filter_kernel, _renorm_write_kernel
+from ._common import rng_tensors
+from .filter import _filter_kernel, _renorm_write_kernel, _row_mass_kernel
 from .histogram import _hist_prepasses
 from .logits import min_p_sampling_from_probs, softmax, top_k_mask_logits  # noqa: F401  (one module)
-from .logits_in import sampling_from_logits, sampling_from_probs, top_k_top_p_sampling_from_logits  # noqa: F401
+from .logits_in import (sampled_token_logprobs, sampling_from_logits, sampling_from_probs,  # noqa: F401
+                        top_k_top_p_sampling_from_logits)
 from .speculative import chain_speculative_sampling  # noqa: F401  (its own module)
 
 
-def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Config = DEFAULT) -> Tensor:
+def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Config = DEFAULT, joint: bool = False) -> Tensor:
     B, V = probs.shape
     if sample:
         out = torch.empty(B, dtype=torch.int32, device=probs.device)
@@ -65,6 +69,16 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
     # the histogram route: top-p rows that top-k leaves whole (all of top_p_renorm_probs), V > cap
     hist = top_p is not None and V > cap and config.hist_slices > 0 and (top_k is None or config.hist_with_top_k)
     hist_max, bracket, _ = _hist_prepasses(probs, top_k, top_p, buf_bits, config) if hist else (dummy, dummy, dummy)
+    # joint: top-p against the whole row's mass; only where a top-k cut makes it differ from M_k
+    joint = joint and top_p is not None and top_k is not None
+    joint_mass = dummy
+    if joint:
+        joint_mass = torch.empty(B, dtype=torch.int64, device=probs.device)
+        _row_mass_kernel[(B,)](probs, probs.stride(0), joint_mass, V, fixed_point_bits(V), CHUNK=config.chunk_g,
+                               num_warps=config.num_warps)
+    per_row_rng = False
+    if sample:
+        seed, offset, per_row_rng = rng_tensors(seed, offset, B)
     _filter_kernel[(B,)](
         probs, probs.stride(0),
         top_k if top_k is not None else dummy, _stride(top_k) if top_k is not None else 0,
@@ -79,6 +93,7 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
         NP_COUNT=config.np_count, NP_MASS=config.np_mass, NP_FLOAT=config.np_float, FITS=V <= cap,
         SPLIT=split, SLICES=config.slices if split else 1,
         hist_max_ptr=hist_max, bracket_ptr=bracket, HIST=hist, HIST_SLICES=config.hist_slices if hist else 1,
+        joint_mass_ptr=joint_mass, JOINT=joint, PER_ROW_RNG=per_row_rng,
         num_warps=config.num_warps,
     )
     if not sample:
@@ -97,9 +112,12 @@ def top_p_renorm_probs(probs: Tensor, maybe_top_p_arr: Optional[Tensor], top_p_v
 
 
 def top_k_top_p_sampling_from_probs(probs: Tensor, maybe_top_k_arr: Optional[Tensor], maybe_top_p_arr: Optional[Tensor],
-                                    seed: Tensor, offset: Tensor, top_k_val: int = 0, top_p_val: float = 1.0) -> Tensor:
+                                    seed: Tensor, offset: Tensor, top_k_val: int = 0, top_p_val: float = 1.0,
+                                    filter_apply_order: str = "top_k_first", indices: Optional[Tensor] = None) -> Tensor:
+    # indices: the named rows gathered (one copy of N rows), then every route as without
+    probs, maybe_top_k_arr, maybe_top_p_arr = gather_rows(indices, probs, maybe_top_k_arr, maybe_top_p_arr)
     return _launch(probs, _either(maybe_top_k_arr, top_k_val), _either(maybe_top_p_arr, top_p_val), seed, offset,
-                   sample=True)
+                   sample=True, joint=filter_apply_order == "joint")
 
 
 def _either(arr: Optional[Tensor], val):

@@ -61,10 +61,34 @@ def philox_w01(seed, offset, row, c3):
 
 
 @triton.jit
-def _random_bits31(seed_ptr, offset_ptr, row):
-    """31 random bits: word 0 of Philox4x32-10 with counter (row, offset_lo, offset_hi, 0), key (seed_lo, seed_hi)."""
-    c0, _ = philox_w01(tl.load(seed_ptr), tl.load(offset_ptr), row, row.to(tl.uint32) * 0)
+def _random_bits31(seed_ptr, offset_ptr, row, PER_ROW: tl.constexpr = False):
+    """31 random bits: word 0 of Philox4x32-10 with counter (row, offset_lo, offset_hi, 0), key (seed_lo, seed_hi);
+    ``PER_ROW``: the row's own seed and offset (``(B,)`` tensors) and row word 0, its draw alone."""
+    seed, offset, c0 = rng_row(seed_ptr, offset_ptr, row, PER_ROW)
+    c0, _ = philox_w01(seed, offset, c0, row.to(tl.uint32) * 0)
     return (c0 >> 1).to(tl.int64)
+
+
+@triton.jit
+def rng_row(seed_ptr, offset_ptr, row, PER_ROW: tl.constexpr):
+    """``(seed, offset, counter row word)`` of a row (``reference.rng_rows``)."""
+    if PER_ROW:
+        seed = tl.load(seed_ptr + row)
+        offset = tl.load(offset_ptr + row)
+        c0 = row * 0
+    else:
+        seed = tl.load(seed_ptr)
+        offset = tl.load(offset_ptr)
+        c0 = row
+    return seed, offset, c0
+
+
+def rng_tensors(seed, offset, rows: int):
+    """``(seed, offset, per_row)`` for the kernels: one-element tensors as they are, or, where either
+    holds one value a row, both as contiguous ``(rows,)`` (a broadcast one expanded on the device)."""
+    if seed.numel() == 1 and offset.numel() == 1:
+        return seed, offset, False
+    return seed.reshape(-1).expand(rows).contiguous(), offset.reshape(-1).expand(rows).contiguous(), True
 
 
 @triton.jit

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import _fixed, _kth_in_registers, _random_bits31, _target, _top_p_in_registers, _value_bits, row_value
+from ._common import _fixed, _kth_in_registers, _target, _top_p_in_registers, _value_bits, row_value
 from .config import Config
 
 
@@ -99,7 +99,7 @@ def _stream_candidates(row_ptr, V, k, buf_bits, buf_idx, offs, slots,
 
 
 @triton.jit
-def _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, limit_scale, seed_ptr, offset_ptr, row,
+def _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, limit_scale, joint_mass, r31, row,
                      HAS_P: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr):
     """(threshold pattern, kept mass, sampled token) of a row whose buffer holds every value ``>= t_k``
     (the ``n`` slots at ``buf_bits``/``buf_idx``, in index order): everything in registers."""
@@ -107,12 +107,12 @@ def _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, lim
     tl.debug_barrier()
     vb = tl.load(buf_bits + slots, mask=slots < n, other=-1)
     vi = tl.load(buf_idx + slots, mask=slots < n, other=0)
-    return _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_scale, seed_ptr, offset_ptr, row,
+    return _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_scale, joint_mass, r31, row,
                                     HAS_P, SAMPLE, CAP)
 
 
 @triton.jit
-def _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_scale, seed_ptr, offset_ptr, row,
+def _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_scale, joint_mass, r31, row,
                              HAS_P: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr):
     """(threshold pattern, kept mass, sampled token) from the candidates ``vb`` (bit patterns) and
     ``vi`` (token ids): every value of the row ``>= tau`` (a lower bound of ``t_k``) is there once, in
@@ -123,11 +123,12 @@ def _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_sca
     q = _fixed(vb, e_max, q_bits)
     mass = tl.sum(tl.where(vb >= thr, q, 0), axis=0)
     if HAS_P:
-        # the smallest pattern >= t_k whose larger survivors weigh < top_p * M_k; below t_k
-        # "fails" (mass above it: M_k), the largest value passes (nothing above it)
-        thr, mass = _top_p_in_registers(vb, q, limit_scale * mass.to(tl.float64), thr - 1, mx, mass, 0)
+        # the smallest pattern >= t_k whose larger survivors weigh < top_p * M_k (joint: the row's
+        # mass); below t_k "fails" (mass above it: M_k) or all pass, the largest value passes
+        limit = limit_scale * tl.where(joint_mass >= 0, joint_mass, mass).to(tl.float64)
+        thr, mass = _top_p_in_registers(vb, q, limit, thr - 1, mx, mass, 0)
     if SAMPLE:
-        target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
+        target = _target(r31, mass)
         cum = tl.cumsum(tl.where(vb >= thr, q, 0), axis=0)
         first = tl.min(tl.where(cum > target, slots, CAP), axis=0)
         token = tl.max(tl.where(slots == first, vi, 0), axis=0)  # no hit (no mass): 0

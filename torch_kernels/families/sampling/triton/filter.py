@@ -7,14 +7,14 @@ the renormalised row: one program walking a whole row was latency-bound."""
 import triton
 import triton.language as tl
 
-from ._common import _value_bits, row_value
+from ._common import _fixed, _random_bits31, _value_bits, row_value
 from .candidates import _candidate_route, _candidates_in_registers, _stream_candidates
 from .histogram import _hist_row
 from .pivots import _full_pass_route
 
 
 @triton.jit
-def _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots, seed_ptr, offset_ptr, row,
+def _unsplit_row(row_ptr, V, k, q_bits, limit_scale, joint_mass, buf_bits, buf_idx, offs, slots, r31, row,
                  HAS_P: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
                  K_SMALL: tl.constexpr, CHUNK_G: tl.constexpr, NP_COUNT: tl.constexpr, NP_MASS: tl.constexpr,
                  NP_FLOAT: tl.constexpr, FITS: tl.constexpr):
@@ -27,20 +27,20 @@ def _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, sl
         # not even compiled then: with V == 1 (Triton makes it a constant) its search loops are provably
         # never entered, and Triton 3.6's coalescing pass asserts on memory ops in unreachable code.
         thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, limit_scale,
-                                            seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+                                            joint_mass, r31, row, HAS_P, SAMPLE, CAP)
     else:
         if overflow == 0:
             thr, mass, token = _candidate_route(buf_bits, buf_idx, slots, n, k, tau, mx, e_max, q_bits, limit_scale,
-                                                seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+                                                joint_mass, r31, row, HAS_P, SAMPLE, CAP)
         else:
-            thr, mass, token = _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bits, slots,
-                                                seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK_G,
+            thr, mass, token = _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, joint_mass,
+                                                buf_bits, slots, r31, row, HAS_P, SAMPLE, CAP, CHUNK_G,
                                                 NP_COUNT, NP_MASS, NP_FLOAT)
     return thr, mass, token, e_max
 
 
 @triton.jit
-def _top_k_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots, stats_ptr, seed_ptr, offset_ptr,
+def _top_k_row(row_ptr, V, k, q_bits, limit_scale, joint_mass, buf_bits, buf_idx, offs, slots, stats_ptr, r31,
                row, HAS_P: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
                K_SMALL: tl.constexpr, CHUNK_G: tl.constexpr, NP_COUNT: tl.constexpr, NP_MASS: tl.constexpr,
                NP_FLOAT: tl.constexpr, FITS: tl.constexpr, SPLIT: tl.constexpr, SLICES: tl.constexpr):
@@ -66,14 +66,14 @@ def _top_k_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slot
             vb = tl.where(vb >= tau, vb, -1)  # below tau (a lower cover_s): harmless, but no candidate
             vi = tl.load(buf_idx + slots, mask=vb >= 0, other=0)
             thr, mass, token = _candidates_in_registers(vb, vi, slots, k, tau, mx, e_max, q_bits, limit_scale,
-                                                        seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP)
+                                                        joint_mass, r31, row, HAS_P, SAMPLE, CAP)
         else:
-            thr, mass, token, e_max = _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs,
-                                                   slots, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK,
+            thr, mass, token, e_max = _unsplit_row(row_ptr, V, k, q_bits, limit_scale, joint_mass, buf_bits, buf_idx,
+                                                   offs, slots, r31, row, HAS_P, SAMPLE, CAP, CHUNK,
                                                    K_SMALL, CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT, FITS)
     else:
-        thr, mass, token, e_max = _unsplit_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots,
-                                               seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK, K_SMALL,
+        thr, mass, token, e_max = _unsplit_row(row_ptr, V, k, q_bits, limit_scale, joint_mass, buf_bits, buf_idx, offs,
+                                               slots, r31, row, HAS_P, SAMPLE, CAP, CHUNK, K_SMALL,
                                                CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT, FITS)
 
     return thr, mass, token, e_max
@@ -84,7 +84,7 @@ def _filter_kernel(
     probs_ptr, probs_row_stride,  # (B, V) fp32 rows, last dim contiguous
     top_k_ptr, top_k_stride,  # (B,) int32/int64; <= 0 or >= V keeps all (read when HAS_K)
     top_p_ptr, top_p_stride,  # (B,) fp32 (read when HAS_P)
-    seed_ptr, offset_ptr,  # one int64 each (read when SAMPLE)
+    seed_ptr, offset_ptr,  # int64, one each or (B,) each with PER_ROW_RNG (read when SAMPLE)
     out_ptr,  # SAMPLE: (B,) int32 ids; else (B, 2) int32: threshold pattern, bits of the fp32 1/S
     buf_bits_ptr, buf_idx_ptr,  # (B, CAP) int32 scratch: candidate bit patterns and token ids
     stats_ptr,  # SPLIT: (B, 4, SLICES) int32 from the prepass (tau_s, largest pattern, n_s, cover_s)
@@ -109,6 +109,9 @@ def _filter_kernel(
     HIST_SLICES: tl.constexpr,  # slices a row of the histogram kernels (HIST)
     K_ARR: tl.constexpr = True,  # top_k a (B,) tensor, else an int for every row
     P_ARR: tl.constexpr = True,  # top_p a (B,) tensor, else a float for every row
+    joint_mass_ptr=None,  # JOINT: (B,) int64 fixed-point mass of the whole row (_row_mass_kernel)
+    JOINT: tl.constexpr = False,  # top-p against the whole row's mass (filter_apply_order="joint")
+    PER_ROW_RNG: tl.constexpr = False,  # seed/offset (B,): each row keyed alone (_common._random_bits31)
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = probs_ptr + row * probs_row_stride
@@ -125,25 +128,31 @@ def _filter_kernel(
     limit_scale = 0.0
     if HAS_P:
         limit_scale = row_value(top_p_ptr, top_p_stride, row, P_ARR, tl.float64)
+    joint_mass = tl.full((), -1, tl.int64)  # < 0: top-p against the top-k survivors' mass
+    if JOINT:
+        joint_mass = tl.load(joint_mass_ptr + row)
+    r31 = tl.zeros((), tl.int64)
+    if SAMPLE:
+        r31 = _random_bits31(seed_ptr, offset_ptr, row, PER_ROW_RNG)
 
     if HIST:
         if HAS_K:
             if k == V:  # top-k keeps the whole row: the histogram route
                 thr, mass, token, e_max = _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr,
-                                                    bracket_ptr, seed_ptr, offset_ptr, row, SAMPLE, CAP, CHUNK_G,
+                                                    bracket_ptr, r31, row, SAMPLE, CAP, CHUNK_G,
                                                     NP_MASS, HIST_SLICES)
             else:
-                thr, mass, token, e_max = _top_k_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs,
-                                                     slots, stats_ptr, seed_ptr, offset_ptr, row, HAS_P, SAMPLE,
+                thr, mass, token, e_max = _top_k_row(row_ptr, V, k, q_bits, limit_scale, joint_mass, buf_bits,
+                                                     buf_idx, offs, slots, stats_ptr, r31, row, HAS_P, SAMPLE,
                                                      CAP, CHUNK, K_SMALL, CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT,
                                                      FITS, SPLIT, SLICES)
         else:
             thr, mass, token, e_max = _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr,
-                                                bracket_ptr, seed_ptr, offset_ptr, row, SAMPLE, CAP, CHUNK_G,
+                                                bracket_ptr, r31, row, SAMPLE, CAP, CHUNK_G,
                                                 NP_MASS, HIST_SLICES)
     else:
-        thr, mass, token, e_max = _top_k_row(row_ptr, V, k, q_bits, limit_scale, buf_bits, buf_idx, offs, slots,
-                                             stats_ptr, seed_ptr, offset_ptr, row, HAS_P, SAMPLE, CAP, CHUNK,
+        thr, mass, token, e_max = _top_k_row(row_ptr, V, k, q_bits, limit_scale, joint_mass, buf_bits, buf_idx, offs,
+                                             slots, stats_ptr, r31, row, HAS_P, SAMPLE, CAP, CHUNK,
                                              K_SMALL, CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT, FITS, SPLIT, SLICES)
 
     if SAMPLE:
@@ -178,3 +187,22 @@ def _renorm_write_kernel(
     b = _value_bits(probs_ptr + row * probs_row_stride, cols, cols < V)
     p = b.to(tl.float32, bitcast=True)
     tl.store(out_ptr + row * out_row_stride + cols, tl.where(b >= thr, p * inv, 0.0), mask=cols < V)
+
+
+@triton.jit
+def _row_mass_kernel(probs_ptr, probs_row_stride, out_ptr, V, q_bits, CHUNK: tl.constexpr):
+    """``out[row]``: the fixed-point mass of the whole row (its largest pattern first), the measure of
+    the joint order's top-p test; two reads of the row."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = probs_ptr + row * probs_row_stride
+    offs = tl.arange(0, CHUNK)
+    mx = tl.full((), -1, tl.int32)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        mx = tl.maximum(mx, tl.max(_value_bits(row_ptr, cols, cols < V), axis=0))
+    e_max = tl.maximum(mx >> 23, 1)
+    acc = tl.zeros([CHUNK], dtype=tl.int64)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        acc += _fixed(_value_bits(row_ptr, cols, cols < V), e_max, q_bits)
+    tl.store(out_ptr + row, tl.sum(acc, axis=0))

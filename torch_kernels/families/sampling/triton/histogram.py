@@ -315,7 +315,7 @@ def _bracket_compact_kernel(
 
 
 @triton.jit
-def _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr, bracket_ptr, seed_ptr, offset_ptr, row,
+def _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr, bracket_ptr, r31, row,
               SAMPLE: tl.constexpr, CAP: tl.constexpr, CHUNK_G: tl.constexpr, NP_MASS: tl.constexpr,
               HIST_SLICES: tl.constexpr):
     """(threshold pattern, kept mass, sampled token, e_max) of a row on the histogram route (top-p,
@@ -340,7 +340,7 @@ def _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr, br
                                  CAP, CHUNK_G, NP_MASS)
     token = tl.full([], 0, tl.int32)
     if SAMPLE:
-        token = _sample_scan(row_ptr, V, thr, mass, e_max, q_bits, seed_ptr, offset_ptr, row, CHUNK_G)
+        token = _sample_scan(row_ptr, V, thr, mass, e_max, q_bits, r31, row, CHUNK_G)
     return thr, mass, token, e_max
 
 

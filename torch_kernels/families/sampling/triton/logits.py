@@ -4,13 +4,15 @@ masked copy), ``min_p_sampling_from_probs`` (three passes: max, kept mass, the d
 reference's semantics exactly (``reference.softmax``, ``reference.top_k_mask_logits``,
 ``reference.min_p_sampling_from_probs``: the same fixed-point masses and Philox stream as the family)."""
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import _fixed, _random_bits31, _target, _value_bits
+from ._common import _fixed, _random_bits31, _target, _value_bits, rng_tensors
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
 
@@ -186,19 +188,23 @@ def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0) 
 
 
 @triton.jit
-def _min_p_kernel(p_ptr, p_stride, mp_ptr, mp_val, seed_ptr, offset_ptr, out_ptr, V, q_bits,
-                  HAS_MP: tl.constexpr, CHUNK: tl.constexpr):
+def _min_p_kernel(p_ptr, p_stride, mp_ptr, mp_val, seed_ptr, offset_ptr, out_ptr, V, q_bits, idx_ptr,
+                  HAS_MP: tl.constexpr, CHUNK: tl.constexpr, PER_ROW_RNG: tl.constexpr, HAS_IDX: tl.constexpr):
     """Three passes: the row's largest pattern, the kept mass (``bits >= pivot``, fixed point), the
-    first token whose cumulative kept mass exceeds the target (``reference.min_p_sampling_from_probs``)."""
+    first token whose cumulative kept mass exceeds the target (``reference.min_p_sampling_from_probs``).
+    ``HAS_IDX``: output row ``row`` reads the probs row ``idx[row]`` and its ``min_p``."""
     row = tl.program_id(0).to(tl.int64)
-    p_row = p_ptr + row * p_stride
+    src = row
+    if HAS_IDX:
+        src = tl.load(idx_ptr + row).to(tl.int64)
+    p_row = p_ptr + src * p_stride
     offs = tl.arange(0, CHUNK)
     mx = tl.full((), -1, tl.int32)
     for start in range(0, V, CHUNK):
         cols = start + offs
         mx = tl.maximum(mx, tl.max(_value_bits(p_row, cols, cols < V), axis=0))
     if HAS_MP:
-        min_p = tl.load(mp_ptr + row).to(tl.float32)
+        min_p = tl.load(mp_ptr + src).to(tl.float32)
     else:
         min_p = mp_val
     m = mx.to(tl.float32, bitcast=True)
@@ -212,7 +218,7 @@ def _min_p_kernel(p_ptr, p_stride, mp_ptr, mp_val, seed_ptr, offset_ptr, out_ptr
         cols = start + offs
         b = _value_bits(p_row, cols, cols < V)
         mass += tl.sum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
-    target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
+    target = _target(_random_bits31(seed_ptr, offset_ptr, row, PER_ROW_RNG), mass)
     base = tl.zeros((), tl.int64)
     token = tl.full((), 2147483647, tl.int32)
     for start in range(0, V, CHUNK):
@@ -225,11 +231,15 @@ def _min_p_kernel(p_ptr, p_stride, mp_ptr, mp_val, seed_ptr, offset_ptr, out_ptr
     tl.store(out_ptr + row, tl.where(token == 2147483647, 0, token))  # no mass: 0, as the reference
 
 
-def min_p_sampling_from_probs(probs: Tensor, maybe_min_p_arr, min_p_val: float, seed: Tensor, offset: Tensor) -> Tensor:
-    B, V = probs.shape
+def min_p_sampling_from_probs(probs: Tensor, maybe_min_p_arr, min_p_val: float, seed: Tensor, offset: Tensor,
+                              indices: Optional[Tensor] = None) -> Tensor:
+    V = probs.shape[1]
+    B = probs.shape[0] if indices is None else indices.shape[0]  # output rows
     out = torch.empty(B, dtype=torch.int32, device=probs.device)
     if B:
         has_mp = maybe_min_p_arr is not None
+        seed, offset, per_row = rng_tensors(seed, offset, B)
         _min_p_kernel[(B,)](probs, probs.stride(0), maybe_min_p_arr if has_mp else out, float(min_p_val), seed, offset,
-                            out, V, fixed_point_bits(V), HAS_MP=has_mp, CHUNK=_CHUNK, num_warps=4)
+                            out, V, fixed_point_bits(V), indices if indices is not None else out, HAS_MP=has_mp,
+                            CHUNK=_CHUNK, PER_ROW_RNG=per_row, HAS_IDX=indices is not None, num_warps=4)
     return out

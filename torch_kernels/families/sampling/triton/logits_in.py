@@ -8,7 +8,10 @@
   probabilities tensor; the ids are those of ``softmax`` then ``sampling_from_probs`` on this backend.
 * ``top_k_top_p_sampling_from_logits``: the composition of this backend's ``softmax`` and
   ``top_k_top_p_sampling_from_probs`` kernels (an fp32 probabilities tensor in between).
+* ``sampled_token_logprobs``: the softmax kernel's first pass, then one counting pass for the rank.
 """
+
+from typing import Optional
 
 import torch
 import triton
@@ -16,14 +19,14 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import _fixed, _random_bits31, _target
+from ._common import _fixed, _random_bits31, _target, rng_tensors
 from .logits import _CHUNK, inverse_temperature, min_p_sampling_from_probs, softmax, softmax_stats
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
-def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
-    return min_p_sampling_from_probs(probs, None, 0.0, seed, offset)
+def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor, indices: Optional[Tensor] = None) -> Tensor:
+    return min_p_sampling_from_probs(probs, None, 0.0, seed, offset, indices)
 
 
 @triton.jit
@@ -38,7 +41,7 @@ def _prob_bits(x_row, cols, mask, inv, m, inv_s):
 
 @triton.jit
 def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, seed_ptr, offset_ptr, out_ptr, V, q_bits,
-                                 CHUNK: tl.constexpr):
+                                 CHUNK: tl.constexpr, PER_ROW_RNG: tl.constexpr):
     """Pass 1 is ``_softmax_kernel``'s (so ``m`` and ``s`` are its bits); pass 2 the kept mass, at the
     exponent of ``1 / s`` (the largest probability, ``exp(0) / s``), redone at the row's true largest
     pattern where they differ (a row without mass); pass 3 the draw, stopping at the chunk that holds it."""
@@ -63,7 +66,7 @@ def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, seed_ptr, offset_ptr, o
         for start in range(0, V, CHUNK):
             cols = start + offs
             mass += tl.sum(_fixed(_prob_bits(x_row, cols, cols < V, inv, m, inv_s), e_max, q_bits), axis=0)
-    target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
+    target = _target(_random_bits31(seed_ptr, offset_ptr, row, PER_ROW_RNG), mass)
     base = tl.zeros((), tl.int64)
     token = tl.full((), 2147483647, tl.int32)
     for start in range(0, V, CHUNK):
@@ -79,18 +82,60 @@ def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int32, device=logits.device)
     if B:
+        seed, offset, per_row = rng_tensors(seed, offset, B)
         # CHUNK and num_warps as softmax's launch: pass 1 then sums in its order
         _sampling_from_logits_kernel[(B,)](logits, logits.stride(0), 1.0, seed, offset, out, V, fixed_point_bits(V),
-                                           CHUNK=_CHUNK, num_warps=4)
+                                           CHUNK=_CHUNK, PER_ROW_RNG=per_row, num_warps=4)
     return out
 
 
 def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val: int, maybe_top_p_arr,
                                      top_p_val: float, maybe_temperature_arr, temperature_val: float,
-                                     seed: Tensor, offset: Tensor) -> Tensor:
+                                     seed: Tensor, offset: Tensor, filter_apply_order: str = "top_k_first") -> Tensor:
     from . import _launch  # the package imports this module: no circle at import time
 
     probs = softmax(logits, maybe_temperature_arr, temperature_val)
     top_k = top_k_val if maybe_top_k_arr is None else maybe_top_k_arr  # a scalar: a kernel argument
     top_p = top_p_val if maybe_top_p_arr is None else maybe_top_p_arr
-    return _launch(probs, top_k, top_p, seed, offset, sample=True)
+    return _launch(probs, top_k, top_p, seed, offset, sample=True, joint=filter_apply_order == "joint")
+
+
+@triton.jit
+def _sampled_logprobs_kernel(x_ptr, x_stride, t_ptr, t_val, ids_ptr, lp_ptr, rank_ptr, V,
+                             HAS_T: tl.constexpr, CHUNK: tl.constexpr):
+    """Pass 1 is ``_softmax_kernel``'s (the row's ``m`` and ``s``); pass 2 counts the values at or above
+    the token's: ``log p = x_tok - m - log(s)`` and its rank (``reference.sampled_token_logprobs``)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    if HAS_T:
+        t = tl.load(t_ptr + row).to(tl.float32)
+    else:
+        t = t_val
+    inv = inverse_temperature(t)
+    m, s = softmax_stats(x_row, V, inv, CHUNK)
+    tok = tl.load(ids_ptr + row).to(tl.int64)
+    valid = (tok >= 0) & (tok < V)
+    raw_tok = tl.load(x_row + tl.where(valid, tok, 0)).to(tl.float32)
+    x_tok = tl.where(raw_tok == -float("inf"), -float("inf"), raw_tok * inv)
+    offs = tl.arange(0, CHUNK)
+    count = tl.zeros([CHUNK], dtype=tl.int64)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        raw = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        x = tl.where(raw == -float("inf"), -float("inf"), raw * inv)
+        count += ((x >= x_tok) & (cols < V)).to(tl.int64)
+    tl.store(lp_ptr + row, tl.where(valid, x_tok - m - tl.log(s), float("nan")))
+    tl.store(rank_ptr + row, tl.where(valid, tl.sum(count, axis=0), 0))
+
+
+def sampled_token_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr=None, temperature_val: float = 1.0):
+    B, V = logits.shape
+    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
+    ranks = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B:
+        has_t = maybe_temperature_arr is not None
+        # CHUNK and num_warps as softmax's launch: m and s are its bits
+        _sampled_logprobs_kernel[(B,)](logits, logits.stride(0), maybe_temperature_arr if has_t else logprobs,
+                                       float(temperature_val), token_ids, logprobs, ranks, V, HAS_T=has_t,
+                                       CHUNK=_CHUNK, num_warps=4)
+    return logprobs, ranks

@@ -9,7 +9,7 @@ and stops at the chunk holding the token (``_sample_scan``)."""
 import triton
 import triton.language as tl
 
-from ._common import _compact, _fixed, _kth_in_registers, _random_bits31, _target, _top_p_in_registers, _top_p_pred, \
+from ._common import _compact, _fixed, _kth_in_registers, _target, _top_p_in_registers, _top_p_pred, \
     _value_bits
 
 
@@ -57,7 +57,7 @@ def _coarse_top_p(row_ptr, V, lo, hi, c_lo, c_hi, mass, limit, e_max, q_bits,
 
 
 @triton.jit
-def _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bits, slots, seed_ptr, offset_ptr, row,
+def _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, joint_mass, buf_bits, slots, r31, row,
                      HAS_P: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr, CHUNK_G: tl.constexpr,
                      NP_COUNT: tl.constexpr, NP_MASS: tl.constexpr, NP_FLOAT: tl.constexpr):
     """(threshold pattern, kept mass, sampled token) of a row whose top-k survivors may not fit in the
@@ -104,7 +104,7 @@ def _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bit
     mass = tl.sum(mass_acc, axis=0)
     kept = tl.sum(kept_acc, axis=0)
     if HAS_P:
-        limit = limit_scale * mass.to(tl.float64)
+        limit = limit_scale * tl.where(joint_mass >= 0, joint_mass, mass).to(tl.float64)  # joint: the row's mass
         # lo fails the top-p test, hi passes; g_*/c_*: mass and count of the values above them
         lo = thr - 1
         hi = mx
@@ -128,7 +128,7 @@ def _full_pass_route(row_ptr, V, k, tau, mx, e_max, q_bits, limit_scale, buf_bit
         thr, mass = _exact_top_p(row_ptr, V, lo, hi, g_lo, g_hi, c_lo, c_hi, limit, e_max, q_bits, buf_bits, slots,
                                  CAP, CHUNK_G, NP_MASS)
     if SAMPLE:
-        token = _sample_scan(row_ptr, V, thr, mass, e_max, q_bits, seed_ptr, offset_ptr, row, CHUNK_G)
+        token = _sample_scan(row_ptr, V, thr, mass, e_max, q_bits, r31, row, CHUNK_G)
     return thr, mass, token
 
 
@@ -168,12 +168,12 @@ def _exact_top_p(row_ptr, V, lo, hi, g_lo, g_hi, c_lo, c_hi, limit, e_max, q_bit
 
 
 @triton.jit
-def _sample_scan(row_ptr, V, thr, mass, e_max, q_bits, seed_ptr, offset_ptr, row, CHUNK_G: tl.constexpr):
+def _sample_scan(row_ptr, V, thr, mass, e_max, q_bits, r31, row, CHUNK_G: tl.constexpr):
     """The sampled token of a row kept at ``bits >= thr`` with kept mass ``mass``: a scan in index
     order that stops reading at the chunk holding the token (0 for a row without mass)."""
     offs_g = tl.arange(0, CHUNK_G)
     token = tl.full([], 0, tl.int32)
-    target = _target(_random_bits31(seed_ptr, offset_ptr, row), mass)
+    target = _target(r31, mass)
     run = tl.zeros([], dtype=tl.int64)
     found = 0
     for start in range(0, V, CHUNK_G):

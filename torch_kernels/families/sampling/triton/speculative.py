@@ -10,7 +10,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import _fixed, _target, philox_w01
+from ._common import _fixed, _target, philox_w01, rng_row, rng_tensors
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
 _TINY = tl.constexpr(1.1754943508222875e-38)  # 2^-126, the smallest normal fp32 (reference.FLT_TINY)
@@ -56,10 +56,9 @@ def _residual_mass(t_row, d_row, d_len, V, q_bits, CHUNK: tl.constexpr):
 
 @triton.jit
 def _chain_kernel(d_ptr, d_s0, d_s1, ids_ptr, i_s0, i_s1, t_ptr, t_s0, t_s1, seed_ptr, offset_ptr,
-                  out_ptr, acc_ptr, emit_ptr, N, V, q_bits, CHUNK: tl.constexpr):
+                  out_ptr, acc_ptr, emit_ptr, N, V, q_bits, CHUNK: tl.constexpr, PER_ROW_RNG: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    seed = tl.load(seed_ptr)
-    offset = tl.load(offset_ptr)
+    seed, offset, c0 = rng_row(seed_ptr, offset_ptr, row, PER_ROW_RNG)
     pos = tl.full((), 0, tl.int32) + N
     acc = tl.zeros((), tl.int32)
     for i in range(0, N):
@@ -68,7 +67,7 @@ def _chain_kernel(d_ptr, d_s0, d_s1, ids_ptr, i_s0, i_s1, t_ptr, t_s0, t_s1, see
         ds = tl.where(valid, d, 0)
         q = tl.where(valid, _values(tl.load(d_ptr + row * d_s0 + i * d_s1 + ds)), 0.0)
         p = tl.where(valid, _values(tl.load(t_ptr + row * t_s0 + i * t_s1 + ds)), 0.0)
-        w0, _ = philox_w01(seed, offset, row, _counter(i))
+        w0, _ = philox_w01(seed, offset, c0, _counter(i))
         u24 = (w0 >> 8).to(tl.float64)
         ok = u24 * q.to(tl.float64) < p.to(tl.float64) * 16777216.0  # exact: 24 x 24 significand bits
         acc += ok.to(tl.int32)
@@ -82,7 +81,7 @@ def _chain_kernel(d_ptr, d_s0, d_s1, ids_ptr, i_s0, i_s1, t_ptr, t_s0, t_s1, see
     if mass == 0:  # only when the rows do not sum alike: the target row instead
         d_len = d_len * 0
         e_max, mass = _residual_mass(t_row, d_row, d_len, V, q_bits, CHUNK)
-    _, w1 = philox_w01(seed, offset, row, _counter(pos))
+    _, w1 = philox_w01(seed, offset, c0, _counter(pos))
     target = _target((w1 >> 1).to(tl.int64), mass)
     offs = tl.arange(0, CHUNK)
     base = tl.zeros((), tl.int64)
@@ -110,8 +109,10 @@ def chain_speculative_sampling(draft_probs: Tensor, draft_token_ids: Tensor, tar
     accepted = torch.empty(B, dtype=torch.int32, device=dev)
     emitted = torch.empty(B, dtype=torch.int32, device=dev)
     if B:
+        seed, offset, per_row = rng_tensors(seed, offset, B)
         _chain_kernel[(B,)](draft_probs, draft_probs.stride(0), draft_probs.stride(1),
                             draft_token_ids, draft_token_ids.stride(0), draft_token_ids.stride(1),
                             target_probs, target_probs.stride(0), target_probs.stride(1), seed, offset,
-                            out, accepted, emitted, n, V, fixed_point_bits(V), CHUNK=_CHUNK, num_warps=4)
+                            out, accepted, emitted, n, V, fixed_point_bits(V), CHUNK=_CHUNK, PER_ROW_RNG=per_row,
+                            num_warps=4)
     return out, accepted, emitted
