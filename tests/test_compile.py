@@ -228,6 +228,7 @@ chain_speculative_sampling: mul -> deepinfer.chain_speculative_sampling.default 
 sampling_from_probs: mul -> deepinfer.sampling_from_probs.default
 sampling_from_logits: mul -> deepinfer.sampling_from_logits.default
 top_k_top_p_sampling_from_logits: mul -> deepinfer.top_k_top_p_sampling_from_logits.default
+sampled_token_logprobs: mul -> deepinfer.sampled_token_logprobs.default -> getitem -> getitem
 all_reduce_fused_add_rmsnorm: mul -> deepinfer.all_reduce_fused_add_rmsnorm.default
 all_reduce_fused_add_rmsnorm_fp8_quant: mul -> deepinfer.all_reduce_fused_add_rmsnorm_fp8_quant.default -> getitem -> getitem""")
 

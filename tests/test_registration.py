@@ -49,14 +49,15 @@ deepinfer::grouped_topk(Tensor gating_output, int topk, bool renormalize, int nu
 deepinfer::merge_attn_states(Tensor v_a, Tensor lse_a, Tensor v_b, Tensor lse_b) -> (Tensor, Tensor)
 deepinfer::top_k_renorm_probs(Tensor probs, Tensor? maybe_top_k_arr, int top_k_val=0) -> Tensor
 deepinfer::top_p_renorm_probs(Tensor probs, Tensor? maybe_top_p_arr, float top_p_val=1.) -> Tensor
-deepinfer::top_k_top_p_sampling_from_probs(Tensor probs, Tensor? maybe_top_k_arr, Tensor? maybe_top_p_arr, Tensor seed, Tensor offset, int top_k_val=0, float top_p_val=1.) -> Tensor
+deepinfer::top_k_top_p_sampling_from_probs(Tensor probs, Tensor? maybe_top_k_arr, Tensor? maybe_top_p_arr, Tensor seed, Tensor offset, int top_k_val=0, float top_p_val=1., str filter_apply_order="top_k_first", Tensor? indices=None) -> Tensor
 deepinfer::softmax(Tensor logits, Tensor? maybe_temperature_arr=None, float temperature_val=1.) -> Tensor
 deepinfer::top_k_mask_logits(Tensor logits, Tensor? maybe_top_k_arr=None, int top_k_val=0) -> Tensor
-deepinfer::min_p_sampling_from_probs(Tensor probs, Tensor? maybe_min_p_arr, float min_p_val, Tensor seed, Tensor offset) -> Tensor
+deepinfer::min_p_sampling_from_probs(Tensor probs, Tensor? maybe_min_p_arr, float min_p_val, Tensor seed, Tensor offset, Tensor? indices=None) -> Tensor
 deepinfer::chain_speculative_sampling(Tensor draft_probs, Tensor draft_token_ids, Tensor target_probs, Tensor seed, Tensor offset) -> (Tensor, Tensor, Tensor)
-deepinfer::sampling_from_probs(Tensor probs, Tensor seed, Tensor offset) -> Tensor
+deepinfer::sampling_from_probs(Tensor probs, Tensor seed, Tensor offset, Tensor? indices=None) -> Tensor
 deepinfer::sampling_from_logits(Tensor logits, Tensor seed, Tensor offset) -> Tensor
-deepinfer::top_k_top_p_sampling_from_logits(Tensor logits, Tensor? maybe_top_k_arr, int top_k_val, Tensor? maybe_top_p_arr, float top_p_val, Tensor? maybe_temperature_arr, float temperature_val, Tensor seed, Tensor offset) -> Tensor
+deepinfer::top_k_top_p_sampling_from_logits(Tensor logits, Tensor? maybe_top_k_arr, int top_k_val, Tensor? maybe_top_p_arr, float top_p_val, Tensor? maybe_temperature_arr, float temperature_val, Tensor seed, Tensor offset, str filter_apply_order="top_k_first") -> Tensor
+deepinfer::sampled_token_logprobs(Tensor logits, Tensor token_ids, Tensor? maybe_temperature_arr=None, float temperature_val=1.) -> (Tensor, Tensor)
 deepinfer::all_reduce_fused_add_rmsnorm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, str group_name) -> ()
 deepinfer::all_reduce_fused_add_rmsnorm_fp8_quant(Tensor input, Tensor(a!) residual, Tensor weight, float eps, str group_name, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)""")
 
