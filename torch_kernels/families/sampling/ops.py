@@ -1605,7 +1605,7 @@ def _tokens_logprobs(n: int, device) -> tuple:
 
 
 def _bench_args_logprobs(rows: int, hidden: Optional[int], profile: str, device, dtype) -> tuple:
-    logits = _bench_logits(rows, profile, device, dtype)
+    logits = _bench_logits(rows, hidden, device, dtype)
     return logits, torch.randint(0, logits.shape[1], (rows,), device=device), None, 1.0
 
 
@@ -1624,7 +1624,8 @@ OPS = OPS + (
           "float temperature_val=1.0) -> (Tensor, Tensor)",
           validate_logprobs, _fake_logprobs, sampled_token_logprobs, _samples_logprobs, _tokens_logprobs,
           no_grad_reason="it is an inference kernel",
-          bench=BenchCase(_bench_shape, _bench_args_logprobs, _bench_nbytes_logprobs, memory_bound=True,
+          bench=BenchCase(_bench_shape, _bench_args_logprobs, _bench_nbytes_logprobs, own_hidden=_bench_vocab,
+                          memory_bound=True,
                           flashinfer=lambda args: "FlashInfer has no log-probability op",
                           peers=(Peer("torch log_softmax + gather (vLLM's)", _torch_logprobs),), axis="rows")),
 )
