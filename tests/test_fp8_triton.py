@@ -403,7 +403,7 @@ def ttgir(dt, n, config, fused, quant, group):
     sig = dict(x_ptr=ptr(T[dt]), x_row_stride="i32", res_ptr=ptr(T[dt]), res_row_stride="i32",
                out_ptr=ptr("fp8e4nv" if quant else T[dt]), out_row_stride="i32", w_ptr=ptr(T[dt]), N="i32", eps="fp32",
                s_ptr="*fp32", s_row_stride="i32", s_group_stride="i32", scale_ptr="*fp32")
-    const = dict(BLOCK_N=config.block_n, ONE_PASS=config.one_pass, HAS_RESIDUAL=fused, GEMMA=False, HAS_WEIGHT=True,
+    const = dict(BLOCK_N=config.block_n, ONE_PASS=config.one_pass, HAS_RESIDUAL=fused, GEMMA=False,
                  RELOAD=config.reload and not fused, QUANT=quant, GROUP_SIZE=group, UE8M0=False,
                  V=min(16 // torch.empty(0, dtype=dt).element_size(), config.block_n), NUMPY_MAX=False, EMULATE_CAST=False)
     sig.update({k: "constexpr" for k in const})

@@ -33,6 +33,7 @@ from ...backends.norm_rows import TRITON_ONE_PASS_MAX, triton_num_warps
 from ...backends.rows import rows, rows_view
 from ...backends.triton_fp8 import (GROUP, GROUP_EPS, INTERPRETED, NONE, STATIC, TOKEN, abs_max, dynamic_scale,
                                     group_quantize, group_scales, mode, quantize, static_inverse, vector)
+from .unit_weight import ones_like_row
 
 # Design notes and the measurements behind each constant: docs/design/norm.md (H200, bf16).
 _ONE_PASS_MAX = TRITON_ONE_PASS_MAX  # wider rows loop over chunks
@@ -72,16 +73,13 @@ class TritonNormConfig:
 
 
 @triton.jit
-def _normalized(x_block, res_block, w_block, cols, mask, rstd, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
-                HAS_WEIGHT: tl.constexpr):
+def _normalized(x_block, res_block, w_block, cols, mask, rstd, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr):
     """``x * rstd * w`` (fp32) of one block of a row in the second pass, which re-reads the rounded
     residual (within one ulp of the fp32 sum) or the input; ``*_block`` point at the block's start."""
     if HAS_RESIDUAL:
         x = tl.load(res_block + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     else:
         x = tl.load(x_block + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    if not HAS_WEIGHT:  # no scale: bit for bit a weight of ones (a product with 1 is exact)
-        return x * rstd
     w = tl.load(w_block + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     if GEMMA:
         w += 1.0
@@ -113,7 +111,7 @@ def _rmsnorm_rows(
     x_ptr, x_row_stride,  # input rows, read (last dim contiguous)
     res_ptr, res_row_stride,  # residual rows: residual += input, written back, when HAS_RESIDUAL
     out_ptr, out_row_stride,  # output rows; the input rows themselves for the in-place ops; q (fp8) with QUANT
-    w_ptr,  # weight (N,), contiguous; unread without HAS_WEIGHT
+    w_ptr,  # weight (N,), contiguous
     N,  # hidden size (elements per row)
     eps,  # added to mean(x^2) before rsqrt
     s_ptr, s_row_stride, s_group_stride,  # QUANT: the scales, (1,) static, (T, 1) per token, (T, G) per group
@@ -122,7 +120,6 @@ def _rmsnorm_rows(
     ONE_PASS: tl.constexpr,  # the row fits in one block
     HAS_RESIDUAL: tl.constexpr,  # fused_add variants
     GEMMA: tl.constexpr,  # scale by (1 + w) instead of w
-    HAS_WEIGHT: tl.constexpr,  # False: weight=None, no scale
     RELOAD: tl.constexpr,  # ONE_PASS without residual: read the row again (from L2) to normalise it
     QUANT: tl.constexpr,  # the FP8 epilogue: NONE, STATIC, TOKEN or GROUP (backends/triton_fp8.py)
     GROUP_SIZE: tl.constexpr,  # QUANT == GROUP: values a scale, a power of two dividing N
@@ -149,20 +146,16 @@ def _rmsnorm_rows(
             x += tl.load(res_row + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(res_row + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-        if HAS_WEIGHT:
-            # evict_last: every row reads the weight (4064 against 4035 GB/s at 16384x8192)
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            if GEMMA:
-                w += 1.0
+        # evict_last: every row reads the weight (4064 against 4035 GB/s at 16384x8192)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if GEMMA:
+            w += 1.0
         if RELOAD:
             x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        y = x * rstd
-        if HAS_WEIGHT:  # else no scale: bit for bit a weight of ones (a product with 1 is exact)
-            y = y * w
         if QUANT == NONE:
-            tl.store(out_row + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # what rmsnorm writes
+            y = (x * rstd * w).to(x_ptr.dtype.element_ty).to(tl.float32)  # what rmsnorm writes
             if QUANT == TOKEN:
                 scale = dynamic_scale(abs_max(y, 0, NUMPY_MAX), 0.0, False)
                 inv = tl.math.div_rn(1.0, scale)
@@ -182,8 +175,7 @@ def _rmsnorm_rows(
         if QUANT == NONE:
             for start in range(0, N, BLOCK_N):
                 mask = start + cols < N
-                y = _normalized(x_row + start, res_row + start, w_ptr + start, cols, mask, rstd, HAS_RESIDUAL, GEMMA,
-                                HAS_WEIGHT)
+                y = _normalized(x_row + start, res_row + start, w_ptr + start, cols, mask, rstd, HAS_RESIDUAL, GEMMA)
                 tl.store(out_row + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             # Whole groups a block, should a group be wider than the chunk: the values do not depend
@@ -196,7 +188,7 @@ def _rmsnorm_rows(
                 amax = tl.zeros([QBLOCK], dtype=tl.float32)
                 for start in range(0, N, QBLOCK):
                     y = _normalized(x_row + start, res_row + start, w_ptr + start, qcols, start + qcols < N, rstd, HAS_RESIDUAL,
-                                GEMMA, HAS_WEIGHT)
+                                GEMMA)
                     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
                     amax = tl.maximum(amax, tl.abs(y), propagate_nan=tl.PropagateNan.ALL)
                 scale = dynamic_scale(abs_max(amax, 0, NUMPY_MAX), 0.0, False)
@@ -204,12 +196,12 @@ def _rmsnorm_rows(
                 tl.store(s_row, scale)
             for start in range(0, N, QBLOCK):
                 y = _normalized(x_row + start, res_row + start, w_ptr + start, qcols, start + qcols < N, rstd, HAS_RESIDUAL,
-                                GEMMA, HAS_WEIGHT)
+                                GEMMA)
                 _quant_store(y.to(x_ptr.dtype.element_ty).to(tl.float32), start, N, out_row, s_row, s_group_stride,
                              inv, QUANT, GROUP_SIZE, UE8M0, V, NUMPY_MAX, EMULATE_CAST)
 
 
-def _launch(x: Tensor, res, out: Tensor, weight: Optional[Tensor], eps: float, gemma: bool, wrap=None,
+def _launch(x: Tensor, res, out: Tensor, weight: Tensor, eps: float, gemma: bool, wrap=None,
             config: Optional[TritonNormConfig] = None, quant: int = NONE.value, s: Optional[Tensor] = None,
             scale: Optional[Tensor] = None, group_size: int = 1, ue8m0: bool = False) -> None:
     """All of ``x``, ``res`` and ``out`` are 2-D ``(T, N)`` row views; with ``quant``, ``out`` is q
@@ -225,11 +217,10 @@ def _launch(x: Tensor, res, out: Tensor, weight: Optional[Tensor], eps: float, g
         x, x.stride(0),
         res if has_res else x, res.stride(0) if has_res else 0,
         out, out.stride(0),
-        x if weight is None else weight, N, eps,
+        weight, N, eps,
         x if s is None else s, 0 if s is None else s2.stride(0), 0 if s is None else s2.stride(1),
         x if scale is None else scale,
         BLOCK_N=config.block_n, ONE_PASS=config.one_pass, HAS_RESIDUAL=has_res, GEMMA=gemma,
-        HAS_WEIGHT=weight is not None,
         RELOAD=config.reload and not has_res,
         QUANT=quant, GROUP_SIZE=group_size, UE8M0=ue8m0, V=min(vector(x.element_size()), config.block_n),
         NUMPY_MAX=INTERPRETED, EMULATE_CAST=INTERPRETED,
@@ -254,17 +245,17 @@ def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemm
     _launch(x, res, x, weight, eps, gemma, wrap, config)
 
 
-def rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6, *, wrap=None, config=None) -> Tensor:
-    return _norm(input, weight, eps, False, wrap, config)
+def rmsnorm(input: Tensor, weight: Optional[Tensor], eps: float = 1e-6, *, wrap=None, config=None) -> Tensor:
+    return _norm(input, ones_like_row(input) if weight is None else weight, eps, False, wrap, config)
 
 
 def gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6, *, wrap=None, config=None) -> Tensor:
     return _norm(input, weight, eps, True, wrap, config)
 
 
-def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, *, wrap=None,
+def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float = 1e-6, *, wrap=None,
                       config=None) -> None:
-    _fused_add(input, residual, weight, eps, False, wrap, config)
+    _fused_add(input, residual, ones_like_row(input) if weight is None else weight, eps, False, wrap, config)
 
 
 def gemma_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, *, wrap=None,

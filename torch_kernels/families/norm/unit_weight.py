@@ -1,5 +1,6 @@
-"""The weight of ones that the backends whose kernels always read a weight (TileLang, FlashInfer) are
-given for ``weight=None``: the product with 1 is exact, so the result is bit for bit the unscaled norm."""
+"""The weight of ones every backend's kernel is given for ``weight=None``: the product with 1 is exact, so
+the result is bit for bit the unscaled norm. Triton too: the weight's load is one of the accesses that set
+the row's layout (a kernel without it failed the bit-for-bit test for fp32 on the H200)."""
 
 import torch
 from torch import Tensor
