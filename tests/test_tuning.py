@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -334,7 +335,31 @@ def test_tune_winners_keep_the_default_within_the_spread():
                    ("rmsnorm", 7168, 1): ("triton", "triton"),
                    # FlashInfer samples from its own random stream: auto never switches an op's samples
                    ("top_k_top_p_sampling_from_probs", 128256, 64): ("triton", "triton")}
-    assert "| rmsnorm | bfloat16 | 4096 | 4096 | triton | tilelang | 1.111 |" in tune.report(tune.winners(result))
+    assert "| rmsnorm | bfloat16 | 4096 | 4096 | triton | tilelang | 1.111 |" in tune.winners_table(tune.winners(result))
+
+
+def test_tune_reads_the_suite_results_and_writes_the_table(monkeypatch, tmp_path):
+    """``tune``'s own steps on a stand-in GPU: the suite's JSON read back, the winners merged into the
+    table and listed (the suite itself stubbed: it times CUDA kernels)."""
+    from torch_kernels.bench import report
+
+    gpu = Platform(device_type="cuda", compute_capability=(9, 0), device_name="NVIDIA H200")
+    monkeypatch.setattr(Platform, "detect", classmethod(lambda cls: gpu))
+    result = {"header": {"cuda_key_serves": {"rmsnorm": ["tilelang", "triton", "torch"]}},
+              "rows": [_row("rmsnorm", "tilelang", 10.0), _row("rmsnorm", "triton", 5.0)]}
+
+    def suite_main(argv):
+        out = Path(argv[argv.index("--out") + 1])
+        out.mkdir(parents=True)
+        (out / f"{report.slug(gpu.device_name)}.json").write_text(json.dumps(result))
+        return 0
+    monkeypatch.setattr(tune.suite, "main", suite_main)
+    monkeypatch.setattr(tune, "lookup_cost_us", lambda: tune.LookupCost(1.0, 0.5, 1.0))
+    table = tmp_path / "table.json"
+    assert tune.main(["--ops", "rmsnorm", "--table", str(table), "--out", str(tmp_path / "tune")]) == 0
+    (entry,) = json.loads(table.read_text())["entries"]
+    assert (entry["op"], entry["winner"]) == ("rmsnorm", "triton")
+    assert "| rmsnorm | bfloat16 | 4096 | 32 | triton |" in (tmp_path / "tune" / "winners.md").read_text()
 
 
 def test_tune_needs_a_gpu():

@@ -54,7 +54,7 @@ def winners(result: dict) -> List[dict]:
     return out
 
 
-def report(entries: List[dict]) -> str:
+def winners_table(entries: List[dict]) -> str:
     lines = ["| op | dtype | width | rows | winner | platform default | default µs / winner µs | µs per backend |",
              "|---|---|---|---|---|---|---|---|"]
     for e in sorted(entries, key=lambda e: (e["op"], e["dtype"], e["width"], e["rows"])):
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         entries += winners(result)
     path = args.table or tuning.user_dir() / tuning.file_name(platform)
     table = tuning.save(entries, tuning.table_key(platform), path)
-    text = report(entries)
+    text = winners_table(entries)
     (args.out / "winners.md").write_text(text + "\n")
     print(text)
     cost = lookup_cost_us()
