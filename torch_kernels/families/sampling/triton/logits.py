@@ -24,6 +24,16 @@ def inverse_temperature(t):
 
 
 @triton.jit
+def row_inverse_temperature(t_ptr, t_val, row, HAS_T: tl.constexpr):
+    """``1 / t`` of row ``row``: its entry of the per-row temperatures, or the scalar ``t_val``."""
+    if HAS_T:
+        t = tl.load(t_ptr + row).to(tl.float32)
+    else:
+        t = t_val
+    return inverse_temperature(t)
+
+
+@triton.jit
 def softmax_stats(x_row, V, inv, CHUNK: tl.constexpr):
     """The row's max ``m`` of ``x = logit * inv`` and ``s = sum(exp(x - m))``, online over chunks of
     ``CHUNK`` in order: every kernel that recomputes the softmax's probabilities gets its bits."""
@@ -48,11 +58,7 @@ def _softmax_kernel(x_ptr, x_stride, t_ptr, t_val, out_ptr, out_stride, V,
                     HAS_T: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
-    if HAS_T:
-        t = tl.load(t_ptr + row).to(tl.float32)
-    else:
-        t = t_val
-    inv = inverse_temperature(t)
+    inv = row_inverse_temperature(t_ptr, t_val, row, HAS_T)
     offs = tl.arange(0, CHUNK)
     m, s = softmax_stats(x_row, V, inv, CHUNK)
     inv_s = 1.0 / s

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..reference import fixed_point_bits
 from ._common import _fixed, _random_bits31, _target, rng_tensors
-from .logits import _CHUNK, inverse_temperature, min_p_sampling_from_probs, softmax, softmax_stats
+from .logits import _CHUNK, inverse_temperature, min_p_sampling_from_probs, row_inverse_temperature, softmax, softmax_stats
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -107,11 +107,7 @@ def _sampled_logprobs_kernel(x_ptr, x_stride, t_ptr, t_val, ids_ptr, lp_ptr, ran
     the token's: ``log p = x_tok - m - log(s)`` and its rank (``reference.sampled_token_logprobs``)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
-    if HAS_T:
-        t = tl.load(t_ptr + row).to(tl.float32)
-    else:
-        t = t_val
-    inv = inverse_temperature(t)
+    inv = row_inverse_temperature(t_ptr, t_val, row, HAS_T)
     m, s = softmax_stats(x_row, V, inv, CHUNK)
     tok = tl.load(ids_ptr + row).to(tl.int64)
     valid = (tok >= 0) & (tok < V)
