@@ -11,6 +11,7 @@
   reproduces; ``DEEPINFER_TEST_SEED=k`` draws another set of inputs for every test.
 """
 
+import math
 import os
 import zlib
 
@@ -164,3 +165,14 @@ def triton_here(family, device):
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
     return importlib.import_module(f"torch_kernels.families.{family}.triton")
+
+
+def chi_square_critical(dof: int, z: float = 4.265) -> float:
+    """The upper 1e-5 quantile of chi-square(dof), Wilson-Hilferty: a correct sampler fails once in 10^5."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def chi_square(counts, expected_probs) -> float:
+    """Pearson's statistic of ``counts`` against ``expected_probs`` (every entry positive)."""
+    exp = expected_probs * counts.sum()
+    return (((counts - exp) ** 2) / exp).sum().item()

@@ -16,7 +16,7 @@ from torch_kernels.families.sampling import ops as sampling_ops
 from torch_kernels.spec import Backend
 from torch_kernels.testing import TOP_P_SLACK, assert_close, assert_ids_kept
 
-from conftest import DEVICES, arg_names, assert_bad_inputs_raise, family_ops, implementations_on
+from conftest import DEVICES, arg_names, assert_bad_inputs_raise, chi_square_critical, family_ops, implementations_on
 
 SAMPLING = "top_k_top_p_sampling_from_probs"
 # the probability filters; the logits ops and min-p are tested in tests/test_sampling_ops.py
@@ -573,11 +573,6 @@ def test_sampled_ids_are_always_kept(device):
         assert row_kept.gather(1, ids.long()[:, None]).all(), f"offset {offset}: a token outside the kept set"
 
 
-def _chi_square_critical(dof: int, z: float = 4.265) -> float:
-    """The upper 1e-5 quantile of chi-square(dof), Wilson-Hilferty: a correct sampler fails once in 10^5."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_sample_distribution_chi_square(device):
     """100k draws (fixed seed) of one row: the counts match the renormalised kept distribution."""
@@ -599,7 +594,7 @@ def test_sample_distribution_chi_square(device):
     assert counts[~kept[0]].sum() == 0
     exp = expected[0][kept[0]] * n
     chi2 = (((counts[kept[0]] - exp) ** 2) / exp).sum().item()
-    assert chi2 < _chi_square_critical(n_kept - 1), f"chi-square {chi2:.1f} with {n_kept - 1} degrees of freedom"
+    assert chi2 < chi_square_critical(n_kept - 1), f"chi-square {chi2:.1f} with {n_kept - 1} degrees of freedom"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -3,7 +3,6 @@ share a distribution) and per-row ``seed``/``offset`` tensors. Joint: the refere
 formula, every backend against the reference exactly, and a chi-square test of the sampled distribution;
 indices and per-row seeds: bit for bit what the op gives on the gathered rows, or on each row alone."""
 
-import math
 import os
 import sys
 
@@ -15,7 +14,7 @@ from torch_kernels import registry
 from torch_kernels.families.sampling import reference
 from torch_kernels.spec import Backend
 
-from conftest import DEVICES, assert_bad_inputs_raise, implementations_on
+from conftest import DEVICES, assert_bad_inputs_raise, chi_square, chi_square_critical, implementations_on
 
 SAMPLING = "top_k_top_p_sampling_from_probs"
 FROM_LOGITS = "top_k_top_p_sampling_from_logits"
@@ -150,19 +149,9 @@ def test_joint_triton_small_buffer_routes_match_reference():
         _exact_ids(name, got, want)
 
 
-def _chi_square_critical(dof: int, z: float = 4.265) -> float:
-    """The upper 1e-5 quantile of chi-square(dof), Wilson-Hilferty: a correct sampler fails once in 10^5."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
-def _chi_square(counts, expected_probs):
-    exp = expected_probs * counts.sum()
-    return (((counts - exp) ** 2) / exp).sum().item()
-
-
 @pytest.mark.parametrize("source", ["seed_offset", "torch_generator"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_joint_distribution_chi_square(device, source):
+def test_joint_distributionchi_square(device, source):
     """40k draws of one row of 40 (k 12, p 0.4: the joint nucleus inside the top-k survivors): the
     counts match the joint kept set renormalised, and reject top-k-first's distribution, so the test can
     tell the two orders apart."""
@@ -188,12 +177,12 @@ def test_joint_distribution_chi_square(device, source):
     expected = row.cpu()[0].double() * joint
     expected = expected / expected.sum()
     n = int(joint.sum())
-    critical = _chi_square_critical(n - 1)
-    chi2 = _chi_square(counts[joint], expected[joint])
+    critical = chi_square_critical(n - 1)
+    chi2 = chi_square(counts[joint], expected[joint])
     assert chi2 < critical, f"chi-square {chi2:.1f} with {n - 1} degrees of freedom (critical {critical:.1f})"
     top_k_first = row.cpu()[0].double() * first
     top_k_first = (top_k_first / top_k_first.sum())[joint].clamp(min=1e-12)
-    assert _chi_square(counts[joint], top_k_first) > critical, "the test cannot tell top-k-first from joint"
+    assert chi_square(counts[joint], top_k_first) > critical, "the test cannot tell top-k-first from joint"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -15,7 +15,7 @@ from torch_kernels import ops, registry
 from torch_kernels.families.sampling import reference
 from torch_kernels.spec import Backend
 
-from conftest import DEVICES, assert_bad_inputs_raise, implementations_on, triton_here
+from conftest import DEVICES, assert_bad_inputs_raise, chi_square, chi_square_critical, implementations_on, triton_here
 
 FROM_PROBS, FROM_LOGITS, TKTP_LOGITS = "sampling_from_probs", "sampling_from_logits", "top_k_top_p_sampling_from_logits"
 NEW_OPS = [FROM_PROBS, FROM_LOGITS, TKTP_LOGITS]
@@ -281,16 +281,6 @@ def test_backends_match_reference(op, dtype, device):
 # The sampled distribution: 100k draws of one row against the kept, renormalised probabilities.
 
 
-def _chi_square_critical(dof: int, z: float = 4.265) -> float:
-    """The upper 1e-5 quantile of chi-square(dof), Wilson-Hilferty: a correct sampler fails once in 10^5."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
-def _chi_square(counts, expected_probs):
-    exp = expected_probs * counts.sum()
-    return (((counts - exp) ** 2) / exp).sum().item()
-
-
 def _draw(op, x, source, step, **kw):
     fn = getattr(torch_kernels, op)
     if source == "seed_offset":
@@ -301,7 +291,7 @@ def _draw(op, x, source, step, **kw):
 @pytest.mark.parametrize("source", ["seed_offset", "torch_generator"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", NEW_OPS)
-def test_distribution_chi_square(op, device, source):
+def test_distributionchi_square(op, device, source):
     """10 x 10000 draws of one row (fixed seeds): the counts match the kept, renormalised
     probabilities, and the same counts reject two wrong distributions (each token's probability given
     to the next, as an off-by-one inverse CDF would; the largest swapped with the median), so the test has the
@@ -333,16 +323,16 @@ def test_distribution_chi_square(op, device, source):
         counts += torch.bincount(ids.long().cpu(), minlength=V).double()
     k = kept[0].cpu()
     assert counts[~k].sum() == 0
-    critical = _chi_square_critical(n_kept - 1)
+    critical = chi_square_critical(n_kept - 1)
     e = expected[0].cpu()[k]
-    chi2 = _chi_square(counts[k], e)
+    chi2 = chi_square(counts[k], e)
     assert chi2 < critical, f"chi-square {chi2:.1f} with {n_kept - 1} degrees of freedom (critical {critical:.1f})"
     swapped = e.clone()
     order = swapped.argsort()
     pair = order[[-1, len(order) // 2]]
     swapped[pair] = swapped[pair.flip(0)]
     for w in (e.roll(1), swapped):
-        assert _chi_square(counts[k], w) > critical, "the chi-square test cannot tell a wrong distribution"
+        assert chi_square(counts[k], w) > critical, "the chi-square test cannot tell a wrong distribution"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from torch_kernels.families.sampling import reference
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES, assert_bad_inputs_raise, implementations_on
+from conftest import DEVICES, assert_bad_inputs_raise, chi_square, chi_square_critical, implementations_on
 
 LOGIT_OPS = ["softmax", "top_k_mask_logits"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -387,19 +387,9 @@ def test_min_p_sampled_ids_are_always_kept(device):
         assert row_kept.gather(1, ids.long()[:, None]).all(), "torch's generator: a token outside the kept set"
 
 
-def _chi_square_critical(dof: int, z: float = 4.265) -> float:
-    """The upper 1e-5 quantile of chi-square(dof), Wilson-Hilferty: a correct sampler fails once in 10^5."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
-def _chi_square(counts, expected_probs):
-    exp = expected_probs * counts.sum()
-    return (((counts - exp) ** 2) / exp).sum().item()
-
-
 @pytest.mark.parametrize("source", ["seed_offset", "torch_generator"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_min_p_distribution_chi_square(device, source):
+def test_min_p_distributionchi_square(device, source):
     """100k draws of one row (fixed seeds): the counts match the kept, renormalised probabilities, and
     the same counts reject two wrong distributions (a tenth of the mass spread uniformly; the two
     largest probabilities swapped), so the test has the power to fail."""
@@ -422,8 +412,8 @@ def test_min_p_distribution_chi_square(device, source):
         counts += torch.bincount(ids.long().cpu(), minlength=V).double()
     assert counts[~kept[0]].sum() == 0
     k = kept[0]
-    critical = _chi_square_critical(n_kept - 1)
-    chi2 = _chi_square(counts[k], expected[0][k])
+    critical = chi_square_critical(n_kept - 1)
+    chi2 = chi_square(counts[k], expected[0][k])
     assert chi2 < critical, f"chi-square {chi2:.1f} with {n_kept - 1} degrees of freedom (critical {critical:.1f})"
     wrong = [expected[0][k] * 0.9 + 0.1 / n_kept]  # a tenth of the mass spread uniformly
     swapped = expected[0][k].clone()
@@ -432,7 +422,7 @@ def test_min_p_distribution_chi_square(device, source):
     if not torch.equal(swapped, expected[0][k]):
         wrong.append(swapped)
     for w in wrong:
-        assert _chi_square(counts[k], w) > critical, "the chi-square test cannot tell a wrong distribution"
+        assert chi_square(counts[k], w) > critical, "the chi-square test cannot tell a wrong distribution"
 
 
 def test_min_p_is_deterministic_per_seed_and_offset_and_follows_torch_seed():

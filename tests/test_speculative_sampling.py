@@ -15,7 +15,7 @@ from torch_kernels import ops, registry
 from torch_kernels.families.sampling import reference
 from torch_kernels.spec import Backend
 
-from conftest import DEVICES, assert_bad_inputs_raise, implementations_on
+from conftest import DEVICES, assert_bad_inputs_raise, chi_square_critical, implementations_on
 
 OP = "chain_speculative_sampling"
 FLT_MAX = torch.finfo(torch.float32).max
@@ -138,11 +138,6 @@ def test_acceptance_on_constructed_inputs():
     assert acc.tolist() == [0] * B and emitted.tolist() == [0] * B
 
 
-def _chi_square_critical(dof: int, z: float = 4.265) -> float:
-    """The upper 1e-5 quantile of chi-square(dof), Wilson-Hilferty: a correct sampler fails once in 10^5."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
 def _chi_square(counts, expected_probs):
     keep = expected_probs > 0
     assert counts[~keep].sum() == 0, "a token without target mass was emitted"
@@ -195,7 +190,7 @@ def test_emitted_tokens_follow_the_target(device, V, n, source):
     total = rows * calls
     for i in range(n + 1):
         chi2, dof = _chi_square(counts[i], target[i].cpu().double())
-        critical = _chi_square_critical(dof)
+        critical = chi_square_critical(dof)
         assert chi2 < critical, f"position {i}: chi-square {chi2:.1f}, {dof} dof (critical {critical:.1f})"
         if i < n:
             wrong, _ = _chi_square(counts[i], draft[i].cpu().double() * 0.999 + target[i].cpu().double() * 0.001)
