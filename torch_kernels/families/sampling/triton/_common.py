@@ -28,6 +28,17 @@ def _value_bits(row_ptr, cols, mask):
 
 
 @triton.jit
+def _row_max_bits(row_ptr, V, CHUNK: tl.constexpr):
+    """The largest sanitised pattern (``_value_bits``) of a row of ``V`` values, -1 for an empty row."""
+    offs = tl.arange(0, CHUNK)
+    mx = tl.full((), -1, tl.int32)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        mx = tl.maximum(mx, tl.max(_value_bits(row_ptr, cols, cols < V), axis=0))
+    return mx
+
+
+@triton.jit
 def _fixed(bits, e_max, q_bits):
     """int64 ``floor(p * 2^s)``: the row's largest value (exponent field ``e_max``) maps to
     ``[2^(q_bits-1), 2^q_bits)``; 0 for bits <= 0 (zero or masked)."""

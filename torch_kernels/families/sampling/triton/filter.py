@@ -7,7 +7,7 @@ the renormalised row: one program walking a whole row was latency-bound."""
 import triton
 import triton.language as tl
 
-from ._common import _fixed, _random_bits31, _value_bits, row_value
+from ._common import _fixed, _random_bits31, _row_max_bits, _value_bits, row_value
 from .candidates import _candidate_route, _candidates_in_registers, _stream_candidates
 from .histogram import _hist_row
 from .pivots import _full_pass_route
@@ -196,10 +196,7 @@ def _row_mass_kernel(probs_ptr, probs_row_stride, out_ptr, V, q_bits, CHUNK: tl.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = probs_ptr + row * probs_row_stride
     offs = tl.arange(0, CHUNK)
-    mx = tl.full((), -1, tl.int32)
-    for start in range(0, V, CHUNK):
-        cols = start + offs
-        mx = tl.maximum(mx, tl.max(_value_bits(row_ptr, cols, cols < V), axis=0))
+    mx = _row_max_bits(row_ptr, V, CHUNK)
     e_max = tl.maximum(mx >> 23, 1)
     acc = tl.zeros([CHUNK], dtype=tl.int64)
     for start in range(0, V, CHUNK):

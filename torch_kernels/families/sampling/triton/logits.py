@@ -12,7 +12,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import _fixed, _random_bits31, _target, _value_bits, rng_tensors
+from ._common import _fixed, _random_bits31, _row_max_bits, _target, _value_bits, rng_tensors
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
 
@@ -205,10 +205,7 @@ def _min_p_kernel(p_ptr, p_stride, mp_ptr, mp_val, seed_ptr, offset_ptr, out_ptr
         src = tl.load(idx_ptr + row).to(tl.int64)
     p_row = p_ptr + src * p_stride
     offs = tl.arange(0, CHUNK)
-    mx = tl.full((), -1, tl.int32)
-    for start in range(0, V, CHUNK):
-        cols = start + offs
-        mx = tl.maximum(mx, tl.max(_value_bits(p_row, cols, cols < V), axis=0))
+    mx = _row_max_bits(p_row, V, CHUNK)
     if HAS_MP:
         min_p = tl.load(mp_ptr + src).to(tl.float32)
     else:
