@@ -176,3 +176,17 @@ def chi_square(counts, expected_probs) -> float:
     """Pearson's statistic of ``counts`` against ``expected_probs`` (every entry positive)."""
     exp = expected_probs * counts.sum()
     return (((counts - exp) ** 2) / exp).sum().item()
+
+
+#: What a subprocess runs before importing the torch-free modules: importing torch or any kernel
+#: framework raises, and ``torch_kernels`` is a bare package (its ``__init__`` registers the ops).
+TORCH_BLOCKED_PRELUDE = """\
+import sys, types
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "triton", "tilelang", "flashinfer", "numpy"):
+            raise ImportError(f"blocked: {name}")
+sys.meta_path.insert(0, Block())
+sys.path.insert(0, ".")
+pkg = types.ModuleType("torch_kernels"); pkg.__path__ = ["torch_kernels"]; sys.modules["torch_kernels"] = pkg
+"""

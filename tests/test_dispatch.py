@@ -21,7 +21,7 @@ from torch_kernels.dispatch import KernelUnavailableError, Selection
 from torch_kernels.spec import Backend, KernelSpec, Platform
 from torch_kernels.testing import assert_close
 
-from conftest import DEVICES, HAS_CUDA
+from conftest import DEVICES, HAS_CUDA, TORCH_BLOCKED_PRELUDE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -607,18 +607,7 @@ def test_every_spec_loads_its_target_or_names_its_missing_package():
 
 def test_inventory_imports_and_lists_without_torch():
     """spec and registry are stdlib only: import them with torch (and every framework) blocked."""
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
-        import sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("torch", "triton", "tilelang", "flashinfer", "numpy"):
-                    raise ImportError(f"blocked: {name}")
-        sys.meta_path.insert(0, Block())
-        import importlib.util
-        sys.path.insert(0, ".")
-        # import the two modules without running torch_kernels/__init__ (which registers the ops)
-        import types
-        pkg = types.ModuleType("torch_kernels"); pkg.__path__ = ["torch_kernels"]; sys.modules["torch_kernels"] = pkg
+    r = subprocess.run([sys.executable, "-c", TORCH_BLOCKED_PRELUDE + textwrap.dedent("""
         from torch_kernels import spec, registry
         print(spec.Platform.detect())
         for k in registry.KERNELS:

@@ -23,6 +23,8 @@ from torch_kernels.testing import assert_close
 
 from torch_kernels.bench import tune
 
+from conftest import TORCH_BLOCKED_PRELUDE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -415,15 +417,7 @@ def test_fingerprints_need_no_torch_and_no_import_of_a_kernel():
 
     from torch_kernels import fingerprints
 
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
-        import sys, types
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("torch", "triton", "tilelang", "flashinfer", "numpy"):
-                    raise ImportError(f"blocked: {name}")
-        sys.meta_path.insert(0, Block())
-        sys.path.insert(0, ".")
-        pkg = types.ModuleType("torch_kernels"); pkg.__path__ = ["torch_kernels"]; sys.modules["torch_kernels"] = pkg
+    r = subprocess.run([sys.executable, "-c", TORCH_BLOCKED_PRELUDE + textwrap.dedent("""
         from torch_kernels import fingerprints, registry
         for k in registry.KERNELS:
             print(k.op, k.backend.value, fingerprints.of(k))
