@@ -411,7 +411,7 @@ for n, dt, wdt, w_aligned in json.loads(sys.argv[1]):
     asm = compile_(norm._rmsnorm_rows, dict(x_ptr="*" + dt, x_row_stride="i32", res_ptr="*" + dt, res_row_stride="i32",
                    out_ptr="*" + dt, out_row_stride="i32", w_ptr="*" + wdt, N="i32", eps="fp32", s_ptr="*" + dt,
                    s_row_stride="i32", s_group_stride="i32", scale_ptr="*" + dt),
-                   dict(BLOCK_N=cfg.block_n, ONE_PASS=True, HAS_RESIDUAL=False, GEMMA=False, HAS_WEIGHT=True, RELOAD=False, QUANT=0,
+                   dict(BLOCK_N=cfg.block_n, ONE_PASS=True, HAS_RESIDUAL=False, GEMMA=False, RELOAD=False, QUANT=0,
                         GROUP_SIZE=1, UE8M0=False, V=min(16 // BYTES[dt], cfg.block_n), NUMPY_MAX=False,
                         EMULATE_CAST=False),
                    ["x_ptr", "res_ptr", "out_ptr", "s_ptr", "scale_ptr"] + w + strides, cfg.num_warps)
