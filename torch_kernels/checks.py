@@ -77,6 +77,19 @@ def same_device(op: str, arg: str, t: Tensor, ref_arg: str, ref: Tensor) -> None
         fail(op, arg, f"is on {t.device} but '{ref_arg}' is on {ref.device}")
 
 
+def residual(op: str, residual: Tensor, input: Tensor) -> None:
+    """A fused-add norm's ``residual``: a tensor of ``input``'s shape, dtype and device, last dimension
+    contiguous, and not ``input`` itself."""
+    tensor(op, "residual", residual)
+    same_shape(op, "residual", residual, "input", input)
+    if residual.dtype != input.dtype:
+        fail(op, "residual", f"must have the dtype of 'input' ({input.dtype}), got {residual.dtype}", TypeError)
+    last_dim_contiguous(op, "residual", residual)
+    same_device(op, "residual", residual, "input", input)
+    if residual is input:
+        fail(op, "residual", "must not be the same tensor as 'input'")
+
+
 # ----------------------------------------------------------------------------------------------
 # Memory overlap of the arguments an op writes. Exact for every strided layout: a tensor is read as
 # runs of contiguous bytes (its last dimensions merged) repeated along its other dimensions, so two

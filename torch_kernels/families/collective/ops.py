@@ -45,13 +45,7 @@ def _validate_rows(op: str, input: Tensor, residual: Tensor, weight: Tensor, eps
     check.require(weight.dim() == 1 and weight.shape[0] == input.shape[-1], op, "weight",
                   lambda: f"must have shape ({input.shape[-1]},) to match the hidden size of 'input', got {tuple(weight.shape)}")
     check.same_device(op, "weight", weight, "input", input)
-    check.same_shape(op, "residual", residual, "input", input)
-    if residual.dtype != input.dtype:
-        check.fail(op, "residual", f"must have the dtype of 'input' ({input.dtype}), got {residual.dtype}", TypeError)
-    check.last_dim_contiguous(op, "residual", residual)
-    check.same_device(op, "residual", residual, "input", input)
-    if residual is input:
-        check.fail(op, "residual", "must not be the same tensor as 'input'")
+    check.residual(op, residual, input)
     check.require(eps >= 0.0, op, "eps", lambda: f"must be >= 0, got {eps}")
 
 

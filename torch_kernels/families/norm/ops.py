@@ -41,14 +41,7 @@ def _validate_norm(op: str, input: Tensor, weight: Optional[Tensor], eps: float)
 
 def _validate_fused(op: str, input: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float) -> None:
     _validate_norm(op, input, weight, eps)
-    check.tensor(op, "residual", residual)
-    check.same_shape(op, "residual", residual, "input", input)
-    if residual.dtype != input.dtype:
-        check.fail(op, "residual", f"must have the dtype of 'input' ({input.dtype}), got {residual.dtype}", TypeError)
-    check.last_dim_contiguous(op, "residual", residual)
-    check.same_device(op, "residual", residual, "input", input)
-    if residual is input:
-        check.fail(op, "residual", "must not be the same tensor as 'input' (both are written)")
+    check.residual(op, residual, input)
     check.no_overlap(op, (("input", input, True), ("residual", residual, True), ("weight", weight, False)))
 
 
