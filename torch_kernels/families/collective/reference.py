@@ -13,7 +13,12 @@ def _group(group_name: str):
 
 
 def all_reduce_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str) -> None:
-    dist.all_reduce(input, group=_group(group_name))
+    if input.is_contiguous():
+        dist.all_reduce(input, group=_group(group_name))
+    else:  # NCCL reduces contiguous tensors only ("Tensors must be contiguous"): strided rows go by a copy
+        reduced = input.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(reduced, group=_group(group_name))
+        input.copy_(reduced)
     torch.ops.deepinfer.fused_add_rmsnorm.default(input, residual, weight, eps)
 
 
