@@ -361,11 +361,17 @@ op = next(iter(served))
 half = next(op for op, c in served.items() if c.output == "h")
 n, m = len(served[op].tensors), len(served[half].tensors)
 bf16 = torch.bfloat16
-for args, words in (((other, [bf16], 64, 0, 4096, 1, 1), "argument 'op'"),
-                    ((op, [torch.float64] + [bf16] * (n - 1), 64, 0, 4096, 1, 1), "float16, bfloat16 or float32"),
-                    ((op, [bf16] * (n + 1), 64, 0, 4096, 1, 1), "argument 'dtypes' must hold"),
-                    ((op, [bf16] * n, 0, 0, 4096, 1, 1), f"bad entry for {op}"),
-                    ((half, [bf16] * m, 63, 0, 0, 1, 1), f"bad entry for {half}")):
+for args, words in (((other, [bf16], 64, 0, [0], [1]), "argument 'op'"),
+                    ((op, [torch.float64] + [bf16] * (n - 1), 64, 0, [0], [1]), "float16, bfloat16 or float32"),
+                    ((op, [bf16] * (n + 1), 64, 0, [0], [1]), "argument 'dtypes' must hold"),
+                    ((op, [bf16] * n, 0, 0, [0], [1]), f"bad entry for {op}"),
+                    ((half, [bf16] * m, 63, 0, [0], [1]), f"bad entry for {half}"),
+                    ((op, [bf16] * n, 64, 0, [], []), "must hold 1 to 4 entries"),
+                    ((op, [bf16] * n, 64, 0, [0] * 5, [1] * 5), "must hold 1 to 4 entries"),
+                    ((op, [bf16] * n, 64, 0, [8, 16], [1, 1]), "'from' starting at 0"),
+                    ((op, [bf16] * n, 64, 0, [0, 16], [1]), "must hold 1 to 4 entries"),
+                    ((op, [bf16] * n, 64, 0, [0, 16, 16], [1, 1, 1]), "'from' must ascend"),
+                    ((op, [bf16] * n, 64, 0, [0, 16], [1, 0]), "every kernel be a handle")):
     try:
         torch.ops.deepinfer_fast_path.publish(*args)
     except RuntimeError as e:
@@ -375,7 +381,7 @@ for args, words in (((other, [bf16], 64, 0, 4096, 1, 1), "argument 'op'"),
 assert torch.ops.deepinfer_fast_path.counters() == [0, 0, 0]
 import tvm_ffi  # a real TVM-FFI function handle: publishing holds a reference, clearing drops the entry
 handle = tvm_ffi.get_global_func("ffi.String").__chandle__()
-torch.ops.deepinfer_fast_path.publish(op, [bf16] + [torch.float32] * (n - 1), 64, 0, 4096, handle, handle)
+torch.ops.deepinfer_fast_path.publish(op, [bf16] + [torch.float32] * (n - 1), 64, 0, [0, 128, 4096], [handle] * 3)
 assert torch.ops.deepinfer_fast_path.counters() == [1, 0, 0]
 torch.ops.deepinfer_fast_path.clear()
 assert torch.ops.deepinfer_fast_path.counters() == [0, 0, 0]
@@ -434,7 +440,7 @@ def _each_tensor(op, args, view):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_served_calls_match_the_reference(op, dtype, tilelang_entry):
     """The first call of a signature goes to Python and publishes it; the next ones are served in C++,
-    one-pass and streamed (from the token count the host publishes), at awkward widths, with a vector in
+    by each kernel the host publishes (from its token count), at awkward widths, with a vector in
     another dtype too."""
     other = torch.bfloat16 if dtype == torch.float32 else torch.float32  # a vector dtype: a new signature
     signatures = [(4096, None), (1000, None), (5120, None), (2 * 257, None), (2048, None)]
@@ -446,10 +452,10 @@ def test_served_calls_match_the_reference(op, dtype, tilelang_entry):
         _run_and_compare(op, args)
         published = fast_path.counters()
         assert published["passed_on"] == before["passed_on"] + 1 and published["signatures"] == before["signatures"] + 1
-        streamed_from = fast_path.SERVED[op].load_host()(*args)[2]
+        starts = [start for start, _ in fast_path.SERVED[op].load_host()(*args)]
         shapes = [(1, width), (7, width), (2, 3, width), (4096, width)]
-        if streamed_from is not None:
-            shapes.append((streamed_from + 3, width))  # the streamed kernel, from the C++ entry
+        shapes += [(start + 3, width) for start in starts[1:]]  # each later kernel, from the C++ entry
+        shapes += [(start - 1, width) for start in starts[1:]]  # and the one before it, at its last token count
         for shape in shapes:
             _run_and_compare(op, _args(op, shape, dtype, vector_dtype))
         after = fast_path.counters()
@@ -636,7 +642,7 @@ def test_offer_reads_the_signature_by_role_with_trailing_defaults_left_out(monke
     def fake_host(spec):
         def host(*args):
             asked.append((spec.op, args))
-            return _HostFunction(1), _HostFunction(2), 4096 if "w" in spec.host_call.roles else None
+            return ((0, _HostFunction(1)), (4096, _HostFunction(2))) if "w" in spec.host_call.roles else ((0, _HostFunction(1)),)
         return host
     monkeypatch.setattr(KernelSpec, "load_host", lambda spec: fake_host(spec))
     x, w32 = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(64)
@@ -649,7 +655,7 @@ def test_offer_reads_the_signature_by_role_with_trailing_defaults_left_out(monke
         fast_path.offer(op, spec, tuple(args))
         fast_path.offer(op, spec, tuple(args))  # published already
         dtypes = tuple(torch.float32 if r == "w" else torch.bfloat16 for r in roles if r != "f")
-        expected.append((op, dtypes, 64, None, 4096 if "w" in roles else 1 << 62, 1, 2))
+        expected.append((op, dtypes, 64, None, *(([0, 4096], [1, 2]) if "w" in roles else ([0], [1]))))
         fast_path.offer(op, registry.BY_OP[op][Backend.TRITON], tuple(args))  # not the served spec
         fast_path.offer(op, None, tuple(args))  # no sole server
     assert published == expected

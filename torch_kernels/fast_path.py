@@ -14,7 +14,7 @@ the ops it serves: those with a TileLang :class:`~torch_kernels.spec.KernelSpec`
   signature with the compiled host functions its ``host`` returns (:func:`offer`);
 * a later call with a published signature, contiguous, 16-byte aligned and otherwise plain, is served
   in C++: allocation, torch's current stream handed to TVM-FFI, the host function called through
-  TVM-FFI's C ABI (the streamed one from the token count the ``host`` published). Every other call
+  TVM-FFI's C ABI (the one the ``host`` published for the call's token count). Every other call
   goes to the Python kernels as before;
 * :func:`dispatch.configure <torch_kernels.dispatch.configure>` clears what was published, so a new
   selection is asked again; ``DEEPINFER_OPS_BACKEND=auto`` publishes nothing (it picks per shape).
@@ -60,7 +60,6 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "fast_path.cpp"
 _NAME = "deepinfer_fast_path"
 _TVM_FFI = "apache-tvm-ffi"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the entry hands TVM-FFI
-_NEVER = 1 << 62  # a host with one kernel: its "streamed" one is never taken
 _BUILT_BY = "torch_kernels"
 _MAX_LIBRARY_BYTES = 256 << 20  # ours is 164 KB; hashing it costs 0.1 ms at import (5 MB: 4 ms)
 _MAX_RECORD_BYTES = 4096
@@ -293,9 +292,9 @@ def offer(op: str, spec: Optional[KernelSpec], args: tuple) -> None:
     key = (op, dtypes, x.shape[-1], x.device.index)
     if key in _published or not all(d in _DTYPES for d in dtypes):
         return
-    one_pass, streamed, streamed_from = spec.load_host()(*args)  # once a signature
-    _publish(op, dtypes, x.shape[-1], x.device.index, _NEVER if streamed_from is None else streamed_from,
-             one_pass.__chandle__(), streamed.__chandle__())
+    kernels = spec.load_host()(*args)  # once a signature
+    _publish(op, dtypes, x.shape[-1], x.device.index, [start for start, _ in kernels],
+             [fn.__chandle__() for _, fn in kernels])
     _published.add(key)
 
 

@@ -176,9 +176,9 @@ class KernelSpec:
     accepts); a call with another dtype goes to the next backend. ``check`` optionally names a
     ``"module:attr"`` callable taking the op's arguments and returning why this implementation
     cannot take the call (size limit, alignment), or ``None``. ``host`` optionally names a ``"module:attr"``
-    callable taking the op's arguments and returning ``(one_pass, streamed, streamed_from)``: the compiled
-    host functions for calls like these and the token count from which the streamed one serves (``None``:
-    never); ``host_call`` says how the C++ entry calls them.
+    callable taking the op's arguments and returning ``((0, fn), (from_tokens, fn), ...)``: the compiled
+    host functions for calls like these, each with the token count from which it serves (ascending, at
+    most four); ``host_call`` says how the C++ entry calls them.
     """
 
     op: str
@@ -220,7 +220,7 @@ class KernelSpec:
     def load_check(self) -> Optional[Callable[..., Optional[str]]]:
         return None if self.check is None else _resolve(self.check)
 
-    def load_host(self) -> Optional[Callable[..., Tuple[Any, Any, Optional[int]]]]:
+    def load_host(self) -> Optional[Callable[..., Tuple[Tuple[int, Any], ...]]]:
         return None if self.host is None else _resolve(self.host)
 
 

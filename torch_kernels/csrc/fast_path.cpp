@@ -12,7 +12,7 @@
 //   CUDA:     tensors given, contiguous, 16-byte aligned, shaped as their roles say, on the current
 //             device; floats >= 0; a token at least; written tensors apart from every other; and a
 //             published signature -> allocate the output, set TVM-FFI's stream to torch's current one,
-//             call the one-pass or streamed host function by token count; else -> the twin (CUDA key).
+//             call the host function published for the call's token count; else -> the twin (CUDA key).
 //   Autograd: no gradient asked -> below autograd; else the twin's Python Autograd kernel.
 // A published signature carries everything the op's validation looks at except the token count, so a
 // call that matches it and passes the tests above is one validation has already accepted.
@@ -43,6 +43,7 @@ namespace {
 
 // At most this many schema arguments (the served ops have up to 4): the per-call arrays stay on the stack.
 constexpr int kMaxArgs = 8;
+constexpr int kMaxKernels = 4;  // host functions a signature, each from a token count
 
 // One installed op: its HostCall, resolved against its schema once.
 struct OpState {
@@ -63,9 +64,9 @@ struct Entry {
   int64_t hidden;  // the data argument's last dimension
   c10::DeviceIndex device;
   c10::ScalarType dtypes[kMaxArgs];  // of the tensor arguments, in schema order
-  int64_t streamed_from;             // token count from which `streamed` serves
-  void* one_pass;                    // TVM-FFI function handles (one reference each, held for the process)
-  void* streamed;
+  int num_kernels;
+  int64_t from[kMaxKernels];  // ascending, from[0] == 0: kernel k serves from[k] tokens up to from[k + 1]
+  void* kernel[kMaxKernels];  // TVM-FFI function handles (one reference each, held for the process)
 };
 
 // Readers take the current table without a lock; a publish or clear swaps in a new one and keeps the
@@ -275,7 +276,9 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
     }
     call_args[k] = tensor_arg(views[k]);
   }
-  call(s, tokens >= e->streamed_from ? e->streamed : e->one_pass, call_args, s.num_call, e->device);
+  int k = e->num_kernels - 1;
+  while (tokens < e->from[k]) --k;
+  call(s, e->kernel[k], call_args, s.num_call, e->device);
   torch::jit::drop(*stack, s.num_args);
   if (s.output != 0) torch::jit::push(*stack, std::move(out));
   return true;
@@ -381,23 +384,30 @@ const OpState& installed(const std::string& name) {
 }
 
 void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes, int64_t hidden, int64_t device,
-             int64_t streamed_from, int64_t one_pass, int64_t streamed) {
+             const std::vector<int64_t>& from, const std::vector<int64_t>& kernels) {
   const OpState& s = installed(name);
   TORCH_CHECK(static_cast<int>(dtypes.size()) == s.num_tensors, "deepinfer_fast_path::publish: argument 'dtypes' must hold ",
               s.num_tensors, " dtypes for ", name, ", got ", dtypes.size());
-  Entry entry{s.index, hidden, static_cast<c10::DeviceIndex>(device), {}, streamed_from,
-              reinterpret_cast<void*>(one_pass), reinterpret_cast<void*>(streamed)};
+  const int n = static_cast<int>(kernels.size());
+  TORCH_CHECK(n >= 1 && n <= kMaxKernels && from.size() == kernels.size() && from[0] == 0,
+              "deepinfer_fast_path::publish: arguments 'from' and 'kernels' must hold 1 to ", kMaxKernels,
+              " entries each, 'from' starting at 0, got ", from.size(), " and ", n);
+  Entry entry{s.index, hidden, static_cast<c10::DeviceIndex>(device), {}, n, {}, {}};
+  for (int k = 0; k < n; ++k) {
+    TORCH_CHECK(kernels[k] != 0 && (k == 0 || from[k] > from[k - 1]),
+                "deepinfer_fast_path::publish: 'from' must ascend and every kernel be a handle, for ", name);
+    entry.from[k] = from[k];
+    entry.kernel[k] = reinterpret_cast<void*>(kernels[k]);
+  }
   for (int k = 0; k < s.num_tensors; ++k) {
     const c10::ScalarType t = dtypes[k];
     TORCH_CHECK(t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Half || t == c10::ScalarType::Float,
                 "deepinfer_fast_path::publish: dtypes must be float16, bfloat16 or float32, got ", t);
     entry.dtypes[k] = t;
   }
-  TORCH_CHECK(hidden > 0 && one_pass != 0 && streamed != 0 && (s.output != 'h' || hidden % 2 == 0),
-              "deepinfer_fast_path::publish: bad entry for ", name);
+  TORCH_CHECK(hidden > 0 && (s.output != 'h' || hidden % 2 == 0), "deepinfer_fast_path::publish: bad entry for ", name);
   bind_ffi();
-  g_ffi.inc_ref(entry.one_pass);
-  g_ffi.inc_ref(entry.streamed);
+  for (int k = 0; k < n; ++k) g_ffi.inc_ref(entry.kernel[k]);
   edit_table([&](std::vector<Entry>& table) { table.push_back(entry); });
 }
 
@@ -413,8 +423,7 @@ std::vector<int64_t> counters() {
 
 TORCH_LIBRARY(deepinfer_fast_path, m) {
   m.def("install(str op, str roles, str output, int[] call) -> ()", &install);
-  m.def("publish(str op, ScalarType[] dtypes, int hidden, int device, int streamed_from, int one_pass, "
-        "int streamed) -> ()", &publish);
+  m.def("publish(str op, ScalarType[] dtypes, int hidden, int device, int[] from, int[] kernels) -> ()", &publish);
   m.def("clear() -> ()", &clear);
   m.def("counters() -> int[]", &counters);  // [signatures published, calls served, calls passed on]
 }

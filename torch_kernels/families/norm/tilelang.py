@@ -619,10 +619,12 @@ def _function(n: int, dtype: torch.dtype, weight_dtype: torch.dtype, fused: bool
 
 
 def host_functions(input: Tensor, weight: Tensor, fused: bool, gemma: bool):
-    """The compiled host functions the launchers call for rows like ``input``'s: the one-pass one, the
-    streamed one, and the token count from which they take the streamed one. The C++ entry
-    (``fast_path.py``) calls these for the plain calls (contiguous, aligned) it serves."""
-    return _kernels(input.shape[-1], input.dtype, weight.dtype, fused, gemma)[:3]
+    """The compiled host functions the launchers call for rows like ``input``'s, each with the token
+    count from which it serves: ``((0, one_pass), (streamed_from, streamed))``, the one-pass one alone
+    for rows that never stream. The C++ entry (``fast_path.py``) calls these for the plain calls
+    (contiguous, aligned) it serves."""
+    one_pass, streamed, streamed_from = _kernels(input.shape[-1], input.dtype, weight.dtype, fused, gemma)[:3]
+    return ((0, one_pass),) + (() if streamed is one_pass else ((streamed_from, streamed),))
 
 
 # The C++ entry's host providers (the manifest's HostCall): the twin's arguments, trailing defaults left out.
