@@ -70,6 +70,18 @@ ACT_VARIANTS = {"tilelang": {}, "tilelang, sigmoid form": {"tanh_approx": False}
                 "tilelang, tanh.approx": {"tanh_approx": True},
                 "tilelang, 1024 threads": {"threads": 1024}, "tilelang, 16 a thread": {"per_thread": 16},
                 "tilelang, no early trigger": {"early_trigger": False}}
+# The middle sizes (chunked prefill, batched decode), L2 warm or cold (--cold-l2): the grids and tiles tried there.
+MID_ACT_SHAPES = tuple((t, d) for d in (4096, 7168, 8192, 14336, 18432) for t in (128, 256, 512, 1024, 2048))
+MID_ACT_KINDS = ("silu", "gelu_tanh", "gelu")
+MID_ACT_VARIANTS = {"tilelang": {}, "tilelang, end trigger": {"early_trigger": False, "trigger_at_end": True},
+                    "tilelang, row loop, 256 threads": {"row_loop": True, "threads": 256},
+                    "tilelang, row loop, 256 threads, no trigger": {"row_loop": True, "threads": 256, "early_trigger": False},
+                    "tilelang, row loop, 256 threads, end trigger": {"row_loop": True, "threads": 256, "early_trigger": False,
+                                                                      "trigger_at_end": True},
+                    "tilelang, row loop, 128 threads, end trigger": {"row_loop": True, "threads": 128, "early_trigger": False,
+                                                                      "trigger_at_end": True},
+                    "tilelang, row loop, 512 threads, end trigger": {"row_loop": True, "threads": 512, "early_trigger": False,
+                                                                      "trigger_at_end": True}}
 
 
 def _compile_all(funcs: dict) -> dict:
@@ -306,30 +318,29 @@ def tanh_rows(ceiling: float) -> list:
     return rows
 
 
-def act_rows(ceiling: float) -> list:
+def act_rows(ceiling: float, flush=None, shapes=ACT_SHAPES, acts=ACT_KINDS, variants=ACT_VARIANTS) -> list:
     import flashinfer.activation
 
-    acts = ACT_KINDS
-
     def config(label, act, tokens):
-        return dataclasses.replace(tl_act.ActivationConfig.for_shape("bfloat16", act, tokens), **ACT_VARIANTS[label])
+        return dataclasses.replace(tl_act.ActivationConfig.for_shape("bfloat16", act, tokens), **variants[label])
 
     configs = {(tokens, d, act, label): config(label, act, tokens)
-               for (tokens, d) in ACT_SHAPES for act in acts for label in ACT_VARIANTS}
+               for (tokens, d) in shapes for act in acts for label in variants}
     prims = {(d, act, c): tl_act._build(d, "bfloat16", act, config=c) for (_, d, act, _), c in configs.items()}
     fns = _compile_all(prims)
     fns = {k: fns[(k[1], k[2], c)] for k, c in configs.items()}
     rows = []
-    for (tokens, d), act in itertools.product(ACT_SHAPES, acts):
+    for (tokens, d), act in itertools.product(shapes, acts):
         x = torch.randn(tokens, 2 * d, device="cuda", dtype=torch.bfloat16) * 2
         want = ref_act.silu_and_mul(x) if act == "silu" else ref_act.gelu_and_mul(x, "tanh" if act == "gelu_tanh" else "none")
         exact = _exact(act, x)
         errors = {"reference": _of_tolerance(want, exact)}  # the bf16 rounding alone
         nbytes = x.numel() * 2 * 3 // 2
         out = torch.empty(tokens, d, device="cuda", dtype=torch.bfloat16)
-        impls = {label: (lambda fn=fns[(tokens, d, act, label)]: (fn(x, out), out)[1]) for label in ACT_VARIANTS}
+        impls = {label: (lambda fn=fns[(tokens, d, act, label)]: (fn(x, out), out)[1]) for label in variants}
         impls["triton backend"] = lambda: tr_act.act_and_mul(x, act)
-        impls["flashinfer api"] = lambda: getattr(flashinfer.activation, f"{act}_and_mul")(x)
+        fi = getattr(flashinfer.activation, f"{act}_and_mul")
+        impls["flashinfer api"] = lambda: fi(x)
         calls = {}
         for label, fn in impls.items():
             if isinstance(fns.get((tokens, d, act, label)), str):
@@ -341,20 +352,27 @@ def act_rows(ceiling: float) -> list:
             errors[label] = _of_tolerance(got, exact)
             calls[label] = fn
         rows += [dict(r, **{"of tol": errors.get(r["impl"])})
-                 for r in harness.bandwidth_rows(f"{act}_and_mul", f"{tokens}x2*{d}", calls, nbytes, ceiling, ROUNDS)]
+                 for r in harness.bandwidth_rows(f"{act}_and_mul", f"{tokens}x2*{d}", calls, nbytes, ceiling, ROUNDS, flush)]
     return rows
+
+
+def mid_act_rows(ceiling: float, flush=None) -> list:
+    return act_rows(ceiling, flush, MID_ACT_SHAPES, MID_ACT_KINDS, MID_ACT_VARIANTS)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="JSON file for the results")
-    parser.add_argument("--only", default="norm,fp8norm,merge,rope,act,tanh", help="comma list of norm, fp8norm, merge, rope, act, tanh")
+    parser.add_argument("--only", default="norm,fp8norm,merge,rope,act,tanh",
+                        help="comma list of norm, fp8norm, merge, rope, act, midact, tanh")
+    parser.add_argument("--cold-l2", action="store_true", help="midact: flush L2 before every timed call")
     args = parser.parse_args()
     torch.manual_seed(0)
     ceiling = harness.copy_ceiling_gbps()
+    flush = harness.l2_flush() if args.cold_l2 else None
     rows = []
     for name, sweep in (("merge", merge_rows), ("norm", norm_rows), ("fp8norm", fp8_norm_rows), ("rope", rope_rows), ("act", act_rows),
-                        ("tanh", tanh_rows)):
+                        ("midact", lambda c: mid_act_rows(c, flush)), ("tanh", tanh_rows)):
         if name in args.only.split(","):
             try:
                 rows += sweep(ceiling)

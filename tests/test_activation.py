@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from torch_kernels import ops, registry
+from torch_kernels import dispatch, ops, registry
 from torch_kernels.families.activation import ops as activation_ops
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close
@@ -205,6 +205,29 @@ def test_triton_int64_offsets_past_2_31_elements():
     out = triton_activation.silu_and_mul(x)
     assert_close(out[-5:], _reference("silu_and_mul")(x[-5:]))
     assert_close(out[:5], _reference("silu_and_mul")(x[:5]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("d,dtype", [(14336, torch.bfloat16), (14336, torch.float16), (7168, torch.float32)], ids=str)
+def test_tilelang_row_loop_is_the_tiles_bit_for_bit(act, d, dtype):
+    """Around the L2's size TileLang takes its row loop (``row_loop_tokens``): the tile kernel's bits, at
+    the range's ends and beside them, first through Python, then served by the C++ entry."""
+    from torch_kernels.families.activation import tilelang as tl
+    rows = tl.row_loop_tokens(d, dtype, act, torch.device("cuda"))
+    assert rows, f"no row-loop range for {d} {dtype} on this GPU"
+    op = getattr(torch.ops.deepinfer, f"{act}_and_mul").default
+    tiles = tl._function(d, dtype, act)[0]
+    previous = dispatch.configure(backend="tilelang", strict=True)
+    try:
+        for tokens in (rows.start - 1, rows.start, rows.stop - 1, rows.stop) * 2:
+            x = torch.randn(tokens, 2 * d, device="cuda", dtype=dtype) * 3
+            want = torch.empty(tokens, d, device="cuda", dtype=dtype)
+            tiles(x, want)
+            assert torch.equal(op(x), want), tokens
+            assert_close(want, _reference(f"{act}_and_mul")(x))
+    finally:
+        dispatch.configure(previous)
 
 
 @pytest.mark.gpu

@@ -110,11 +110,12 @@ def replay_us_interleaved(fns: dict, flush=None, rounds: int = 3, target_us: flo
     return {name: statistics.median(t) for name, t in times.items()}, failed
 
 
-def bandwidth_rows(op: str, shape: str, calls: dict, nbytes: int, ceiling: float, rounds: int) -> list:
+def bandwidth_rows(op: str, shape: str, calls: dict, nbytes: int, ceiling: float, rounds: int, flush=None) -> list:
     """One row per implementation in ``calls`` (``{label: fn}``, checked already) of ``op`` at ``shape``,
-    timed in ``rounds`` interleaved rounds (:func:`replay_us_interleaved`): µs, GB/s of ``nbytes`` and the
-    fraction of ``ceiling``, printed as it comes; a capture that raised, as a ``status`` row."""
-    times, failed = replay_us_interleaved(calls, rounds=rounds)
+    timed in ``rounds`` interleaved rounds (:func:`replay_us_interleaved`, L2 flushed by ``flush`` if
+    given): µs, GB/s of ``nbytes`` and the fraction of ``ceiling``, printed as it comes; a capture that
+    raised, as a ``status`` row."""
+    times, failed = replay_us_interleaved(calls, flush, rounds=rounds)
     rows = []
     for label, us in times.items():
         rows.append({"op": op, "shape": shape, "impl": label, "us": us, "GB/s": nbytes / us / 1e3,
@@ -191,6 +192,18 @@ def host_us_interleaved(cases: dict, rounds: int = 9, calls=3000, warmup: int = 
             sync()
             best[name] = min(best[name], (time.perf_counter() - t0) / n * 1e6)
     return best
+
+
+#: Bytes an L2 flush reads at least (4x the L2 where that is more).
+FLUSH_BYTES = 256 << 20
+
+
+def l2_flush():
+    """A callable that evicts the L2 cache of the current CUDA device: a sum over a buffer of
+    :data:`FLUSH_BYTES` or four L2s."""
+    l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or 0
+    buf = torch.ones(max(FLUSH_BYTES, 4 * l2) // 4, device="cuda")
+    return lambda: buf.sum()
 
 
 def copy_ceiling_gbps(sizes_mb=(64, 256, 1024)) -> float:

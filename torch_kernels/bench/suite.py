@@ -70,7 +70,6 @@ PEER_KEYS = ("torch", "compile", *OTHER_PEERS, "flashinfer-api")
 KEYS = ("op", "auto", *(b.value for b in Backend if b is not Backend.TORCH), *PEER_KEYS)
 LABELS = {"op": report.OP_LABEL, "auto": report.AUTO_LABEL, "torch": "torch eager", "compile": "torch.compile", **{k: k for k in OTHER_PEERS},
           "flashinfer-api": "FlashInfer API", "flashinfer": "flashinfer backend"}
-FLUSH_BYTES = 256 << 20
 ROUNDS = 3  # device timing: every implementation of a shape in 3 interleaved rounds, the median kept
 HOST_ROUNDS, HOST_ROUND_US = 3, 5000.0  # host timing: best of 3 rounds of ~5 ms (1 to 200 calls)
 
@@ -515,9 +514,7 @@ def run(args, platform: Platform, argv) -> int:
     if cuda:
         ctx.ceiling = harness.copy_ceiling_gbps()
         if args.cold_l2:
-            l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 0
-            buf = torch.ones(max(FLUSH_BYTES, 4 * l2) // 4, device="cuda")
-            ctx.flush = lambda: buf.sum()
+            ctx.flush = harness.l2_flush()
     else:
         if args.cold_l2:
             print("[bench] --cold-l2 applies to CUDA only; ignored on CPU", file=sys.stderr)
