@@ -480,17 +480,9 @@ def test_tune_records_every_timed_backends_fingerprint(monkeypatch):
         "tilelang": fingerprints.of(real[Backend.TILELANG]), "triton": fingerprints.of(real[Backend.TRITON])}
 
 
-#: Shipped tables measured before entries recorded fingerprints: every entry is stale, and ``auto`` says so at
-#: each op's first call. Re-tuning on that GPU (``python -m torch_kernels tune --table torch_kernels/tuned/<file>``)
-#: replaces the file; the test below then passes and the name must leave this set.
-PREDATES_FINGERPRINTS = {"nvidia-h200-sm90.json"}
-
-
 @pytest.mark.parametrize("name", sorted(p.name for p in tuning.PACKAGED_DIR.glob("*.json")))
-def test_a_shipped_table_names_only_the_installed_kernels(name, request, monkeypatch):
+def test_a_shipped_table_names_only_the_installed_kernels(name, monkeypatch):
     monkeypatch.undo()  # the whole inventory, not the Triton world
-    if name in PREDATES_FINGERPRINTS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"{name} predates fingerprints: re-tune and ship it"))
     data = json.loads((tuning.PACKAGED_DIR / name).read_text())
     table = tuning.Table.from_json(data)
     stale = {op: table.stale(op) for op in table.ops if table.stale(op)}
