@@ -6,7 +6,7 @@ import sys
 import expecttest
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import torch_kernels
 from torch_kernels import ops
@@ -60,6 +60,137 @@ deepinfer::top_k_top_p_sampling_from_logits(Tensor logits, Tensor? maybe_top_k_a
 deepinfer::sampled_token_logprobs(Tensor logits, Tensor token_ids, Tensor? maybe_temperature_arr=None, float temperature_val=1.) -> (Tensor, Tensor)
 deepinfer::all_reduce_fused_add_rmsnorm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps, str group_name) -> ()
 deepinfer::all_reduce_fused_add_rmsnorm_fp8_quant(Tensor input, Tensor(a!) residual, Tensor weight, float eps, str group_name, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False) -> (Tensor, Tensor)""")
+
+
+    def test_out_schemas(self):
+        text = "\n".join(str(getattr(torch.ops.deepinfer, op.name).out._schema) for op in ops.ALL if op.out_names)
+        self.assertExpectedInline(text, """\
+deepinfer::rmsnorm.out(Tensor input, Tensor? weight, float eps=9.9999999999999995e-07, *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::gemma_rmsnorm.out(Tensor input, Tensor weight, float eps=9.9999999999999995e-07, *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::rmsnorm_fp8_quant.out(Tensor input, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False, *, Tensor(a!) out0, Tensor(b!) out1) -> (Tensor(a!), Tensor(b!))
+deepinfer::gemma_rmsnorm_fp8_quant.out(Tensor input, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False, *, Tensor(a!) out0, Tensor(b!) out1) -> (Tensor(a!), Tensor(b!))
+deepinfer::silu_and_mul.out(Tensor input, *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::gelu_and_mul.out(Tensor input, str approximate="none", *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::gelu_tanh_and_mul.out(Tensor input, *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::silu_and_mul_fp8_quant.out(Tensor input, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False, *, Tensor(a!) out0, Tensor(b!) out1) -> (Tensor(a!), Tensor(b!))
+deepinfer::per_token_group_quant_fp8.out(Tensor input, int group_size, float eps=1e-10, bool column_major_scales=False, bool scale_ue8m0=False, *, Tensor(a!) out0, Tensor(b!) out1) -> (Tensor(a!), Tensor(b!))
+deepinfer::scaled_fp8_quant.out(Tensor input, Tensor? scale=None, bool per_token=False, Tensor? scale_ub=None, *, Tensor(a!) out0, Tensor(b!) out1) -> (Tensor(a!), Tensor(b!))
+deepinfer::topk_softmax.out(Tensor gating_output, int topk, bool renormalize=False, *, Tensor(a!) out0, Tensor(b!) out1) -> (Tensor(a!), Tensor(b!))
+deepinfer::grouped_topk.out(Tensor gating_output, int topk, bool renormalize, int num_expert_group, int topk_group, str scoring_func="softmax", Tensor? e_score_correction_bias=None, float routed_scaling_factor=1., *, Tensor(a!) out0, Tensor(b!) out1) -> (Tensor(a!), Tensor(b!))
+deepinfer::merge_attn_states.out(Tensor v_a, Tensor lse_a, Tensor v_b, Tensor lse_b, *, Tensor(a!) out0, Tensor(b!) out1) -> (Tensor(a!), Tensor(b!))
+deepinfer::top_k_renorm_probs.out(Tensor probs, Tensor? maybe_top_k_arr, int top_k_val=0, *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::top_p_renorm_probs.out(Tensor probs, Tensor? maybe_top_p_arr, float top_p_val=1., *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::top_k_top_p_sampling_from_probs.out(Tensor probs, Tensor? maybe_top_k_arr, Tensor? maybe_top_p_arr, Tensor seed, Tensor offset, int top_k_val=0, float top_p_val=1., str filter_apply_order="top_k_first", Tensor? indices=None, *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::softmax.out(Tensor logits, Tensor? maybe_temperature_arr=None, float temperature_val=1., *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::top_k_mask_logits.out(Tensor logits, Tensor? maybe_top_k_arr=None, int top_k_val=0, *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::min_p_sampling_from_probs.out(Tensor probs, Tensor? maybe_min_p_arr, float min_p_val, Tensor seed, Tensor offset, Tensor? indices=None, *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::chain_speculative_sampling.out(Tensor draft_probs, Tensor draft_token_ids, Tensor target_probs, Tensor seed, Tensor offset, *, Tensor(a!) out0, Tensor(b!) out1, Tensor(c!) out2) -> (Tensor(a!), Tensor(b!), Tensor(c!))
+deepinfer::sampling_from_probs.out(Tensor probs, Tensor seed, Tensor offset, Tensor? indices=None, *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::sampling_from_logits.out(Tensor logits, Tensor seed, Tensor offset, *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::top_k_top_p_sampling_from_logits.out(Tensor logits, Tensor? maybe_top_k_arr, int top_k_val, Tensor? maybe_top_p_arr, float top_p_val, Tensor? maybe_temperature_arr, float temperature_val, Tensor seed, Tensor offset, str filter_apply_order="top_k_first", *, Tensor(a!) out) -> Tensor(a!)
+deepinfer::sampled_token_logprobs.out(Tensor logits, Tensor token_ids, Tensor? maybe_temperature_arr=None, float temperature_val=1., *, Tensor(a!) out0, Tensor(b!) out1) -> (Tensor(a!), Tensor(b!))""")
+
+
+OUT_OPS = [op.name for op in ops.ALL if op.out_names]
+
+
+def _random_like(t):
+    """A tensor of ``t``'s shape, dtype and device holding random values (never zeros: a write shows)."""
+    if t.dtype.is_floating_point:
+        return torch.randn(t.shape, device=t.device).to(t.dtype)
+    if t.dtype == torch.bool:
+        return torch.rand(t.shape, device=t.device) < 0.5
+    return torch.randint(-1000, 1000, t.shape, device=t.device).to(t.dtype)
+
+
+def _bits(t):
+    """``t`` as integers of its width, so that equality is bit equality (NaN and FP8 included)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.dtype.is_floating_point else t
+
+
+def _outs(op, args):
+    """Random tensors shaped as the default overload's results on ``args``, by the op's out names."""
+    results = _overload(op)(*args)
+    results = (results,) if isinstance(results, torch.Tensor) else results
+    return {name: _random_like(r) for name, r in zip(ops.BY_NAME[op].out_names, results)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OUT_OPS)
+def test_out_overload_writes_what_the_default_returns(op, device):
+    """``op.out(*args, out=...)`` returns its ``out`` tensors holding the default overload's results, bit
+    for bit (the same random stream for the samplers)."""
+    overload = getattr(torch.ops.deepinfer, op).out
+    for args in ops.BY_NAME[op].samples(device, torch.float32):
+        outs = _outs(op, args)
+        torch.manual_seed(0)
+        want = _overload(op)(*args)
+        torch.manual_seed(0)
+        got = overload(*args, **outs)
+        got, want = ((got,), (want,)) if isinstance(want, torch.Tensor) else (got, want)
+        assert all(g is o for g, o in zip(got, outs.values()))
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and torch.equal(_bits(g), _bits(w)), op
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OUT_OPS)
+def test_opcheck_out_overload(op, device):
+    """opcheck of every ``out`` overload; its schema test compares written arguments with ``allclose``,
+    which float8_e4m3fn lacks, so FP8 outputs skip that one (the schemas come from one generator,
+    OpDef.out_schema, checked on every other op)."""
+    for args in ops.BY_NAME[op].samples(device, torch.float32):
+        outs = _outs(op, args)
+        fp8 = any(o.dtype == torch.float8_e4m3fn for o in outs.values())
+        utils = tuple(u for u in torch.library._OPCHECK_DEFAULT_UTILS if not (fp8 and u == "test_schema"))
+        torch.library.opcheck(getattr(torch.ops.deepinfer, op).out, args, outs, test_utils=utils)
+
+
+@pytest.mark.parametrize("op", ["silu_and_mul", "topk_softmax", "chain_speculative_sampling"])
+def test_out_overload_refuses_outputs_of_another_shape_dtype_or_kind(op):
+    """A wrong output is refused naming the op's out overload and the argument, before anything is written."""
+    args = next(iter(ops.BY_NAME[op].samples("cpu", torch.float32)))
+    overload = getattr(torch.ops.deepinfer, op).out
+    for name in ops.BY_NAME[op].out_names:
+        for bad in ("shape", "dtype", "kind"):
+            outs = _outs(op, args)
+            before = {n: t.clone() for n, t in outs.items()}
+            t = outs[name]
+            outs[name] = (torch.empty(*t.shape, 3, dtype=t.dtype) if bad == "shape" else
+                          t.to(torch.float64 if t.dtype != torch.float64 else torch.float32) if bad == "dtype" else 1.0)
+            # a non-tensor: the dispatcher's own refusal, naming the op's overload and the argument too
+            with pytest.raises((ValueError, TypeError, RuntimeError), match=rf"deepinfer::{op}[.(].*argument '{name}'"):
+                overload(*args, **outs)
+            assert all(torch.equal(outs[n], before[n]) for n in outs if n != name), "written before the error"
+
+
+def test_out_overload_refuses_autograd():
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="silu_and_mul.out does not support autograd"):
+        torch.ops.deepinfer.silu_and_mul.out(x, out=torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["rmsnorm", "silu_and_mul", "topk_softmax", "merge_attn_states", "top_k_renorm_probs"])
+def test_out_overload_compiles_with_the_copy_into_its_outputs(op, device):
+    """Compiled (fullgraph, an unbacked token count), ``op.out`` writes the given outputs as eager does,
+    one graph for every token count."""
+    opdef, overload = ops.BY_NAME[op], getattr(torch.ops.deepinfer, op).out
+    counter = CompileCounterWithBackend("aot_eager")  # AOTAutograd: the functionalised copy into the outputs
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda args, outs: overload(*args, **outs), backend=counter, fullgraph=True)
+    for t in (3, 1, 300):
+        args, token_args = opdef.tokens(t, device)
+        outs = _outs(op, args)
+        want = overload(*args, **{n: o.clone() for n, o in outs.items()})
+        for t_arg in [args[i] for i in token_args] + [o for o in outs.values() if o.dim() and o.shape[0] == t]:
+            torch._dynamo.decorators.mark_unbacked(t_arg, 0)
+        got = compiled(args, outs)
+        got, want = ((got,), (want,)) if isinstance(want, torch.Tensor) else (got, want)
+        assert all(g is o for g, o in zip(got, outs.values()))
+        for o, w in zip(outs.values(), want):
+            assert torch.equal(_bits(o), _bits(w)), (op, t)
+    assert counter.frame_count == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -8,6 +8,9 @@ Per op:
 * fake (``Meta`` and fake tensors): the op definition's fake function, so ``torch.compile`` traces
   the op as one node with dynamic shapes.
 * ``Autograd``: the op's backward formula, or a clear error for the in-place ops.
+* ``out`` overload (functional ops, aten's convention, :attr:`OpDef.out_schema`): the default overload's
+  result copied into the given tensors, checked first (shape, dtype, device), which it returns;
+  compiled, that copy into the graph's tensors.
 * a ``FunctionalTensorMode`` rule: the op's compiled route (``registry.COMPILE_ROUTE``,
   ``dispatch.compile_route``). ``torch.compile`` functionalises its graph under that mode (in
   AOTAutograd, below Dynamo's one node per op), so the rule decides what Inductor receives: the
@@ -32,7 +35,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from . import dispatch, fast_path, registry
+from . import checks as check, dispatch, fast_path, registry
 from .ops import ALL, NAMESPACE, OpDef
 from .spec import Backend
 
@@ -174,6 +177,65 @@ def _compile_rule(op: OpDef, reference):
     return rule
 
 
+def _check_out(op: OpDef, name: str, out, want) -> None:
+    """``out`` (the ``out`` overload's argument ``name``) takes ``want``, the default overload's result
+    (sizes through ``checks.require``: symbolic ones trace)."""
+    where = f"{op.name}.out"
+    check.tensor(where, name, out)
+    got = lambda: f"got {out.dtype} of shape {tuple(out.shape)} on {out.device}"  # noqa: E731
+    expected = f"must be {want.dtype} of shape {tuple(want.shape)} on {want.device}, "
+    check.require(out.dtype == want.dtype and out.device == want.device and out.dim() == want.dim(), where, name,
+                  lambda: expected + got())
+    for have, size in zip(out.shape, want.shape):
+        check.require(have == size, where, name, lambda: expected + got())
+
+
+def _out_entries(op: OpDef):
+    """``(kernel, fake, autograd kernel)`` of the op's ``out`` overload."""
+    default = getattr(getattr(torch.ops, NAMESPACE), op.name).default
+    names, single = op.out_names, len(op.out_names) == 1
+
+    def written(results, outs):
+        results = (results,) if single else results
+        for name, r in zip(names, results):
+            _check_out(op, name, outs[name], r)
+        for name, r in zip(names, results):
+            outs[name].copy_(r)
+        return outs[names[0]] if single else tuple(outs[n] for n in names)
+
+    def kernel(*args, **outs):
+        return written(default(*args), outs)
+
+    def fake(*args, **outs):
+        results = op.fake(*args)
+        for name, r in zip(names, (results,) if single else results):
+            _check_out(op, name, outs[name], r)
+        return outs[names[0]] if single else tuple(outs[n] for n in names)
+
+    overload = getattr(getattr(torch.ops, NAMESPACE), op.name).out
+    below_autograd = torch._C._after_autograd_keyset
+
+    def autograd(keyset, *args, **outs):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args, *outs.values()):
+            raise RuntimeError(f"{op.qualname}.out does not support autograd: it writes its outputs in place")
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload.redispatch(keyset & below_autograd, *args, **outs)
+    return kernel, fake, autograd
+
+
+def _register_out(op: OpDef) -> None:
+    LIBRARY.define(op.out_schema)
+    kernel, fake, autograd = _out_entries(op)
+    LIBRARY.impl(f"{op.name}.out", kernel, "CompositeExplicitAutograd")
+    LIBRARY.impl(f"{op.name}.out", autograd, "Autograd", with_keyset=True)
+    torch.library.register_fake(f"{op.qualname}.out", fake, lib=LIBRARY)
+
+    def rule(mode, overload, types, args, kwargs):  # compiled: the default overload's route, then the copy
+        with mode:
+            return kernel(*args, **kwargs)
+    torch.library.register_torch_dispatch(f"{op.qualname}.out", FunctionalTensorMode, rule, lib=LIBRARY)
+
+
 def _register(op: OpDef) -> None:
     LIBRARY.define(op.schema)
     reference = registry.BY_OP[op.name][Backend.TORCH].load()
@@ -190,6 +252,8 @@ def _register(op: OpDef) -> None:
         LIBRARY.impl(op.name, _autograd_entry(op), "Autograd", with_keyset=True)
     torch.library.register_fake(op.qualname, op.fake, lib=LIBRARY)
     torch.library.register_torch_dispatch(op.qualname, FunctionalTensorMode, _compile_rule(op, reference), lib=LIBRARY)
+    if op.out_schema is not None:
+        _register_out(op)
 
 
 for _op in ALL:
