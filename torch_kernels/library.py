@@ -193,24 +193,25 @@ def _check_out(op: OpDef, name: str, out, want) -> None:
 def _out_entries(op: OpDef):
     """``(kernel, fake, autograd kernel)`` of the op's ``out`` overload."""
     default = getattr(getattr(torch.ops, NAMESPACE), op.name).default
-    names, single = op.out_names, len(op.out_names) == 1
+    names = op.out_names
 
-    def written(results, outs):
-        results = (results,) if single else results
+    def checked(results, outs) -> tuple:
+        results = (results,) if len(names) == 1 else results
         for name, r in zip(names, results):
             _check_out(op, name, outs[name], r)
-        for name, r in zip(names, results):
-            outs[name].copy_(r)
-        return outs[names[0]] if single else tuple(outs[n] for n in names)
+        return results
+
+    def returned(outs):
+        return outs[names[0]] if len(names) == 1 else tuple(outs[n] for n in names)
 
     def kernel(*args, **outs):
-        return written(default(*args), outs)
+        for name, r in zip(names, checked(default(*args), outs)):  # every output checked before any is written
+            outs[name].copy_(r)
+        return returned(outs)
 
     def fake(*args, **outs):
-        results = op.fake(*args)
-        for name, r in zip(names, (results,) if single else results):
-            _check_out(op, name, outs[name], r)
-        return outs[names[0]] if single else tuple(outs[n] for n in names)
+        checked(op.fake(*args), outs)
+        return returned(outs)
 
     overload = getattr(getattr(torch.ops, NAMESPACE), op.name).out
     below_autograd = torch._C._after_autograd_keyset
