@@ -479,3 +479,80 @@ def test_per_row_seeds_cuda_graph_replays_with_the_offsets_advanced():
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, call(seeds, offsets)), f"{op}: replay {step} differs from the eager call"
+
+
+# ----------------------------------------------------------------------------------------------
+# FlashInfer's Python API: every sampler's name and keywords, so that FlashInfer's call sites and
+# tests (vLLM's `deterministic=True`, FlashInfer's `indices=`, `generator=`) run on ours.
+
+FLASHINFER_SAMPLERS = ("softmax", "sampling_from_logits", "sampling_from_probs", "top_p_sampling_from_probs",
+                       "top_k_sampling_from_probs", "min_p_sampling_from_probs", "top_k_top_p_sampling_from_logits",
+                       "top_k_top_p_sampling_from_probs", "top_p_renorm_probs", "top_k_renorm_probs",
+                       "top_k_mask_logits", "chain_speculative_sampling")
+
+
+@pytest.mark.parametrize("name", FLASHINFER_SAMPLERS)
+def test_every_flashinfer_sampler_is_ours_with_its_arguments(name):
+    """Ours takes every argument of FlashInfer's by name, and its required ones in FlashInfer's order."""
+    import inspect
+
+    fs = pytest.importorskip("flashinfer.sampling")
+    theirs = inspect.signature(getattr(fs, name)).parameters
+    ours = inspect.signature(getattr(torch_kernels, name)).parameters
+    assert set(theirs) <= set(ours), f"{name}: not taken: {sorted(set(theirs) - set(ours))}"
+    required = [n for n, p in theirs.items() if p.default is inspect.Parameter.empty]
+    assert list(ours)[:len(required)] == required, f"{name}: {list(ours)} against FlashInfer's {list(theirs)}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flashinfer_keywords_behave_as_flashinfers(device):
+    """``generator`` draws the seed, ``deterministic`` changes nothing, ``check_nan`` refuses a NaN,
+    ``return_valid`` marks the rows without mass, ``indices`` of int64 returns int64 ids."""
+    probs = _softmax(6, 300, device)
+    probs[2] = 0  # no mass: draws 0, not valid
+    g1, g2 = torch.Generator(device).manual_seed(5), torch.Generator(device).manual_seed(5)
+    a = torch_kernels.top_k_top_p_sampling_from_probs(probs, 20, 0.9, generator=g1)
+    b = torch_kernels.top_k_top_p_sampling_from_probs(probs, 20, 0.9, generator=g2, deterministic=False)
+    assert torch.equal(a, b), "the same generator state draws the same"
+    ids, valid = torch_kernels.top_k_top_p_sampling_from_probs(probs, 20, 0.9, 3, 4, return_valid=True)
+    assert torch.equal(ids, torch_kernels.top_k_top_p_sampling_from_probs(probs, 20, 0.9, 3, 4))
+    assert valid.dtype == torch.bool and valid.tolist() == [True, True, False, True, True, True] and int(ids[2]) == 0
+    idx = torch.tensor([5, 0, 5, 2], device=device)
+    wide = torch_kernels.sampling_from_probs(probs, 3, 4, idx)
+    assert wide.dtype == torch.int64
+    assert torch.equal(wide, torch_kernels.sampling_from_probs(probs, 3, 4, idx.int()).long())
+    ids, valid = torch_kernels.min_p_sampling_from_probs(probs, 0.1, 3, 4, idx, return_valid=True)
+    assert ids.dtype == torch.int64 and valid.tolist() == [True, True, True, False]
+    nan = probs.clone()
+    nan[1, 7] = float("nan")
+    for call in (lambda: torch_kernels.sampling_from_probs(nan, check_nan=True),
+                 lambda: torch_kernels.top_k_top_p_sampling_from_logits(nan, 5, 0.9, check_nan=True)):
+        with pytest.raises(ValueError, match="contains NaN"):
+            call()
+    torch_kernels.sampling_from_probs(nan)  # not asked: no check, no sync
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flashinfer_named_forms_are_the_joint_sampler(device):
+    """``top_p_sampling_from_probs`` and ``top_k_sampling_from_probs`` are the top-k/top-p sampler with the
+    other filter off; logits-in ``indices`` are the op on the gathered rows; ``top_k_max`` caps top-k
+    where FlashInfer's does (top-k first, at most 256, 65536 tokens or more) and nothing elsewhere."""
+    probs = _softmax(5, 400, device)
+    k, p = torch.tensor([3, 0, 50, 400, 7], device=device), torch.tensor([0.5, 0.9, 1.0, 0.2, 0.8], device=device)
+    assert torch.equal(torch_kernels.top_p_sampling_from_probs(probs, p, 1, 2),
+                       torch_kernels.top_k_top_p_sampling_from_probs(probs, 0, p, 1, 2))
+    assert torch.equal(torch_kernels.top_k_sampling_from_probs(probs, k, 1, 2),
+                       torch_kernels.top_k_top_p_sampling_from_probs(probs, k, 1.0, 1, 2))
+    logits = torch.randn(5, 400, device=device) * 3
+    idx = torch.tensor([4, 4, 1, 0, 3, 2], device=device)
+    assert torch.equal(torch_kernels.sampling_from_logits(logits, 8, 9, indices=idx),
+                       torch_kernels.sampling_from_logits(logits[idx], 8, 9).long())
+    t = torch.tensor([0.5, 1.0, 2.0, 0.7, 1.3], device=device)
+    assert torch.equal(torch_kernels.top_k_top_p_sampling_from_logits(logits, k, p, t, 8, 9, indices=idx),
+                       torch_kernels.top_k_top_p_sampling_from_logits(logits[idx], k[idx], p[idx], t[idx], 8, 9).long())
+    big = _softmax(2, 65536, device)
+    capped = torch_kernels.top_k_top_p_sampling_from_probs(big, torch.tensor([0, 300], device=device), 1.0, 1, 2,
+                                                           top_k_max=4)
+    assert torch.equal(capped, torch_kernels.top_k_top_p_sampling_from_probs(big, 4, 1.0, 1, 2))
+    assert torch.equal(torch_kernels.top_k_top_p_sampling_from_probs(probs, k, p, 1, 2, top_k_max=2),
+                       torch_kernels.top_k_top_p_sampling_from_probs(probs, k, p, 1, 2)), "under 65536 tokens: ignored"

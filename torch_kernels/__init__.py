@@ -18,9 +18,10 @@ if _HAS_TORCH:
     from .dispatch import KernelUnavailableError, Selection, configure, selection
     from .ops import ALL as _ALL
 
-    # every op's typed wrapper, by the op's name: torch_kernels.rmsnorm(...)
+    # every op's typed wrapper, by the op's name: torch_kernels.rmsnorm(...), and the functions over it
     globals().update({_d.name: _d.wrapper for _d in _ALL})
-    __all__ = _CORE + [_d.name for _d in _ALL]
+    globals().update({_f.__name__: _f for _d in _ALL for _f in _d.aliases})
+    __all__ = _CORE + [_d.name for _d in _ALL] + [_f.__name__ for _d in _ALL for _f in _d.aliases]
 
     def __getattr__(name: str):
         # torch_kernels.passes on first use: it imports Inductor, which a plain import must not pay

@@ -275,6 +275,9 @@ def render_ops_doc() -> str:
         out += [f"## `{op.name}`", "", "```", schema, "```", "",
                 f"Python: `torch_kernels.{op.name}{inspect.signature(op.wrapper)}`  ", f"Backends: {impls}", "",
                 inspect.cleandoc(op.wrapper.__doc__), ""]
+        for alias in op.aliases:
+            out += [f"Also `torch_kernels.{alias.__name__}{inspect.signature(alias)}`: "
+                    + inspect.cleandoc(alias.__doc__), ""]
     return "\n".join(out)
 
 

@@ -90,6 +90,8 @@ class OpDef:
     # testing.outputs_of returns them); raises AssertionError. None: assert_close per output.
     compare: Optional[Callable[..., None]] = None
     bench: Optional[BenchCase] = None  # the benchmark's shapes, bytes and peers; None: not benchmarked
+    # other public functions over this op, exported beside its wrapper (FlashInfer's names for its forms)
+    aliases: Tuple[Callable[..., Any], ...] = ()
 
     @property
     def name(self) -> str:

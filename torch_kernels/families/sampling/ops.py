@@ -199,7 +199,7 @@ def _fake_sampling(probs: Tensor, top_k: Optional[Tensor], top_p: Optional[Tenso
 # Typed wrappers: what IDEs show, and what docs/ops.md is generated from.
 
 
-def top_k_renorm_probs(probs: Tensor, top_k: Union[int, Tensor]) -> Tensor:
+def top_k_renorm_probs(probs: Tensor, top_k: Union[int, Tensor], is_deterministic: bool = True) -> Tensor:
     """``out = where(p >= kth_largest(p, top_k), p, 0) / sum(where(p >= kth_largest(p, top_k), p, 0))`` per row
 
     Keep the ``top_k`` largest probabilities of each row (every value equal to the k-th largest is
@@ -213,6 +213,7 @@ def top_k_renorm_probs(probs: Tensor, top_k: Union[int, Tensor]) -> Tensor:
             be strided); need not be normalised.
         top_k: an int for every row, or a ``(B,)`` int32/int64 tensor on the device of ``probs``. The
             op's schema takes the two forms as ``maybe_top_k_arr`` and ``top_k_val``.
+        is_deterministic: FlashInfer's keyword; the result is always deterministic.
 
     Returns:
         ``(B, V)`` in the dtype of ``probs``, contiguous. Not differentiable.
@@ -221,7 +222,7 @@ def top_k_renorm_probs(probs: Tensor, top_k: Union[int, Tensor]) -> Tensor:
     return torch.ops.deepinfer.top_k_renorm_probs.default(probs, arr, val)
 
 
-def top_p_renorm_probs(probs: Tensor, top_p: Union[float, Tensor]) -> Tensor:
+def top_p_renorm_probs(probs: Tensor, top_p: Union[float, Tensor], is_deterministic: bool = True) -> Tensor:
     """``out = where(mass(p > p_i) < top_p * sum(p), p, 0) / sum(kept)`` per row
 
     Nucleus filter (FlashInfer's ``top_p_renorm_probs``): keep the smallest set of largest
@@ -235,6 +236,7 @@ def top_p_renorm_probs(probs: Tensor, top_p: Union[float, Tensor]) -> Tensor:
             be strided); need not be normalised.
         top_p: a float for every row, or a ``(B,)`` float32 tensor on the device of ``probs``. The op's
             schema takes the two forms as ``maybe_top_p_arr`` and ``top_p_val``.
+        is_deterministic: FlashInfer's keyword; the result is always deterministic.
 
     Returns:
         ``(B, V)`` in the dtype of ``probs``, contiguous. Not differentiable.
@@ -245,7 +247,9 @@ def top_p_renorm_probs(probs: Tensor, top_p: Union[float, Tensor]) -> Tensor:
 
 def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Union[int, Tensor], top_p: Union[float, Tensor], seed=None,
                                     offset=None, indices: Optional[Tensor] = None,
-                                    filter_apply_order: str = "top_k_first") -> Tensor:
+                                    filter_apply_order: str = "top_k_first", *, deterministic: bool = True,
+                                    generator: Optional[torch.Generator] = None, check_nan: bool = False,
+                                    return_valid: bool = False, top_k_max: Optional[int] = None):
     """``ids[b] ~ top_p_renorm(top_k_renorm(probs[b], top_k[b]), top_p[b])``, drawn with Philox(seed, offset, b)
 
     One token id per row from the row's top-k survivors (ties kept), then nucleus-filtered with ``top_p`` on
@@ -278,17 +282,47 @@ def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Union[int, Tensor], to
             draws from ``probs[indices[i]]`` with that row's ``top_k``/``top_p`` (rows sharing a
             distribution). Values must lie in ``[0, B)`` (not checked: reading them would sync).
         filter_apply_order: ``"top_k_first"`` (the default) or ``"joint"``, as FlashInfer's.
+        deterministic, generator, check_nan: FlashInfer's keywords. Draws here are always deterministic
+            (``False`` changes nothing); ``generator`` draws the seed when ``seed`` and ``offset`` are
+            ``None``; ``check_nan=True`` raises on a NaN in the input (reading a flag back: a sync).
+        return_valid: FlashInfer's: also return ``valid``, ``(N,)`` bool, whether each output row's
+            distribution has positive mass (a row without draws 0).
+        top_k_max: FlashInfer's: with ``"top_k_first"``, ``top_k_max <= 256`` and ``V >= 65536``, rows
+            whose top-k is off or above it sample with ``top_k = top_k_max``; otherwise ignored.
 
     Returns:
-        ``(N,)`` int32 token ids (``N = B`` without ``indices``; FlashInfer returns the dtype of
-        ``indices``). A row with no positive probability returns 0.
+        ``(N,)`` token ids (``N = B`` without ``indices``), int32, or the dtype of ``indices`` as
+        FlashInfer's; ``(ids, valid)`` with ``return_valid``. A row with no positive probability returns 0.
     """
     op = "top_k_top_p_sampling_from_probs"
+    _checked_nan(op, "probs", probs, check_nan)
+    top_k = _top_k_max(top_k, top_k_max, filter_apply_order, probs.shape[-1])
     k_arr, k_val = _tensor_or_scalar(op, "top_k", top_k, int, "an int")
     p_arr, p_val = _tensor_or_scalar(op, "top_p", top_p, float, "a float")
-    seed, offset = _seed_offset(op, probs, seed, offset)
-    return torch.ops.deepinfer.top_k_top_p_sampling_from_probs.default(
+    seed, offset = _seed_offset(op, probs, seed, offset, generator)
+    ids = torch.ops.deepinfer.top_k_top_p_sampling_from_probs.default(
         probs, k_arr, p_arr, seed, offset, k_val, 1.0 if p_arr is not None else p_val, filter_apply_order, indices)
+    return _flashinfer_ids(ids, probs, indices, return_valid)
+
+
+def top_p_sampling_from_probs(probs: Tensor, top_p: Union[float, Tensor], seed=None, offset=None,
+                              indices: Optional[Tensor] = None, *, deterministic: bool = True,
+                              generator: Optional[torch.Generator] = None, check_nan: bool = False,
+                              return_valid: bool = False):
+    """FlashInfer's ``top_p_sampling_from_probs``: ``top_k_top_p_sampling_from_probs`` with top-k off
+    (its arguments, its draw)."""
+    return top_k_top_p_sampling_from_probs(probs, 0, top_p, seed, offset, indices, deterministic=deterministic,
+                                           generator=generator, check_nan=check_nan, return_valid=return_valid)
+
+
+def top_k_sampling_from_probs(probs: Tensor, top_k: Union[int, Tensor], seed=None, offset=None,
+                              indices: Optional[Tensor] = None, *, deterministic: bool = True,
+                              generator: Optional[torch.Generator] = None, check_nan: bool = False,
+                              return_valid: bool = False):
+    """FlashInfer's ``top_k_sampling_from_probs``: ``top_k_top_p_sampling_from_probs`` with top-p off
+    (its arguments, its draw)."""
+    return top_k_top_p_sampling_from_probs(probs, top_k, 1.0, seed, offset, indices, deterministic=deterministic,
+                                           generator=generator, check_nan=check_nan, return_valid=return_valid)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -602,7 +636,7 @@ def _tensor_or_scalar(op: str, arg: str, value, kind: type, what: str):
     return None, kind(value)
 
 
-def softmax(logits: Tensor, temperature: Union[float, Tensor, None] = 1.0) -> Tensor:
+def softmax(logits: Tensor, temperature: Union[float, Tensor, None] = 1.0, enable_pdl: Optional[bool] = None) -> Tensor:
     """``out[b] = exp(x[b] - max(x[b])) / sum(exp(x[b] - max(x[b])))``, ``x[b] = logits[b] * (1 / t[b])``
 
     FlashInfer's ``flashinfer.sampling.softmax``: the probabilities of each row at its temperature,
@@ -616,6 +650,7 @@ def softmax(logits: Tensor, temperature: Union[float, Tensor, None] = 1.0) -> Te
         temperature: a float ``>= 0`` for every row (``None``: 1), or a ``(B,)`` float16/bfloat16/
             float32/float64 tensor on the device of ``logits``, one temperature a row (read as fp32).
             The op's schema takes the two forms as ``maybe_temperature_arr`` and ``temperature_val``.
+        enable_pdl: FlashInfer's keyword; changes nothing here (kernels choose their own launch).
 
     Returns:
         ``(B, V)`` float32 probabilities, contiguous. Not differentiable.
@@ -768,11 +803,12 @@ def _fake_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: flo
     return probs.new_empty((_out_rows(indices, probs),), dtype=torch.int32)
 
 
-def _seed_offset(op: str, probs: Tensor, seed, offset):
-    """One-element int64 tensors; both ``None``: a seed drawn by torch's generator of the device."""
+def _seed_offset(op: str, probs: Tensor, seed, offset, generator: Optional[torch.Generator] = None):
+    """One-element int64 tensors; both ``None``: a seed drawn by ``generator``, else torch's generator of
+    the device."""
     if seed is None and offset is None:
         # a torch random op: it advances the device's generator and replays afresh in a CUDA graph
-        seed = torch.randint(-2**63, 2**63 - 1, (), dtype=torch.int64, device=probs.device)
+        seed = torch.randint(-2**63, 2**63 - 1, (), dtype=torch.int64, device=probs.device, generator=generator)
         return seed, torch.zeros((), dtype=torch.int64, device=probs.device)
     out = []
     for arg, value in (("seed", seed), ("offset", offset)):
@@ -786,8 +822,39 @@ def _seed_offset(op: str, probs: Tensor, seed, offset):
     return tuple(out)
 
 
+# FlashInfer's keyword arguments, which every sampling wrapper takes as its FlashInfer namesake does:
+# ``deterministic`` (our draws always are: False changes nothing), ``generator`` (the seed's when ``seed``
+# and ``offset`` are None), ``check_nan`` (raises on a NaN: a device sync, asked for), ``return_valid``.
+def _checked_nan(op: str, arg: str, data: Tensor, check_nan: bool) -> None:
+    if check_nan and bool(torch.isnan(data).any()):  # opt-in: reads a flag back from the device
+        check.fail(op, arg, "contains NaN (check_nan=True)")
+
+
+def _flashinfer_ids(ids: Tensor, probs: Tensor, indices: Optional[Tensor], return_valid: bool):
+    """FlashInfer's outputs: ids in the dtype of ``indices`` where given, and with ``return_valid``
+    ``(ids, valid)``, ``valid[i]`` whether output row ``i``'s distribution has mass (else it drew 0)."""
+    if indices is not None:
+        ids = ids.to(indices.dtype)
+    if not return_valid:
+        return ids
+    rows = probs if indices is None else probs.index_select(0, indices.long())
+    return ids, rows.amax(-1) > 0 if rows.shape[-1] else torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+
+
+def _top_k_max(top_k, top_k_max: Optional[int], filter_apply_order: str, vocab: int):
+    """FlashInfer's ``top_k_max``: with top-k first, ``top_k_max <= 256`` and a vocabulary of 65536 or
+    more, rows whose top-k is off or above it sample with ``top_k = top_k_max``; otherwise ignored."""
+    if top_k_max is None or filter_apply_order != "top_k_first" or top_k_max > 256 or vocab < 65536:
+        return top_k
+    if isinstance(top_k, Tensor):
+        return torch.where((top_k <= 0) | (top_k > top_k_max), top_k_max, top_k).to(top_k.dtype)
+    return top_k_max if top_k <= 0 or top_k > top_k_max else top_k
+
+
 def min_p_sampling_from_probs(probs: Tensor, min_p: Union[float, Tensor], seed=None, offset=None,
-                              indices: Optional[Tensor] = None) -> Tensor:
+                              indices: Optional[Tensor] = None, *, deterministic: bool = True,
+                              generator: Optional[torch.Generator] = None, check_nan: bool = False,
+                              return_valid: bool = False):
     """``ids[b] ~ where(p >= min_p[b] * max(p[b]), p, 0)`` renormalised, drawn with Philox(seed, offset, b)
 
     FlashInfer's ``min_p_sampling_from_probs``: one token id per row from the tokens whose probability
@@ -811,15 +878,20 @@ def min_p_sampling_from_probs(probs: Tensor, min_p: Union[float, Tensor], seed=N
             tensors, always.
         indices: ``None``, or ``(N,)`` int32/int64: output row ``i`` draws from ``probs[indices[i]]``
             with that row's ``min_p``, as ``top_k_top_p_sampling_from_probs``'s.
+        deterministic, generator, check_nan: FlashInfer's keywords, as ``top_k_top_p_sampling_from_probs``'s.
+        return_valid: FlashInfer's: also return ``valid``, ``(N,)`` bool, as ``top_k_top_p_sampling_from_probs``'s.
 
     Returns:
-        ``(N,)`` int32 token ids (``N = B`` without ``indices``). A row with no positive probability
-        returns 0. Not differentiable.
+        ``(N,)`` token ids (``N = B`` without ``indices``), int32 or the dtype of ``indices``;
+        ``(ids, valid)`` with ``return_valid``. A row with no positive probability returns 0. Not
+        differentiable.
     """
     op = "min_p_sampling_from_probs"
+    _checked_nan(op, "probs", probs, check_nan)
     arr, val = _tensor_or_scalar(op, "min_p", min_p, float, "a float")
-    seed, offset = _seed_offset(op, probs, seed, offset)
-    return torch.ops.deepinfer.min_p_sampling_from_probs.default(probs, arr, val, seed, offset, indices)
+    seed, offset = _seed_offset(op, probs, seed, offset, generator)
+    ids = torch.ops.deepinfer.min_p_sampling_from_probs.default(probs, arr, val, seed, offset, indices)
+    return _flashinfer_ids(ids, probs, indices, return_valid)
 
 
 def _samples_min_p(device, dtype) -> Iterator[tuple]:
@@ -892,7 +964,8 @@ OPS = (
           "Tensor? indices=None) -> Tensor",
           validate_sampling, _fake_sampling, top_k_top_p_sampling_from_probs, _samples_sampling, _tokens_sampling,
           no_grad_reason=_NO_GRAD, compare=compare_samples,
-          bench=_bench("top_k_top_p_sampling_from_probs", _bench_args_sampling, 1, _bench_compare_samples)),
+          bench=_bench("top_k_top_p_sampling_from_probs", _bench_args_sampling, 1, _bench_compare_samples),
+          aliases=(top_p_sampling_from_probs, top_k_sampling_from_probs)),
     OpDef("softmax(Tensor logits, Tensor? maybe_temperature_arr=None, float temperature_val=1.0) -> Tensor",
           validate_softmax, _fake_softmax, softmax, _samples_softmax, _tokens_softmax,
           no_grad_reason="it is an inference kernel",
@@ -1289,7 +1362,9 @@ def _fake_top_k_top_p_from_logits(logits: Tensor, *args) -> Tensor:
     return logits.new_empty(logits.shape[:1], dtype=torch.int32)
 
 
-def sampling_from_probs(probs: Tensor, seed=None, offset=None, indices: Optional[Tensor] = None) -> Tensor:
+def sampling_from_probs(probs: Tensor, seed=None, offset=None, indices: Optional[Tensor] = None, *,
+                        deterministic: bool = True, generator: Optional[torch.Generator] = None,
+                        check_nan: bool = False, return_valid: bool = False):
     """``ids[b] ~ probs[b] / sum(probs[b])``, drawn with Philox(seed, offset, b)
 
     FlashInfer's ``sampling_from_probs``: one token id per row from the whole (unnormalised) row, with
@@ -1308,16 +1383,23 @@ def sampling_from_probs(probs: Tensor, seed=None, offset=None, indices: Optional
             advance ``offset`` in place between steps of a CUDA graph). The registered op takes them as
             tensors, always.
         indices: ``None``, or ``(N,)`` int32/int64: output row ``i`` draws from ``probs[indices[i]]``.
+        deterministic, generator, check_nan: FlashInfer's keywords, as ``top_k_top_p_sampling_from_probs``'s.
+        return_valid: FlashInfer's: also return ``valid``, ``(N,)`` bool, as ``top_k_top_p_sampling_from_probs``'s.
 
     Returns:
-        ``(N,)`` int32 token ids (``N = B`` without ``indices``). A row with no positive probability
-        returns 0. Not differentiable.
+        ``(N,)`` token ids (``N = B`` without ``indices``), int32 or the dtype of ``indices``;
+        ``(ids, valid)`` with ``return_valid``. A row with no positive probability returns 0. Not
+        differentiable.
     """
-    seed, offset = _seed_offset(_SAMPLING_FROM_PROBS, probs, seed, offset)
-    return torch.ops.deepinfer.sampling_from_probs.default(probs, seed, offset, indices)
+    _checked_nan(_SAMPLING_FROM_PROBS, "probs", probs, check_nan)
+    seed, offset = _seed_offset(_SAMPLING_FROM_PROBS, probs, seed, offset, generator)
+    ids = torch.ops.deepinfer.sampling_from_probs.default(probs, seed, offset, indices)
+    return _flashinfer_ids(ids, probs, indices, return_valid)
 
 
-def sampling_from_logits(logits: Tensor, seed=None, offset=None) -> Tensor:
+def sampling_from_logits(logits: Tensor, seed=None, offset=None, indices: Optional[Tensor] = None, *,
+                         deterministic: bool = True, generator: Optional[torch.Generator] = None,
+                         check_nan: bool = False) -> Tensor:
     """``ids[b] ~ softmax(logits[b])``, drawn with Philox(seed, offset, b)
 
     One token id per row from the probabilities of ``softmax(logits)`` (fp32, as the ``softmax`` op)
@@ -1331,19 +1413,29 @@ def sampling_from_logits(logits: Tensor, seed=None, offset=None) -> Tensor:
     Args:
         logits: ``(B, V)`` float32, float16 or bfloat16, last dimension contiguous (rows may be strided).
         seed, offset: as ``sampling_from_probs``'s (both ``None``: torch's generator of the device;
-            per-row tensors of ``(B,)`` allowed).
+            per-row tensors of ``(N,)`` allowed).
+        indices: ``None``, or ``(N,)`` int32/int64: output row ``i`` draws from ``logits[indices[i]]``
+            (FlashInfer's; the rows are gathered before the op).
+        deterministic, generator, check_nan: FlashInfer's keywords, as ``top_k_top_p_sampling_from_probs``'s.
 
     Returns:
-        ``(B,)`` int32 token ids. A row without a probability (all ``-inf``, or a NaN or ``+inf``
-        logit: ``softmax`` gives NaN) returns 0. Not differentiable.
+        ``(N,)`` token ids (``N = B`` without ``indices``), int32 or the dtype of ``indices``. A row
+        without a probability (all ``-inf``, or a NaN or ``+inf`` logit: ``softmax`` gives NaN) returns
+        0. Not differentiable.
     """
-    seed, offset = _seed_offset(_SAMPLING_FROM_LOGITS, logits, seed, offset)
-    return torch.ops.deepinfer.sampling_from_logits.default(logits, seed, offset)
+    _checked_nan(_SAMPLING_FROM_LOGITS, "logits", logits, check_nan)
+    seed, offset = _seed_offset(_SAMPLING_FROM_LOGITS, logits, seed, offset, generator)
+    from .reference import gather_rows
+
+    (rows,) = gather_rows(indices, logits)  # output row i draws from logits[indices[i]]
+    return _flashinfer_ids(torch.ops.deepinfer.sampling_from_logits.default(rows, seed, offset), logits, indices, False)
 
 
 def top_k_top_p_sampling_from_logits(logits: Tensor, top_k: Union[int, Tensor], top_p: Union[float, Tensor],
                                      temperature: Union[float, Tensor, None] = 1.0, seed=None, offset=None,
-                                     filter_apply_order: str = "top_k_first") -> Tensor:
+                                     filter_apply_order: str = "top_k_first", *, indices: Optional[Tensor] = None,
+                                     deterministic: bool = True, generator: Optional[torch.Generator] = None,
+                                     check_nan: bool = False, top_k_max: Optional[int] = None) -> Tensor:
     """``ids[b] ~ top_p_renorm(top_k_renorm(softmax(logits[b] / t[b]), top_k[b]), top_p[b])``, Philox(seed, offset, b)
 
     FlashInfer's ``top_k_top_p_sampling_from_logits`` (``filter_apply_order`` ``"top_k_first"``, the
@@ -1365,18 +1457,29 @@ def top_k_top_p_sampling_from_logits(logits: Tensor, top_k: Union[int, Tensor], 
             ``temperature`` each as ``maybe_<name>_arr`` and ``<name>_val``, and ``seed`` and ``offset``
             as tensors.
         filter_apply_order: ``"top_k_first"`` or ``"joint"``.
+        indices: ``None``, or ``(N,)`` int32/int64: output row ``i`` draws from ``logits[indices[i]]``
+            with that row's ``top_k``, ``top_p`` and temperature (FlashInfer's; gathered before the op).
+        deterministic, generator, check_nan: FlashInfer's keywords, as ``top_k_top_p_sampling_from_probs``'s.
+        top_k_max: as ``top_k_top_p_sampling_from_probs``'s.
 
     Returns:
-        ``(B,)`` int32 token ids. A row without a probability (as ``sampling_from_logits``) returns 0.
-        Not differentiable.
+        ``(N,)`` token ids (``N = B`` without ``indices``), int32 or the dtype of ``indices``. A row
+        without a probability (as ``sampling_from_logits``) returns 0. Not differentiable.
     """
     op = _TOP_K_TOP_P_FROM_LOGITS
+    _checked_nan(op, "logits", logits, check_nan)
+    top_k = _top_k_max(top_k, top_k_max, filter_apply_order, logits.shape[-1])
     k_arr, k_val = _tensor_or_scalar(op, "top_k", top_k, int, "an int")
     p_arr, p_val = _tensor_or_scalar(op, "top_p", top_p, float, "a float")
     t_arr, t_val = _tensor_or_scalar(op, "temperature", 1.0 if temperature is None else temperature, float, "a float")
-    seed, offset = _seed_offset(op, logits, seed, offset)
-    return torch.ops.deepinfer.top_k_top_p_sampling_from_logits.default(
-        logits, k_arr, k_val, p_arr, p_val, t_arr, t_val if t_arr is None else 1.0, seed, offset, filter_apply_order)
+    seed, offset = _seed_offset(op, logits, seed, offset, generator)
+    from .reference import gather_rows
+
+    # output row i draws from logits[indices[i]] with that row's parameters, as FlashInfer's
+    rows, k_arr, p_arr, t_arr = gather_rows(indices, logits, k_arr, p_arr, t_arr)
+    ids = torch.ops.deepinfer.top_k_top_p_sampling_from_logits.default(
+        rows, k_arr, k_val, p_arr, p_val, t_arr, t_val if t_arr is None else 1.0, seed, offset, filter_apply_order)
+    return _flashinfer_ids(ids, logits, indices, False)
 
 
 def _samples_sampling_from_probs(device, dtype) -> Iterator[tuple]:
