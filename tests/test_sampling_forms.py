@@ -488,7 +488,7 @@ def test_per_row_seeds_cuda_graph_replays_with_the_offsets_advanced():
 FLASHINFER_SAMPLERS = ("softmax", "sampling_from_logits", "sampling_from_probs", "top_p_sampling_from_probs",
                        "top_k_sampling_from_probs", "min_p_sampling_from_probs", "top_k_top_p_sampling_from_logits",
                        "top_k_top_p_sampling_from_probs", "top_p_renorm_probs", "top_k_renorm_probs",
-                       "top_k_mask_logits", "chain_speculative_sampling")
+                       "top_p_renorm_prob", "top_k_renorm_prob", "top_k_mask_logits", "chain_speculative_sampling")
 
 
 @pytest.mark.parametrize("name", FLASHINFER_SAMPLERS)
@@ -543,6 +543,8 @@ def test_flashinfer_named_forms_are_the_joint_sampler(device):
                        torch_kernels.top_k_top_p_sampling_from_probs(probs, 0, p, 1, 2))
     assert torch.equal(torch_kernels.top_k_sampling_from_probs(probs, k, 1, 2),
                        torch_kernels.top_k_top_p_sampling_from_probs(probs, k, 1.0, 1, 2))
+    assert torch.equal(torch_kernels.top_k_renorm_prob(probs, k), torch_kernels.top_k_renorm_probs(probs, k))
+    assert torch.equal(torch_kernels.top_p_renorm_prob(probs, p), torch_kernels.top_p_renorm_probs(probs, p))
     logits = torch.randn(5, 400, device=device) * 3
     idx = torch.tensor([4, 4, 1, 0, 3, 2], device=device)
     assert torch.equal(torch_kernels.sampling_from_logits(logits, 8, 9, indices=idx),

@@ -245,6 +245,16 @@ def top_p_renorm_probs(probs: Tensor, top_p: Union[float, Tensor], is_determinis
     return torch.ops.deepinfer.top_p_renorm_probs.default(probs, arr, 1.0 if arr is not None else val)
 
 
+def top_k_renorm_prob(probs: Tensor, top_k: Union[int, Tensor], is_deterministic: bool = True) -> Tensor:
+    """FlashInfer's other name of ``top_k_renorm_probs`` (sglang imports it)."""
+    return top_k_renorm_probs(probs, top_k, is_deterministic)
+
+
+def top_p_renorm_prob(probs: Tensor, top_p: Union[float, Tensor], is_deterministic: bool = True) -> Tensor:
+    """FlashInfer's other name of ``top_p_renorm_probs`` (sglang imports it)."""
+    return top_p_renorm_probs(probs, top_p, is_deterministic)
+
+
 def top_k_top_p_sampling_from_probs(probs: Tensor, top_k: Union[int, Tensor], top_p: Union[float, Tensor], seed=None,
                                     offset=None, indices: Optional[Tensor] = None,
                                     filter_apply_order: str = "top_k_first", *, deterministic: bool = True,
@@ -955,10 +965,12 @@ _NO_GRAD = "top-k/top-p filtering and sampling are not differentiable (data-depe
 OPS = (
     OpDef("top_k_renorm_probs(Tensor probs, Tensor? maybe_top_k_arr, int top_k_val=0) -> Tensor",
           validate_top_k_renorm, _fake_top_k_renorm, top_k_renorm_probs, _samples_top_k_renorm, _tokens_top_k_renorm,
-          no_grad_reason=_NO_GRAD, bench=_bench("top_k_renorm_probs", _bench_args_top_k_renorm, 2)),
+          no_grad_reason=_NO_GRAD, bench=_bench("top_k_renorm_probs", _bench_args_top_k_renorm, 2),
+          aliases=(top_k_renorm_prob,)),
     OpDef("top_p_renorm_probs(Tensor probs, Tensor? maybe_top_p_arr, float top_p_val=1.0) -> Tensor",
           validate_top_p_renorm, _fake_top_p_renorm, top_p_renorm_probs, _samples_top_p_renorm, _tokens_top_p_renorm,
-          no_grad_reason=_NO_GRAD, bench=_bench("top_p_renorm_probs", _bench_args_top_p_renorm, 2)),
+          no_grad_reason=_NO_GRAD, bench=_bench("top_p_renorm_probs", _bench_args_top_p_renorm, 2),
+          aliases=(top_p_renorm_prob,)),
     OpDef("top_k_top_p_sampling_from_probs(Tensor probs, Tensor? maybe_top_k_arr, Tensor? maybe_top_p_arr, Tensor seed, "
           "Tensor offset, int top_k_val=0, float top_p_val=1.0, str filter_apply_order=\"top_k_first\", "
           "Tensor? indices=None) -> Tensor",
