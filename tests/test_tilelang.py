@@ -103,10 +103,11 @@ _COMPILE = """
 """
 
 # Keys the default run compiles beside each family's first: those whose generated code the tests below
-# read, and the norms' streamed kernel (a builder of its own). 10 of the 49 kernels.
+# read, and the norms' streamed kernel (a builder of its own). 12 of the 75 kernels.
 DEFAULT_KEYS = {
     "norm": ["8192_bfloat16_bfloat16_True_False", "8192_bfloat16_bfloat16_True_False_True"],
-    "activation": ["14336_bfloat16_gelu_16", "4864_float16_gelu_tanh_8", "14336_bfloat16_gelu_tanh_8"],
+    "activation": ["14336_bfloat16_gelu_16_False", "4864_float16_gelu_tanh_8_False", "14336_bfloat16_gelu_tanh_8_False",
+                   "14336_bfloat16_silu_8_True"],
 }
 
 
@@ -173,8 +174,9 @@ def _global_accesses(source: str, buffers):
 @pytest.mark.parametrize("family,key,buffers", [
     ("norm", "8192_bfloat16_bfloat16_False_False", ("X", "Wt", "O")),
     ("norm", "8192_bfloat16_bfloat16_True_False", ("X", "R", "Wt")),
-    ("activation", "14336_bfloat16_silu_8", ("Xa", "O")),
-    ("activation", "14336_bfloat16_gelu_16", ("Xa", "O")),
+    ("activation", "14336_bfloat16_silu_8_False", ("Xa", "O")),
+    ("activation", "14336_bfloat16_silu_8_True", ("Xa", "O")),
+    ("activation", "14336_bfloat16_gelu_16_False", ("Xa", "O")),
 ])
 def test_benchmark_shapes_compile_to_16_byte_accesses(family, key, buffers, sm90_build):
     """The H200 benchmark shapes read and write every tensor in 16-byte vectors (uint4: 8 bf16)."""
@@ -190,12 +192,22 @@ def test_only_the_bf16_tanh_gelu_takes_tanh_approx(sm90_build):
     tighter tolerances need."""
     kernels = {os.path.basename(k["source"]): k for k in sm90_build["activation"]["kernels"] if k["error"] is None}
     source = {key: open(kernels[f"activation-{key}.cu"]["source"]).read()
-              for key in ("14336_bfloat16_gelu_tanh_8", "4864_float16_gelu_tanh_8", "14336_bfloat16_silu_8")}
-    approx = source["14336_bfloat16_gelu_tanh_8"]
+              for key in ("14336_bfloat16_gelu_tanh_8_False", "4864_float16_gelu_tanh_8_False", "14336_bfloat16_silu_8_False")}
+    approx = source["14336_bfloat16_gelu_tanh_8_False"]
     assert "tanh.approx.f32" in approx and "tk_tanh_approx(" in approx.split("tk_tanh_approx(float", 1)[1]
     assert "fast_rcp" not in approx and "__expf" not in approx
-    for key in ("4864_float16_gelu_tanh_8", "14336_bfloat16_silu_8"):
+    for key in ("4864_float16_gelu_tanh_8_False", "14336_bfloat16_silu_8_False"):
         assert "tanh.approx" not in source[key] and "fast_rcp" in source[key], key
+
+
+def test_the_row_loop_lets_the_next_kernel_in_as_each_block_ends(sm90_build):
+    """The activations' row loop (ActivationConfig.row_loop, FlashInfer's launch): a block loops over its
+    row's tiles and triggers its successor after the loop, never before it."""
+    kernels = {os.path.basename(k["source"]): k for k in sm90_build["activation"]["kernels"] if k["error"] is None}
+    source = open(kernels["activation-14336_bfloat16_silu_8_True.cu"]["source"]).read()
+    loop = source.index("for (int tile = 0; tile < 7; ++tile)")
+    assert source.count("cudaTriggerProgrammaticLaunchCompletion();") == 1
+    assert loop < source.index("cudaTriggerProgrammaticLaunchCompletion();"), source[:3000]
 
 
 def test_the_early_trigger_skips_the_calls_that_sit_in_l2(sm90_build):
@@ -203,7 +215,7 @@ def test_the_early_trigger_skips_the_calls_that_sit_in_l2(sm90_build):
     (_jit.NO_TRIGGER_BYTES): silu_and_mul of 2*14336 bf16 moves 86016 bytes a token, so from 49 to 390
     tokens it leaves the trigger to its blocks' exit."""
     kernels = {os.path.basename(k["source"]): k for k in sm90_build["activation"]["kernels"] if k["error"] is None}
-    source = open(kernels["activation-14336_bfloat16_silu_8.cu"]["source"]).read()
+    source = open(kernels["activation-14336_bfloat16_silu_8_False.cu"]["source"]).read()
     low, high = (-(-limit // (3 * 14336 * 2)) for limit in _jit.LaunchConfig().no_trigger_bytes)
     assert (low, high) == (49, 391)
     condition = re.search(r"if \(\(num_tokens < (\d+)\) \|\| \((\d+) <= num_tokens\)\) \{\s*"
@@ -392,7 +404,7 @@ def test_launchers_take_the_configs_of_their_heuristics(monkeypatch):
     assert asked[:2] == [((8192, "bfloat16", "bfloat16", False, False), config),
                          ((8192, "bfloat16", "bfloat16", False, False, True), config)]
     assert config.elements_per_thread == 32 and config.streamed_threads == 256
-    assert asked[2] == ((7168, "bfloat16", "gelu", 16), activation.ActivationConfig.for_shape("bfloat16", "gelu", 64))
+    assert asked[2] == ((7168, "bfloat16", "gelu", 16, False), activation.ActivationConfig.for_shape("bfloat16", "gelu", 64))
     # the builders' own default (what ci_kernels() compile) is the launchers': one memo entry for both
     assert all(build.config_for(*key) == config for build, (key, config) in zip(
         (norm._build, norm._build, activation._build), asked))
@@ -631,16 +643,20 @@ def test_activation_launchers_keep_the_kernel_contract(op, approximate, layout, 
     reference_of = {"silu": ref.silu_and_mul, "gelu": lambda x: ref.gelu_and_mul(x, "none"),
                     "gelu_tanh": ref.gelu_tanh_and_mul}
 
-    def function(d, dtype, act, tokens):
+    # the row loop's token range is a CUDA device's (its L2 and SMs): here 2 and 3 tokens take it
+    row_loop = range(2, 4)
+
+    def function(d, dtype, act, tokens, rows=False):
         vec = activation._vec(d, activation._DTYPES[dtype])
 
         def host(x, out):
-            assert tokens == x.shape[0]
+            assert tokens == x.shape[0] and rows == (tokens in row_loop)
             calls.append((x, out))
             _check_contract(vec, (x, out), (out,))
             out.copy_(reference_of[act](x))
         return host, vec
     monkeypatch.setattr(activation, "_function", function)
+    monkeypatch.setattr(activation, "row_loop_tokens", lambda d, dtype, act, device: row_loop)
     args = () if approximate is None else (approximate,)
     reference = registry.BY_OP[op][Backend.TORCH].load()
     for shape in [(3, 4, 96), (2, 20, 96), (2, 5, 514), (0, 2, 64), (2, 0, 16)] + (
