@@ -167,6 +167,14 @@ def triton_here(family, device):
     return importlib.import_module(f"torch_kernels.families.{family}.triton")
 
 
+def bits(t):
+    """A tensor's bits as integers of its width, so that ``torch.equal`` compares NaN payloads and FP8
+    too; integer and bool tensors as they are."""
+    if not t.dtype.is_floating_point:
+        return t
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def chi_square_critical(dof: int, z: float = 4.265) -> float:
     """The upper 1e-5 quantile of chi-square(dof), Wilson-Hilferty: a correct sampler fails once in 10^5."""
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3

@@ -41,6 +41,7 @@ from torch_kernels.families.norm import reference as norm_ref  # noqa: E402
 from torch_kernels.families.norm import tilelang as norm  # noqa: E402
 from torch_kernels.families.quant import reference as quant_ref  # noqa: E402
 from torch_kernels.families.quant import tilelang as quant  # noqa: E402
+from conftest import bits  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")
 Epilogue = tfp8.Epilogue
@@ -52,12 +53,6 @@ MODES = [("static", -1, False, False), (None, -1, False, False), (None, 128, Fal
 
 
 # --- what the fused ops must equal: the unfused pair, on the same backend ---------------------------
-
-
-def bits(t):
-    """A tensor's bits, so that torch.equal compares NaN payloads too (NaN != NaN)."""
-    return t.view({torch.float32: torch.int32, fp8.FP8: torch.uint8, torch.bfloat16: torch.int16,
-                   torch.float16: torch.int16}[t.dtype])
 
 
 def assert_bits(got, want, what=""):

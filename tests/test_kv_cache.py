@@ -9,7 +9,7 @@ import torch_kernels
 from torch_kernels import fp8 as _fp8
 from torch_kernels.families.kv_cache import ops as kv_ops
 
-from conftest import assert_bad_inputs_raise, implementations_on, triton_here
+from conftest import assert_bad_inputs_raise, bits, implementations_on, triton_here
 
 OP = "reshape_and_cache_flash"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -52,13 +52,9 @@ def expected_caches(key, value, key_cache, value_cache, slots, kv_cache_dtype, k
     return kc, vc
 
 
-def _bits(t):
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def assert_caches(got, want, what=""):
     for name, g, w in zip(("key_cache", "value_cache"), got, want):
-        differ = _bits(g.cpu()) != _bits(w.cpu())
+        differ = bits(g.cpu()) != bits(w.cpu())
         assert not differ.any(), f"{what} {name}: {int(differ.sum())} of {g.numel()} values differ"
 
 
@@ -166,8 +162,8 @@ def test_entries_no_slot_names_are_untouched():
         for b in range(4):
             for o in range(16):
                 if b * 16 + o not in written:
-                    assert torch.equal(_bits(args[2][b, o]), _bits(before[0][b, o])), name
-                    assert torch.equal(_bits(args[3][b, o]), _bits(before[1][b, o])), name
+                    assert torch.equal(bits(args[2][b, o]), bits(before[0][b, o])), name
+                    assert torch.equal(bits(args[3][b, o]), bits(before[1][b, o])), name
 
 
 def test_triton_kernel_with_each_config():
@@ -446,7 +442,7 @@ def _clone_rope(args):
 
 
 def _assert_same(got, want, what):
-    differ = _bits(got.cpu()) != _bits(want.cpu())
+    differ = bits(got.cpu()) != bits(want.cpu())
     assert not differ.any(), f"{what}: {int(differ.sum())} of {got.numel()} values differ"
 
 

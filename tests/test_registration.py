@@ -12,7 +12,7 @@ import torch_kernels
 from torch_kernels import ops
 from torch_kernels.testing import compare_outputs, mutated_args, outputs_of
 
-from conftest import DEVICES
+from conftest import DEVICES, bits
 from test_dispatch import ROOT
 
 OP_NAMES = [op.name for op in ops.ALL]
@@ -103,11 +103,6 @@ def _random_like(t):
     return torch.randint(-1000, 1000, t.shape, device=t.device).to(t.dtype)
 
 
-def _bits(t):
-    """``t`` as integers of its width, so that equality is bit equality (NaN and FP8 included)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.dtype.is_floating_point else t
-
-
 def _outs(op, args):
     """Random tensors shaped as the default overload's results on ``args``, by the op's out names."""
     results = _overload(op)(*args)
@@ -130,7 +125,7 @@ def test_out_overload_writes_what_the_default_returns(op, device):
         got, want = ((got,), (want,)) if isinstance(want, torch.Tensor) else (got, want)
         assert all(g is o for g, o in zip(got, outs.values()))
         for g, w in zip(got, want):
-            assert g.dtype == w.dtype and torch.equal(_bits(g), _bits(w)), op
+            assert g.dtype == w.dtype and torch.equal(bits(g), bits(w)), op
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -189,7 +184,7 @@ def test_out_overload_compiles_with_the_copy_into_its_outputs(op, device):
         got, want = ((got,), (want,)) if isinstance(want, torch.Tensor) else (got, want)
         assert all(g is o for g, o in zip(got, outs.values()))
         for o, w in zip(outs.values(), want):
-            assert torch.equal(_bits(o), _bits(w)), (op, t)
+            assert torch.equal(bits(o), bits(w)), (op, t)
     assert counter.frame_count == 1
 
 
