@@ -53,11 +53,11 @@ __device__ __forceinline__ float tk_tanh_approx(float x) {
 }
 """
 # The input's loads take no L2 hint: evict_first lost at every shape (4123 against 4315 GB/s, 16384x2*7168).
-# Silu and the tanh GELU moving 0.8-1.0 of the L2 in a call, their rows all resident at once (a block of
-# 256 threads a row, 8 an SM), take the row loop: 512x2*14336 silu 7.18 against 9.43 µs with the input in
-# L2 (FlashInfer 7.12), 15.7 against 15.3 from DRAM; at 2048x2*4096 (two waves of rows) it lost, 12.2 against 11.7.
-_ROW_LOOP_L2 = (0.8, 1.0)
-_ROW_LOOP_BLOCKS_PER_SM = 8
+# Silu and the tanh GELU take the row loop for calls moving 0.5-0.75 of the L2 in 3-4 rows an SM (a block of
+# 256 threads a row): input in L2, 512x2*11008 5.92 against 7.47 µs, 512x2*14336 8.11 against 9.17
+# (FlashInfer 6.00, 8.35); from DRAM 2-5% behind. It lost at 640x2*14336, 512x2*18432 and 384x2*14336.
+_ROW_LOOP_L2 = (0.5, 0.75)
+_ROW_LOOP_ROWS_PER_SM = (3, 4)
 _ROW_LOOP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -109,7 +109,8 @@ _devices: dict = {}  # CUDA device index -> (its L2 cache's bytes, its SM count)
 
 def row_loop_tokens(d: int, dtype: torch.dtype, act: str, device: torch.device) -> range:
     """The token counts whose calls take the row loop on ``device``: those moving :data:`_ROW_LOOP_L2`
-    of its L2, with no more rows than fit on its SMs at once (silu and the tanh GELU; empty for the others)."""
+    of its L2 in more than 3 and at most 4 rows an SM (:data:`_ROW_LOOP_ROWS_PER_SM`; silu and the tanh
+    GELU: empty for the others)."""
     if act not in _ROW_LOOP_ACTIVATIONS:
         return range(0)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -119,8 +120,9 @@ def row_loop_tokens(d: int, dtype: torch.dtype, act: str, device: torch.device) 
         found = _devices[index] = (getattr(props, "L2_cache_size", 0) or 0, props.multi_processor_count)
     l2, sms = found
     per_token = 3 * d * _jit.ELEMENT_BYTES[_DTYPES[dtype]]
-    low, high = _ROW_LOOP_L2
-    return range(-(-int(low * l2) // per_token), min(int(high * l2) // per_token, _ROW_LOOP_BLOCKS_PER_SM * sms) + 1)
+    (low, high), (fewest, most) = _ROW_LOOP_L2, _ROW_LOOP_ROWS_PER_SM
+    start = max(-(-int(low * l2) // per_token), fewest * sms + 1)
+    return range(start, max(start, min(int(high * l2) // per_token, most * sms) + 1))
 
 
 def _erfc_t(g):
