@@ -822,7 +822,8 @@ def test_gpu_sampled_ids_in_the_kept_set_over_many_seeds():
 
 @pytest.mark.gpu
 def test_gpu_sample_distribution_chi_square():
-    from test_sampling import _chi_square_critical, _formula, _softmax
+    from conftest import chi_square_critical
+    from test_sampling import _formula, _softmax
     sample = _gpu_sampler()
     torch.manual_seed(4)
     V = 40
@@ -840,7 +841,7 @@ def test_gpu_sample_distribution_chi_square():
     assert counts[~kept[0]].sum() == 0
     exp = expected[0][kept[0]] * n
     chi2 = (((counts[kept[0]] - exp) ** 2) / exp).sum().item()
-    assert chi2 < _chi_square_critical(n_kept - 1), f"chi-square {chi2:.1f} with {n_kept - 1} degrees of freedom"
+    assert chi2 < chi_square_critical(n_kept - 1), f"chi-square {chi2:.1f} with {n_kept - 1} degrees of freedom"
 
 
 @pytest.mark.gpu

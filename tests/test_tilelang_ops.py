@@ -566,6 +566,7 @@ def test_registered_ops_reach_tilelang(tmp_path):
     dispatch.configure(backend="tilelang", trace_path=str(trace))
     positions, q, k, hs, cache, neox = rope_op.make_args(3, 4, 2, 64, 64, True, "qkv", "cuda", torch.bfloat16)
     torch.ops.deepinfer.rotary_embedding(positions, q, k, hs, cache, neox)
+    torch.ops.deepinfer.qk_rmsnorm_rope(*rope_op.make_qk_args(3, 4, 2, 64, 64, True, "qkv", "cuda", torch.bfloat16))
     torch.ops.deepinfer.per_token_group_quant_fp8(torch.randn(3, 256, device="cuda"), 128)
     v, lse = torch.randn(3, 2, 64, device="cuda"), torch.randn(3, 2, device="cuda")
     torch.ops.deepinfer.merge_attn_states(v, lse, v, lse)
@@ -584,10 +585,17 @@ def test_one_compiled_kernel_serves_every_batch_size(tmp_path):
     _jit.clear_memo()
     for module in (rope, quant, attention):
         module._functions.clear()
+    rope._qk_function.cache.clear()
     sizes = []
     for tokens in (1, 7, 300, 4096):
         args = rope_op.make_args(tokens, 32, 8, 128, 128, True, "qkv", "cuda", torch.bfloat16, max_position=8192)
         _rope_matches_reference(args)
+        qk = rope_op.make_qk_args(tokens, 32, 8, 128, 128, True, "qkv", "cuda", torch.bfloat16, max_position=8192)
+        want = (qk[1].clone(), qk[2].clone())
+        rope_ref.qk_rmsnorm_rope(qk[0], *want, *qk[3:])
+        rope.qk_rmsnorm_rope(*qk)
+        assert_close(qk[1], want[0])
+        assert_close(qk[2], want[1])
         x = torch.randn(tokens, 7168, device="cuda", dtype=torch.bfloat16)
         compare_quant(list(quant.per_token_group_quant_fp8(x, 128, 1e-10, True, False)),
                       list(quant_ref.per_token_group_quant_fp8(x, 128, 1e-10, True, False)))
@@ -598,7 +606,7 @@ def test_one_compiled_kernel_serves_every_batch_size(tmp_path):
             assert_close(g, w)
         sizes.append(_jit.memo_size())
     torch.cuda.synchronize()
-    assert sizes == [3, 3, 3, 3], sizes  # three kernels, compiled (or loaded) at the first batch size only
+    assert sizes == [4, 4, 4, 4], sizes  # four kernels, compiled (or loaded) at the first batch size only
     for name in OPS:
         assert len(_trace_compiles(trace, name)) == 1, name
 
