@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...backends import triton_fp8 as _fp8
-from ...backends.triton_rotary import cos_sin, rotate_tile
+from ...backends.triton_rotary import cos_sin, rotate_pair, rotate_tile
 
 # Elements a program moves per tensor when many tokens: 8 heads of 128 (Qwen3-8B's kv heads) in one.
 _TILE = 1024
@@ -170,8 +170,8 @@ def _rope_cache_kernel(
             mask = h_mask[:, None] & d_mask[None, :]
             x1 = tl.load(k_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
             x2 = tl.load(k_row + rot_half + d[None, :], mask=mask, other=0.0).to(tl.float32)
-            o1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty)
-            o2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty)
+            o1, o2 = rotate_pair(x1, x2, cos, sin)
+            o1, o2 = o1.to(k_ptr.dtype.element_ty), o2.to(k_ptr.dtype.element_ty)
             _put(kc_row + d[None, :], o1, k_scale_ptr, mask, QUANT, EMULATE)
             _put(kc_row + rot_half + d[None, :], o2, k_scale_ptr, mask, QUANT, EMULATE)
         else:
@@ -179,7 +179,8 @@ def _rope_cache_kernel(
             m = h_mask[:, None] & (r < 2 * rot_half)[None, :]
             x = tl.load(k_row + r[None, :], mask=m, other=0.0).to(tl.float32)
             x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D, 2)))
-            out = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), (BLOCK_H, 2 * BLOCK_D))
+            o1, o2 = rotate_pair(x1, x2, cos, sin)
+            out = tl.reshape(tl.join(o1, o2), (BLOCK_H, 2 * BLOCK_D))
             _put(kc_row + r[None, :], out.to(k_ptr.dtype.element_ty), k_scale_ptr, m, QUANT, EMULATE)
         if HAS_PASS:  # dims rot_dim..head_size of the key, as they are
             e = 2 * rot_half + tl.arange(0, BLOCK_P)
