@@ -3,6 +3,7 @@ the project's norm and rope code; every backend bit for bit its own unfused pair
 the heads, rounded to the dtype, then its ``rotary_embedding``), Triton in its interpreter on CPU; the
 fused qkv buffer untouched outside query and key; bad input named before anything is written."""
 
+import dataclasses
 import importlib
 import os
 import re
@@ -240,8 +241,8 @@ def test_qk_rmsnorm_rope_backends_match_reference(dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_qk_rmsnorm_rope_triton_other_configs_are_the_pair(device):
-    """Launches other than the heuristic's (one head a tile, chunks splitting query and key heads)
-    change which program takes a head, not its bits."""
+    """Launches other than the heuristic's (chunks splitting query and key heads, the pairs loaded
+    again rather than taken from registers) change which program takes a head, not its bits."""
     triton_rope = triton_here("rope", device)
     triton_norm = importlib.import_module("torch_kernels.families.norm.triton")
     Config = triton_rope.TritonQKNormRopeConfig
@@ -250,10 +251,10 @@ def test_qk_rmsnorm_rope_triton_other_configs_are_the_pair(device):
         want, _ = _copy(args)
         rope.unfused(*want, rmsnorm=triton_norm.rmsnorm, rotary=triton_rope.rotary_embedding)
         base = Config.for_shape(args[1].shape[0], 8, case[3], case[4] // 2, 2, 2, 2)
-        for hpp in (base.block_h, 3 * base.block_h, 64):
+        for hpp, in_regs in ((base.block_h, True), (3 * base.block_h, False), (64, True)):
             got, _ = _copy(args)
-            triton_rope.qk_rmsnorm_rope(*got, config=Config(hpp, base.block_h, base.block_n, base.block_d, base.num_warps))
-            _assert_equal(got, want, f"{_ids(case)} heads_per_program={hpp}")
+            triton_rope.qk_rmsnorm_rope(*got, config=dataclasses.replace(base, heads_per_program=hpp, in_regs=in_regs))
+            _assert_equal(got, want, f"{_ids(case)} heads_per_program={hpp} in_regs={in_regs}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -280,14 +281,15 @@ def test_qk_rmsnorm_rope_fp64_weights_are_the_pair(device):
 
 
 def test_qk_rmsnorm_rope_triton_layout_follows_rmsnorm():
-    """A head tile of one head a warp exactly where rmsnorm's row is one vector a lane in one warp;
+    """A head tile of whole heads a warp exactly where rmsnorm's row is one vector a lane in one warp;
     else one head a tile over rmsnorm's warps (fp32 at 256: two vectors a lane)."""
     Config = triton_here("rope", "cpu").TritonQKNormRopeConfig if os.environ.get("TRITON_INTERPRET") == "1" else \
         importlib.import_module("torch_kernels.families.rope.triton").TritonQKNormRopeConfig
-    assert Config.for_shape(4096, 40, 128, 64, 2, 2, 2) == Config(40, 8, 128, 64, 8)  # one chunk of every head
-    assert Config.for_shape(1, 40, 128, 64, 2, 2, 2) == Config(8, 8, 128, 64, 8)  # one tile a program
+    # one chunk of every head; two heads a warp, each lane 4 values of a head, as rmsnorm's 128-value row
+    assert Config.for_shape(4096, 40, 128, 64, 2, 2, 2) == Config(40, 8, 128, 64, 4, 4, True)
+    assert Config.for_shape(1, 40, 128, 64, 2, 2, 2) == Config(8, 8, 128, 64, 4, 4, True)  # one tile a program
     assert Config.for_shape(4096, 40, 256, 128, 4, 4, 4) == Config(40, 1, 256, 128, 1)
-    assert Config.for_shape(4096, 40, 256, 128, 4, 2, 2) == Config(40, 8, 256, 128, 8)  # bf16 weights: 8 a lane
+    assert Config.for_shape(4096, 40, 256, 128, 4, 2, 2) == Config(40, 8, 256, 128, 4, 8, True)  # bf16 weights
     assert Config.for_shape(4096, 40, 256, 128, 4, 4, 2).block_h == 1  # each tensor's layout from its own weight
     assert Config.for_shape(4096, 40, 40, 12, 2, 2, 2).block_h == 1
 
@@ -391,15 +393,16 @@ def head_layouts(ttgir, shape):
     return sorted({defs[m.group(2)] for m in re.finditer(r"tt\.load .*tensor<(\d+(?:x\d+)*)x!tt\.ptr<\w+>, (#\w+)>", ttgir)
                    if m.group(1) == shape})
 
-def reduction(ptx):
-    # the arithmetic from the first square to the rsqrt (the int->float of N aside: hoisted in ours)
+def reduction(ptx, rows=1):
+    # the arithmetic from the first square to the rsqrt of each of a lane's rows (the int->float of N
+    # aside: hoisted in ours)
     ops, on = [], False
     for line in ptx.splitlines():
         op = line.strip().split("\t")[0].split(" ")[0]
         on = on or op in ("mul.f32", "fma.rn.f32")
         if on and op.startswith(("mul", "fma", "add", "shfl", "rsqrt", "div")):
             ops.append(op)
-        if op.startswith("rsqrt"):
+        if ops.count("rsqrt.approx.ftz.f32") == rows:
             break
     return ops
 
@@ -416,19 +419,22 @@ for n, dt, wdt, w_aligned in json.loads(sys.argv[1]):
                         EMULATE_CAST=False),
                    ["x_ptr", "res_ptr", "out_ptr", "s_ptr", "scale_ptr"] + w + strides, cfg.num_warps)
     wb = BYTES[wdt] if w_aligned else 16  # as the launcher counts a weight off 16 bytes
-    qk = rope.TritonQKNormRopeConfig.for_shape(1, 40, n, n // 4, BYTES[dt], wb, wb)
+    qk = rope.TritonQKNormRopeConfig.for_shape(1, 40, n, n // 2, BYTES[dt], wb, wb)  # full rotary
     strides = ["q_tok_stride", "q_head_stride", "k_tok_stride", "k_head_stride", "head_size"] if n % 16 == 0 else []
     mine = compile_(rope._qk_norm_rope_kernel, dict(pos_ptr="*i64", pos_stride="i32", q_ptr="*" + dt,
                     q_tok_stride="i32", q_head_stride="i32", k_ptr="*" + dt, k_tok_stride="i32", k_head_stride="i32",
                     qw_ptr="*" + wdt, kw_ptr="*" + wdt, eps="fp32", head_size="i32", cache_ptr="*fp32",
                     cache_stride="i32", max_position="i32", num_q_heads="i32", num_k_heads="i32",
                     heads_per_program="i32", rot_half="i32"),
-                    dict(BLOCK_H=qk.block_h, BLOCK_N=qk.block_n, BLOCK_D=qk.block_d, IS_NEOX=True, HAS_KEY=True),
+                    dict(BLOCK_H=qk.block_h, BLOCK_N=qk.block_n, BLOCK_D=qk.block_d, LANE_VEC=qk.lane_vec,
+                         HAS_PASS=False, IN_REGS=qk.in_regs and 2 * qk.block_d == qk.block_n, IS_NEOX=True,
+                         HAS_KEY=True),
                     ["pos_ptr", "q_ptr", "k_ptr", "cache_ptr"] + (["qw_ptr", "kw_ptr"] if w_aligned else []) + strides,
                     qk.num_warps)
     out.append(dict(case=[n, dt, wdt], rms_layout=head_layouts(asm["ttgir"], str(cfg.block_n)),
                     layout=head_layouts(mine["ttgir"], f"{qk.block_h}x{qk.block_n}"),
-                    rms_reduction=reduction(asm["ptx"]), reduction=reduction(mine["ptx"])))
+                    rms_reduction=reduction(asm["ptx"]), rows=qk.block_h // qk.num_warps,
+                    reduction=reduction(mine["ptx"], qk.block_h // qk.num_warps)))
 print(json.dumps(out))
 """
 
@@ -446,7 +452,7 @@ def _subprocess(code, env, *args):
 
 def test_qk_rmsnorm_rope_triton_reduces_a_head_as_rmsnorm_reduces_its_row():
     """Compiled for sm_90: each head's load has the rmsnorm kernel's row layout (elements a lane,
-    lanes, one warp a row), and the arithmetic from the squares to the rsqrt is rmsnorm's, at head
+    lanes, one warp a row), and the arithmetic from the squares to the rsqrt is rmsnorm's for each of a lane's heads, at head
     sizes 64/128/256, bf16/fp16/fp32, weights of the input's dtype or another (aligned or not), a head
     size of 80."""
     pytest.importorskip("triton")
@@ -462,7 +468,8 @@ def test_qk_rmsnorm_rope_triton_reduces_a_head_as_rmsnorm_reduces_its_row():
         assert len(layouts) == 1 and re.fullmatch(  # the head dim as rmsnorm's row; heads over the other warps
             rf"\{{sizePerThread = \[1, {spt}\], threadsPerWarp = \[1, {tpw}\], warpsPerCTA = \[\d+, {wpc}\], "
             r"order = \[1, 0\]\}", layouts[0]), (got["case"], rms, layouts)
-        assert got["reduction"] == got["rms_reduction"], got["case"]
+        # a lane's rows interleave, each with rmsnorm's operations (the layout above fixes their order)
+        assert sorted(got["reduction"]) == sorted(got["rms_reduction"] * got["rows"]), got["case"]
 
 
 _TILELANG_SM90 = r"""

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...backends.triton_rotary import cos_sin, rotate_tile
+from ...backends.triton_rotary import cos_sin, rotate_pair, rotate_tile
 from .tokens import flat_tokens
 
 # 1024 pairs a tile over 4 warps: a 16-byte vector of bf16 per half-row at head size 128 (untuned:
@@ -169,7 +169,11 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], he
 
 from ...backends.norm_rows import TRITON_ONE_PASS_MAX, triton_num_warps  # noqa: E402  (rmsnorm's row launch)
 
-_QK_MAX_BLOCK_H = 8  # heads a tile in the one-warp-a-head layout: 8 warps, 1024 values at head_size 128
+# A head a warp is rmsnorm's row layout; a warp takes _QK_HEADS_PER_WARP of them, rotated in registers:
+# 98 against 103 µs (one head a warp, loaded again to rotate) at 16384 tokens of 32+8 heads on the H200
+# (benchmarks/sweep_triton_qk.py; docs/design/rope.md).
+_QK_WARPS = 4
+_QK_HEADS_PER_WARP = 2
 
 
 @dataclass(frozen=True)
@@ -177,10 +181,12 @@ class TritonQKNormRopeConfig:
     """How the QK-norm + rotary kernel is launched; :meth:`for_shape` is what the launcher uses."""
 
     heads_per_program: int  # a chunk of the combined head list (query heads, then key heads)
-    block_h: int  # heads per tile: one a warp, or 1 (see the section's comment)
+    block_h: int  # heads per tile: whole heads a warp, or 1 (see the section's comment)
     block_n: int  # the head padded to a power of two (the rmsnorm kernel's BLOCK_N)
     block_d: int  # pairs per head per tile: the next power of two >= rot_dim/2
     num_warps: int
+    lane_vec: int = 0  # elements a lane holds of a head, pinned to rmsnorm's row layout; 0: the tile's own
+    in_regs: bool = False  # at full rotary, the pairs from the rounded tile in registers, not loaded again
 
     @classmethod
     def for_shape(cls, num_tokens: Optional[int], num_heads: int, head_size: int, rot_half: int, in_bytes: int,
@@ -197,21 +203,22 @@ class TritonQKNormRopeConfig:
     @classmethod
     @functools.lru_cache(maxsize=None)
     def _pick(cls, num_heads: int, head_size: int, rot_half: int, in_bytes: int, q_w_bytes: int, k_w_bytes: int,
-              chunks: int) -> "TritonQKNormRopeConfig":
+              chunks: int, warps: int = _QK_WARPS, heads_per_warp: int = _QK_HEADS_PER_WARP) -> "TritonQKNormRopeConfig":
         if head_size > TRITON_ONE_PASS_MAX:
             raise ValueError(f"deepinfer::qk_rmsnorm_rope: argument 'head_size' must be at most {TRITON_ONE_PASS_MAX} "
                              f"on Triton (rmsnorm's one-pass rows), got {head_size}")
-        block_n, warps = triton.next_power_of_2(head_size), triton_num_warps(head_size)  # rmsnorm's one pass
-        lanes = max(block_n // (32 * warps), 1)
-        if warps == 1 and all(min(row_vector(head_size, in_bytes, w), lanes) * 32 == block_n
-                              for w in (q_w_bytes, k_w_bytes)):
-            block_h = min(triton.next_power_of_2(num_heads), _QK_MAX_BLOCK_H)
-            warps = block_h
+        block_n, row_warps = triton.next_power_of_2(head_size), triton_num_warps(head_size)  # rmsnorm's one pass
+        lanes = max(block_n // (32 * row_warps), 1)
+        lane_vec = 0
+        if row_warps == 1 and all(min(row_vector(head_size, in_bytes, w), lanes) * 32 == block_n
+                                  for w in (q_w_bytes, k_w_bytes)):
+            block_h = min(triton.next_power_of_2(num_heads), warps * heads_per_warp)
+            row_warps, lane_vec = max(1, min(warps, block_h)), lanes
         else:
             block_h = 1
         tiles = triton.cdiv(num_heads, block_h)
         hpp = block_h * triton.cdiv(tiles, min(tiles, chunks))
-        return cls(hpp, block_h, block_n, triton.next_power_of_2(rot_half), warps)
+        return cls(hpp, block_h, block_n, triton.next_power_of_2(rot_half), row_warps, lane_vec, lane_vec > 0)
 
 
 def row_vector(head_size: int, in_bytes: int, w_bytes: int) -> int:
@@ -229,9 +236,12 @@ def _norm_rotate_heads(
     w_ptr,  # the norm's weight (head_size,), contiguous
     eps, head_size,  # rmsnorm's eps and row size (runtime values, as rmsnorm takes them)
     cos, sin, d, d_mask, rot_half,  # as in _rotate_heads
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, LANE_VEC: tl.constexpr,
+    HAS_PASS: tl.constexpr, IN_REGS: tl.constexpr, IS_NEOX: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_N)
+    if LANE_VEC:  # every access of the tile in LANE_VEC-element vectors: rmsnorm's row layout, heads a lane
+        cols = tl.max_contiguous(cols, LANE_VEC)
     for h0 in range(h_start, h_end, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         live = heads < h_end
@@ -239,12 +249,25 @@ def _norm_rotate_heads(
         n_mask = live[:, None] & (cols < head_size)[None, :]
         x = tl.load(head_ptr + cols[None, :], mask=n_mask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / head_size + eps)[:, None]  # rmsnorm's expression
-        # Dims rot_dim.. keep the rounded norm (no lane stores at full rotary). The weight as a tile of
-        # the heads' shape: an access of the weight's vector width, as in rmsnorm's row (its layout).
+        # Dims rot_dim.. keep the rounded norm. The weight as a tile of the heads' shape: an access of
+        # the weight's vector width, as in rmsnorm's row (its layout).
         w = tl.load(w_ptr + (cols[None, :] + 0 * heads[:, None]), mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(head_ptr + cols[None, :], (x * rstd * w).to(row_ptr.dtype.element_ty),
-                 mask=n_mask & (cols >= 2 * rot_half)[None, :])
-        if IS_NEOX:
+        if HAS_PASS:
+            tl.store(head_ptr + cols[None, :], (x * rstd * w).to(row_ptr.dtype.element_ty),
+                     mask=n_mask & (cols >= 2 * rot_half)[None, :])
+        if IN_REGS:  # full rotary: the pairs out of the rounded tile itself, one store of the head
+            xn = (x * rstd * w).to(row_ptr.dtype.element_ty).to(tl.float32)
+            if IS_NEOX:
+                x1, x2 = tl.split(tl.permute(tl.reshape(xn, (BLOCK_H, 2, BLOCK_D)), (0, 2, 1)))
+                o1, o2 = rotate_pair(x1, x2, cos, sin)
+                out = tl.permute(tl.join(o1, o2), (0, 2, 1))
+            else:
+                x1, x2 = tl.split(tl.reshape(xn, (BLOCK_H, BLOCK_D, 2)))
+                o1, o2 = rotate_pair(x1, x2, cos, sin)
+                out = tl.join(o1, o2)
+            tl.store(head_ptr + cols[None, :], tl.reshape(out, (BLOCK_H, BLOCK_N)).to(row_ptr.dtype.element_ty),
+                     mask=n_mask)
+        elif IS_NEOX:
             mask = live[:, None] & d_mask[None, :]
             p1 = head_ptr + d[None, :]
             p2 = p1 + rot_half
@@ -254,10 +277,13 @@ def _norm_rotate_heads(
             x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
             x1 = (x1 * rstd * w1).to(row_ptr.dtype.element_ty).to(tl.float32)  # what rmsnorm writes
             x2 = (x2 * rstd * w2).to(row_ptr.dtype.element_ty).to(tl.float32)
-            tl.store(p1, (x1 * cos - x2 * sin).to(row_ptr.dtype.element_ty), mask=mask)
-            tl.store(p2, (x2 * cos + x1 * sin).to(row_ptr.dtype.element_ty), mask=mask)
+            o1, o2 = rotate_pair(x1, x2, cos, sin)
+            tl.store(p1, o1.to(row_ptr.dtype.element_ty), mask=mask)
+            tl.store(p2, o2.to(row_ptr.dtype.element_ty), mask=mask)
         else:
             r = tl.arange(0, 2 * BLOCK_D)
+            if LANE_VEC:  # at full rotary this tile has the head's shape: the same vectors, or x's layout moves
+                r = tl.max_contiguous(r, LANE_VEC)
             r_mask = r < 2 * rot_half
             m = live[:, None] & r_mask[None, :]
             p = head_ptr + r[None, :]
@@ -265,7 +291,8 @@ def _norm_rotate_heads(
             xr = tl.load(p, mask=m, other=0.0).to(tl.float32)
             xr = (xr * rstd * wr).to(row_ptr.dtype.element_ty).to(tl.float32)
             x1, x2 = tl.split(tl.reshape(xr, (BLOCK_H, BLOCK_D, 2)))
-            out = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), (BLOCK_H, 2 * BLOCK_D))
+            o1, o2 = rotate_pair(x1, x2, cos, sin)
+            out = tl.reshape(tl.join(o1, o2), (BLOCK_H, 2 * BLOCK_D))
             tl.store(p, out.to(row_ptr.dtype.element_ty), mask=m)
 
 
@@ -278,8 +305,8 @@ def _qk_norm_rope_kernel(
     eps, head_size,
     cache_ptr, cache_stride, max_position,
     num_q_heads, num_k_heads, heads_per_program, rot_half,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
-    HAS_KEY: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, LANE_VEC: tl.constexpr,
+    HAS_PASS: tl.constexpr, IN_REGS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_KEY: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     h_lo = tl.program_id(1) * heads_per_program
@@ -289,11 +316,13 @@ def _qk_norm_rope_kernel(
     d_mask = d < rot_half
     cos, sin = cos_sin(cache_ptr, cache_stride, pos, max_position, d, rot_half)
     _norm_rotate_heads(q_ptr + tok * q_tok_stride, q_head_stride, h_lo, tl.minimum(h_hi, num_q_heads), qw_ptr,
-                       eps, head_size, cos, sin, d, d_mask, rot_half, BLOCK_H, BLOCK_N, BLOCK_D, IS_NEOX)
+                       eps, head_size, cos, sin, d, d_mask, rot_half, BLOCK_H, BLOCK_N, BLOCK_D, LANE_VEC, HAS_PASS,
+                       IN_REGS, IS_NEOX)
     if HAS_KEY:
         _norm_rotate_heads(k_ptr + tok * k_tok_stride, k_head_stride, tl.maximum(h_lo - num_q_heads, 0),
                            tl.minimum(h_hi - num_q_heads, num_k_heads), kw_ptr, eps, head_size, cos, sin, d,
-                           d_mask, rot_half, BLOCK_H, BLOCK_N, BLOCK_D, IS_NEOX)
+                           d_mask, rot_half, BLOCK_H, BLOCK_N, BLOCK_D, LANE_VEC, HAS_PASS,
+                           IN_REGS, IS_NEOX)
 
 
 def _aligned_heads(x: Optional[Tensor], head_size: int) -> bool:
@@ -330,8 +359,10 @@ def qk_launch(positions: Tensor, query: Tensor, key: Optional[Tensor], q_weight:
         eps, head_size,
         cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0],
         hq, hk, hpp, rot_half,
-        BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_D=config.block_d, IS_NEOX=bool(is_neox),
-        HAS_KEY=key is not None, num_warps=config.num_warps,
+        BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_D=config.block_d, LANE_VEC=config.lane_vec,
+        HAS_PASS=2 * rot_half < head_size, IN_REGS=config.in_regs and 2 * rot_half == config.block_n,
+        IS_NEOX=bool(is_neox), HAS_KEY=key is not None,
+        num_warps=config.num_warps,
     )
 
 
