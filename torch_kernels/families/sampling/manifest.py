@@ -46,8 +46,8 @@ FAMILY = Family(
                  "one program per row: candidate buffer in one read (top_k <= 1024), else multi-pivot passes; "
                  "bit-exact with the reference", ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, LOGITS_OPS,
-                 "one program per row: softmax in two passes (online max and sum); top-k mask by 16-pivot counts "
-                 "over order keys, exact", ("float32", "float16", "bfloat16")),
+                 "softmax: a program per slice of 4096 values, its max and sum online, then each slice written with "
+                 "the row's; top-k mask by a radix select over order keys, exact", ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, ("min_p_sampling_from_probs",),
                  "one program per row: max, kept mass, draw in three passes; bit-exact with the reference",
                  ("float32", "float16", "bfloat16")),
@@ -62,14 +62,14 @@ FAMILY = Family(
                  "the min-p kernel at min_p 0 (every value kept): max, mass, draw in three passes; bit-exact with "
                  "the reference", ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, ("sampling_from_logits",),
-                 "one program per row, fused: softmax's online max and sum, then mass and draw over probabilities "
+                 "softmax's slice statistics, then one program per row: mass and draw over probabilities "
                  "recomputed in registers (none written); the ids of Triton softmax then sampling_from_probs",
                  ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, ("top_k_top_p_sampling_from_logits",),
                  "not fused: the Triton softmax kernel, then the top_k_top_p_sampling_from_probs kernels on its "
                  "fp32 probabilities", ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, ("sampled_token_logprobs",),
-                 "one program per row: softmax's online max and sum, then a count of the values at or above the "
+                 "softmax's slice statistics, then one program per row counting the values at or above the "
                  "token's; no log-probabilities tensor", ("float32", "float16", "bfloat16")),
     ),
 )

@@ -2,13 +2,13 @@
 
 * ``sampling_from_probs``: the min-p kernel at ``min_p = 0`` (its threshold is then pattern 0: every
   value of the row is kept), the family's draw unchanged.
-* ``sampling_from_logits``: one program per row, fused: the softmax kernel's first pass (online max
-  and sum, the same chunks and arithmetic), then the kept mass and the draw over probabilities
+* ``sampling_from_logits``: the softmax's slice statistics, then one program per row: the row's max and
+  sum combined as the softmax kernel combines them, the kept mass and the draw over probabilities
   recomputed in registers (``exp(x - m) * (1 / s)``, the softmax kernel's expression): no
   probabilities tensor; the ids are those of ``softmax`` then ``sampling_from_probs`` on this backend.
 * ``top_k_top_p_sampling_from_logits``: the composition of this backend's ``softmax`` and
   ``top_k_top_p_sampling_from_probs`` kernels (an fp32 probabilities tensor in between).
-* ``sampled_token_logprobs``: the softmax kernel's first pass, then one counting pass for the rank.
+* ``sampled_token_logprobs``: the softmax's slice statistics, then one counting pass for the rank.
 """
 
 from typing import Optional
@@ -20,7 +20,8 @@ from torch import Tensor
 
 from ..reference import fixed_point_bits
 from ._common import _fixed, _random_bits31, _target, rng_tensors
-from .logits import _CHUNK, inverse_temperature, min_p_sampling_from_probs, row_inverse_temperature, softmax, softmax_stats
+from .logits import (_CHUNK, inverse_temperature, min_p_sampling_from_probs, row_inverse_temperature, row_stats,
+                     slice_stats, softmax)
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -40,16 +41,16 @@ def _prob_bits(x_row, cols, mask, inv, m, inv_s):
 
 
 @triton.jit
-def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, seed_ptr, offset_ptr, out_ptr, V, q_bits,
-                                 CHUNK: tl.constexpr, PER_ROW_RNG: tl.constexpr):
-    """Pass 1 is ``_softmax_kernel``'s (so ``m`` and ``s`` are its bits); pass 2 the kept mass, at the
+def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, stats_ptr, S, seed_ptr, offset_ptr, out_ptr, V, q_bits,
+                                 BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, PER_ROW_RNG: tl.constexpr):
+    """``m`` and ``s`` from the slices' statistics as ``_softmax_kernel`` takes them (its bits); pass 1 the kept mass, at the
     exponent of ``1 / s`` (the largest probability, ``exp(0) / s``), redone at the row's true largest
-    pattern where they differ (a row without mass); pass 3 the draw, stopping at the chunk that holds it."""
+    pattern where they differ (a row without mass); pass 2 the draw, stopping at the chunk that holds it."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     inv = inverse_temperature(t_val)
     offs = tl.arange(0, CHUNK)
-    m, s = softmax_stats(x_row, V, inv, CHUNK)
+    m, s = row_stats(stats_ptr, row, S, BLOCK_S)
     inv_s = 1.0 / s
     top = tl.where(inv_s > 0, tl.minimum(inv_s, _FLT_MAX), 0.0).to(tl.int32, bitcast=True)
     e_guess = tl.maximum(top >> 23, 1)
@@ -83,9 +84,10 @@ def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor
     out = torch.empty(B, dtype=torch.int32, device=logits.device)
     if B:
         seed, offset, per_row = rng_tensors(seed, offset, B)
-        # CHUNK and num_warps as softmax's launch: pass 1 then sums in its order
-        _sampling_from_logits_kernel[(B,)](logits, logits.stride(0), 1.0, seed, offset, out, V, fixed_point_bits(V),
-                                           CHUNK=_CHUNK, PER_ROW_RNG=per_row, num_warps=4)
+        stats, S, block_s = slice_stats(logits)
+        _sampling_from_logits_kernel[(B,)](logits, logits.stride(0), 1.0, stats, S, seed, offset, out, V,
+                                           fixed_point_bits(V), BLOCK_S=block_s, CHUNK=_CHUNK, PER_ROW_RNG=per_row,
+                                           num_warps=4)
     return out
 
 
@@ -101,14 +103,14 @@ def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val:
 
 
 @triton.jit
-def _sampled_logprobs_kernel(x_ptr, x_stride, t_ptr, t_val, ids_ptr, lp_ptr, rank_ptr, V,
-                             HAS_T: tl.constexpr, CHUNK: tl.constexpr):
-    """Pass 1 is ``_softmax_kernel``'s (the row's ``m`` and ``s``); pass 2 counts the values at or above
+def _sampled_logprobs_kernel(x_ptr, x_stride, t_ptr, t_val, stats_ptr, S, ids_ptr, lp_ptr, rank_ptr, V,
+                             HAS_T: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr):
+    """The row's ``m`` and ``s`` as ``_softmax_kernel`` takes them; one pass counts the values at or above
     the token's: ``log p = x_tok - m - log(s)`` and its rank (``reference.sampled_token_logprobs``)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     inv = row_inverse_temperature(t_ptr, t_val, row, HAS_T)
-    m, s = softmax_stats(x_row, V, inv, CHUNK)
+    m, s = row_stats(stats_ptr, row, S, BLOCK_S)
     tok = tl.load(ids_ptr + row).to(tl.int64)
     valid = (tok >= 0) & (tok < V)
     raw_tok = tl.load(x_row + tl.where(valid, tok, 0)).to(tl.float32)
@@ -130,8 +132,8 @@ def sampled_token_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_
     ranks = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B:
         has_t = maybe_temperature_arr is not None
-        # CHUNK and num_warps as softmax's launch: m and s are its bits
+        stats, S, block_s = slice_stats(logits, maybe_temperature_arr, temperature_val)
         _sampled_logprobs_kernel[(B,)](logits, logits.stride(0), maybe_temperature_arr if has_t else logprobs,
-                                       float(temperature_val), token_ids, logprobs, ranks, V, HAS_T=has_t,
-                                       CHUNK=_CHUNK, num_warps=4)
+                                       float(temperature_val), stats, S, token_ids, logprobs, ranks, V, HAS_T=has_t,
+                                       BLOCK_S=block_s, CHUNK=_CHUNK, num_warps=4)
     return logprobs, ranks
