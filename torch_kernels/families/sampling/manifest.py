@@ -62,8 +62,9 @@ FAMILY = Family(
                  "the min-p kernel at min_p 0 (every value kept): max, mass, draw in three passes; bit-exact with "
                  "the reference", ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, ("sampling_from_logits",),
-                 "softmax's slice statistics, then one program per row: mass and draw over probabilities "
-                 "recomputed in registers (none written); the ids of Triton softmax then sampling_from_probs",
+                 "softmax's slice statistics, each slice's kept mass, then one program per row drawing in the slice "
+                 "that holds it; probabilities recomputed in registers (none written); the ids of Triton softmax "
+                 "then sampling_from_probs",
                  ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, ("top_k_top_p_sampling_from_logits",),
                  "not fused: the Triton softmax kernel, then the top_k_top_p_sampling_from_probs kernels on its "

@@ -2,10 +2,11 @@
 
 * ``sampling_from_probs``: the min-p kernel at ``min_p = 0`` (its threshold is then pattern 0: every
   value of the row is kept), the family's draw unchanged.
-* ``sampling_from_logits``: the softmax's slice statistics, then one program per row: the row's max and
-  sum combined as the softmax kernel combines them, the kept mass and the draw over probabilities
-  recomputed in registers (``exp(x - m) * (1 / s)``, the softmax kernel's expression): no
-  probabilities tensor; the ids are those of ``softmax`` then ``sampling_from_probs`` on this backend.
+* ``sampling_from_logits``: the softmax's slice statistics, each slice's kept mass (a program a slice),
+  then one program a row draws in the slice that holds its target; probabilities recomputed in
+  registers (``exp(x - m) * (1 / s)``, the softmax kernel's expression, ``m`` and ``s`` combined as it
+  combines them): no probabilities tensor; the ids are those of ``softmax`` then ``sampling_from_probs``
+  on this backend (the same fixed-point masses, exact integers in any order).
 * ``top_k_top_p_sampling_from_logits``: the composition of this backend's ``softmax`` and
   ``top_k_top_p_sampling_from_probs`` kernels (an fp32 probabilities tensor in between).
 * ``sampled_token_logprobs``: the softmax's slice statistics, then one counting pass for the rank.
@@ -20,8 +21,8 @@ from torch import Tensor
 
 from ..reference import fixed_point_bits
 from ._common import _fixed, _random_bits31, _target, rng_tensors
-from .logits import (_CHUNK, inverse_temperature, min_p_sampling_from_probs, row_inverse_temperature, row_stats,
-                     slice_stats, softmax)
+from .logits import (_CHUNK, _SLICE, inverse_temperature, min_p_sampling_from_probs, row_inverse_temperature,
+                     row_stats, slice_stats, softmax)
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -41,41 +42,86 @@ def _prob_bits(x_row, cols, mask, inv, m, inv_s):
 
 
 @triton.jit
-def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, stats_ptr, S, seed_ptr, offset_ptr, out_ptr, V, q_bits,
-                                 BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, PER_ROW_RNG: tl.constexpr):
-    """``m`` and ``s`` from the slices' statistics as ``_softmax_kernel`` takes them (its bits); pass 1 the kept mass, at the
-    exponent of ``1 / s`` (the largest probability, ``exp(0) / s``), redone at the row's true largest
-    pattern where they differ (a row without mass); pass 2 the draw, stopping at the chunk that holds it."""
+def _largest_bits(inv_s):
+    """The pattern of the row's largest probability, ``exp(0) * (1 / s)``, sanitised as ``_prob_bits``."""
+    return tl.where(inv_s > 0, tl.minimum(inv_s, _FLT_MAX), 0.0).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _slice_mass_kernel(x_ptr, x_stride, t_val, stats_ptr, S, mx_ptr, mass_ptr, V, q_bits,
+                       BLOCK_S: tl.constexpr, SLICE: tl.constexpr, CHUNK: tl.constexpr):
+    """Slice ``j`` of the row: its largest probability pattern and its fixed-point mass at the exponent of
+    the row's largest probability, ``1 / s`` (``mx[row, j]``, ``mass[row, j]``)."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    x_row = x_ptr + row * x_stride
+    inv = inverse_temperature(t_val)
+    m, s = row_stats(stats_ptr, row, S, BLOCK_S)
+    inv_s = 1.0 / s
+    e_guess = tl.maximum(_largest_bits(inv_s) >> 23, 1)
+    offs = tl.arange(0, CHUNK)
+    mx = tl.full((), -1, tl.int32)
+    mass = tl.zeros((), tl.int64)
+    lo = j * SLICE
+    hi = tl.minimum(lo + SLICE, V)
+    for start in range(lo, hi, CHUNK):
+        cols = start + offs
+        b = _prob_bits(x_row, cols, cols < hi, inv, m, inv_s)
+        mx = tl.maximum(mx, tl.max(b, axis=0))
+        mass += tl.sum(_fixed(b, e_guess, q_bits), axis=0)
+    tl.store(mx_ptr + row * S + j, mx)
+    tl.store(mass_ptr + row * S + j, mass)
+
+
+@triton.jit
+def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, stats_ptr, S, mx_ptr, mass_ptr, seed_ptr, offset_ptr, out_ptr,
+                                 V, q_bits, BLOCK_S: tl.constexpr, SLICE: tl.constexpr, CHUNK: tl.constexpr,
+                                 PER_ROW_RNG: tl.constexpr):
+    """``m`` and ``s`` from the slices' statistics as ``_softmax_kernel`` takes them (its bits), the kept
+    mass from the slices' (exact integers, at the exponent of ``1 / s``), the draw in the one slice that
+    holds it. Where the row's true largest pattern has another exponent (a row without mass) the mass is
+    redone at it and the draw walks the row, one program."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     inv = inverse_temperature(t_val)
     offs = tl.arange(0, CHUNK)
     m, s = row_stats(stats_ptr, row, S, BLOCK_S)
     inv_s = 1.0 / s
-    top = tl.where(inv_s > 0, tl.minimum(inv_s, _FLT_MAX), 0.0).to(tl.int32, bitcast=True)
-    e_guess = tl.maximum(top >> 23, 1)
-    mx = tl.full((), -1, tl.int32)
-    mass = tl.zeros((), tl.int64)
-    for start in range(0, V, CHUNK):
-        cols = start + offs
-        b = _prob_bits(x_row, cols, cols < V, inv, m, inv_s)
-        mx = tl.maximum(mx, tl.max(b, axis=0))
-        mass += tl.sum(_fixed(b, e_guess, q_bits), axis=0)
-    e_max = tl.maximum(mx >> 23, 1)
-    if e_max != e_guess:
+    e_guess = tl.maximum(_largest_bits(inv_s) >> 23, 1)
+    jj = tl.arange(0, BLOCK_S)
+    live = jj < S
+    e_max = tl.maximum(tl.max(tl.load(mx_ptr + row * S + jj, mask=live, other=-1), axis=0) >> 23, 1)
+    masses = tl.load(mass_ptr + row * S + jj, mask=live, other=0)
+    r31 = _random_bits31(seed_ptr, offset_ptr, row, PER_ROW_RNG)
+    token = tl.full((), 2147483647, tl.int32)
+    if e_max == e_guess:
+        cum_slices = tl.cumsum(masses, axis=0)
+        target = _target(r31, tl.sum(masses, axis=0))
+        js = tl.min(tl.where(cum_slices > target, jj, BLOCK_S), axis=0)
+        if js < S:
+            base = tl.sum(tl.where(jj < js, masses, 0), axis=0)
+            lo = js * SLICE
+            hi = tl.minimum(lo + SLICE, V)
+            for start in range(lo, hi, CHUNK):
+                if token == 2147483647:
+                    cols = start + offs
+                    cum = base + tl.cumsum(_fixed(_prob_bits(x_row, cols, cols < hi, inv, m, inv_s), e_max, q_bits),
+                                           axis=0)
+                    token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
+                    base = tl.max(cum, axis=0)
+    else:
         mass = tl.zeros((), tl.int64)
         for start in range(0, V, CHUNK):
             cols = start + offs
             mass += tl.sum(_fixed(_prob_bits(x_row, cols, cols < V, inv, m, inv_s), e_max, q_bits), axis=0)
-    target = _target(_random_bits31(seed_ptr, offset_ptr, row, PER_ROW_RNG), mass)
-    base = tl.zeros((), tl.int64)
-    token = tl.full((), 2147483647, tl.int32)
-    for start in range(0, V, CHUNK):
-        if token == 2147483647:
-            cols = start + offs
-            cum = base + tl.cumsum(_fixed(_prob_bits(x_row, cols, cols < V, inv, m, inv_s), e_max, q_bits), axis=0)
-            token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
-            base = tl.max(cum, axis=0)
+        target = _target(r31, mass)
+        base = tl.zeros((), tl.int64)
+        for start in range(0, V, CHUNK):
+            if token == 2147483647:
+                cols = start + offs
+                cum = base + tl.cumsum(_fixed(_prob_bits(x_row, cols, cols < V, inv, m, inv_s), e_max, q_bits), axis=0)
+                token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
+                base = tl.max(cum, axis=0)
     tl.store(out_ptr + row, tl.where(token == 2147483647, 0, token))  # no mass: 0, as the reference
 
 
@@ -85,9 +131,14 @@ def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor
     if B:
         seed, offset, per_row = rng_tensors(seed, offset, B)
         stats, S, block_s = slice_stats(logits)
-        _sampling_from_logits_kernel[(B,)](logits, logits.stride(0), 1.0, stats, S, seed, offset, out, V,
-                                           fixed_point_bits(V), BLOCK_S=block_s, CHUNK=_CHUNK, PER_ROW_RNG=per_row,
-                                           num_warps=4)
+        mx = torch.empty((B, S), dtype=torch.int32, device=logits.device)
+        mass = torch.empty((B, S), dtype=torch.int64, device=logits.device)
+        q_bits = fixed_point_bits(V)
+        _slice_mass_kernel[(B, S)](logits, logits.stride(0), 1.0, stats, S, mx, mass, V, q_bits, BLOCK_S=block_s,
+                                   SLICE=_SLICE, CHUNK=_CHUNK, num_warps=4)
+        _sampling_from_logits_kernel[(B,)](logits, logits.stride(0), 1.0, stats, S, mx, mass, seed, offset, out, V,
+                                           q_bits, BLOCK_S=block_s, SLICE=_SLICE, CHUNK=_CHUNK,
+                                           PER_ROW_RNG=per_row, num_warps=4)
     return out
 
 
