@@ -49,7 +49,8 @@ FAMILY = Family(
                  "softmax: a program per slice of 4096 values, its max and sum online, then each slice written with "
                  "the row's; top-k mask by a radix select over order keys, exact", ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, ("min_p_sampling_from_probs",),
-                 "one program per row: max, kept mass, draw in three passes; bit-exact with the reference",
+                 "each slice's max, then its kept mass, a program a slice; the draw in the slice that holds it; "
+                 "bit-exact with the reference",
                  ("float32", "float16", "bfloat16")),
         # FlashInfer decides the top-p boundary in fp32 (a token within ~1e-6 of it may go either way)
         *kernels(__package__, Backend.FLASHINFER, ("top_k_top_p_sampling_from_probs",),
@@ -59,8 +60,8 @@ FAMILY = Family(
                  "one program per row: the acceptance tests, then max, mass and draw passes over the residual or "
                  "bonus row; bit-exact with the reference", ("float32",)),
         *kernels(__package__, Backend.TRITON, ("sampling_from_probs",),
-                 "the min-p kernel at min_p 0 (every value kept): max, mass, draw in three passes; bit-exact with "
-                 "the reference", ("float32", "float16", "bfloat16")),
+                 "the min-p kernels at min_p 0 (every value kept): slice maxima and masses, the draw in one slice; "
+                 "bit-exact with the reference", ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, ("sampling_from_logits",),
                  "softmax's slice statistics, each slice's kept mass, then one program per row drawing in the slice "
                  "that holds it; probabilities recomputed in registers (none written); the ids of Triton softmax "

@@ -28,14 +28,29 @@ def _value_bits(row_ptr, cols, mask):
 
 
 @triton.jit
-def _row_max_bits(row_ptr, V, CHUNK: tl.constexpr):
-    """The largest sanitised pattern (``_value_bits``) of a row of ``V`` values, -1 for an empty row."""
+def _slice_max_bits(row_ptr, lo, hi, CHUNK: tl.constexpr):
+    """The largest sanitised pattern (``_value_bits``) of columns ``[lo, hi)`` of a row, -1 for none."""
     offs = tl.arange(0, CHUNK)
     mx = tl.full((), -1, tl.int32)
-    for start in range(0, V, CHUNK):
+    for start in range(lo, hi, CHUNK):
         cols = start + offs
-        mx = tl.maximum(mx, tl.max(_value_bits(row_ptr, cols, cols < V), axis=0))
+        mx = tl.maximum(mx, tl.max(_value_bits(row_ptr, cols, cols < hi), axis=0))
     return mx
+
+
+@triton.jit
+def _row_max_bits(row_ptr, V, CHUNK: tl.constexpr):
+    """The largest sanitised pattern (``_value_bits``) of a row of ``V`` values, -1 for an empty row."""
+    return _slice_max_bits(row_ptr, 0, V, CHUNK)
+
+
+@triton.jit
+def slice_of_target(masses, jj, S, target):
+    """``(js, base)``: the first of the ``S`` slices (``masses`` at ``jj``, int64, 0 past ``S``) whose
+    cumulative mass exceeds ``target``, ``S`` if none, and the mass of the slices before it."""
+    cum = tl.cumsum(masses, axis=0)
+    js = tl.min(tl.where((cum > target) & (jj < S), jj, S), axis=0)
+    return js, tl.sum(tl.where(jj < js, masses, 0), axis=0)
 
 
 @triton.jit

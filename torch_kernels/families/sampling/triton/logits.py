@@ -1,7 +1,8 @@
 """Triton logits ops and min-p sampling: ``softmax`` (each slice's max and sum online, one program a slice,
 then each slice written with the row's, combined in an order-free sum),
 ``top_k_mask_logits`` (the k-th largest order key by a radix select over slices of the row, then a
-masked copy), ``min_p_sampling_from_probs`` (three passes: max, kept mass, the draw; one program a row), the
+masked copy), ``min_p_sampling_from_probs`` (each slice's max, then its kept mass, a program a slice; then
+the draw in the slice that holds it, a program a row), the
 reference's semantics exactly (``reference.softmax``, ``reference.top_k_mask_logits``,
 ``reference.min_p_sampling_from_probs``: the same fixed-point masses and Philox stream as the family)."""
 
@@ -13,7 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import _fixed, _random_bits31, _row_max_bits, _target, _value_bits, rng_tensors
+from ._common import _fixed, _random_bits31, _slice_max_bits, _target, _value_bits, rng_tensors, slice_of_target
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
 
@@ -248,40 +249,78 @@ def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0) 
 
 
 @triton.jit
-def _min_p_kernel(p_ptr, p_stride, mp_ptr, mp_val, seed_ptr, offset_ptr, out_ptr, V, q_bits, idx_ptr,
-                  HAS_MP: tl.constexpr, CHUNK: tl.constexpr, PER_ROW_RNG: tl.constexpr, HAS_IDX: tl.constexpr):
-    """Three passes: the row's largest pattern, the kept mass (``bits >= pivot``, fixed point), the
-    first token whose cumulative kept mass exceeds the target (``reference.min_p_sampling_from_probs``).
-    ``HAS_IDX``: output row ``row`` reads the probs row ``idx[row]`` and its ``min_p``."""
-    row = tl.program_id(0).to(tl.int64)
+def _min_p_row(p_ptr, p_stride, idx_ptr, mp_ptr, mp_val, row, HAS_MP: tl.constexpr, HAS_IDX: tl.constexpr):
+    """Output row ``row``'s probabilities (row ``idx[row]`` with ``HAS_IDX``) and its ``min_p``."""
     src = row
     if HAS_IDX:
         src = tl.load(idx_ptr + row).to(tl.int64)
-    p_row = p_ptr + src * p_stride
-    offs = tl.arange(0, CHUNK)
-    mx = _row_max_bits(p_row, V, CHUNK)
     if HAS_MP:
         min_p = tl.load(mp_ptr + src).to(tl.float32)
     else:
         min_p = mp_val
+    return p_ptr + src * p_stride, min_p
+
+
+@triton.jit
+def _min_p_cut(mx, min_p):
+    """``(threshold, e_max)`` of a row whose largest pattern is ``mx``: kept are the patterns at or above
+    ``bits(fp32(min_p * max))`` (the largest only where that is NaN or above the max), massed at the
+    largest's exponent."""
     m = mx.to(tl.float32, bitcast=True)
     pivot = min_p * m
     below_max = pivot <= m  # NaN or min_p > 1: the largest only
     pivot = tl.where(pivot > 0, pivot, 0.0)
-    thr = tl.where(below_max, pivot.to(tl.int32, bitcast=True), mx)
-    e_max = tl.maximum(mx >> 23, 1)
-    mass = tl.zeros((), tl.int64)
-    for start in range(0, V, CHUNK):
-        cols = start + offs
-        b = _value_bits(p_row, cols, cols < V)
-        mass += tl.sum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
-    target = _target(_random_bits31(seed_ptr, offset_ptr, row, PER_ROW_RNG), mass)
-    base = tl.zeros((), tl.int64)
+    return tl.where(below_max, pivot.to(tl.int32, bitcast=True), mx), tl.maximum(mx >> 23, 1)
+
+
+@triton.jit
+def _min_p_slice_kernel(p_ptr, p_stride, mp_ptr, mp_val, idx_ptr, mx_ptr, mass_ptr, V, S, q_bits,
+                        MASS: tl.constexpr, HAS_MP: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK_S: tl.constexpr,
+                        SLICE: tl.constexpr, CHUNK: tl.constexpr):
+    """Slice ``j`` of output row ``row``: its largest pattern (``mx[row, j]``), or with ``MASS`` its kept
+    mass (``mass[row, j]``) under the row's threshold, from every slice's largest."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    p_row, min_p = _min_p_row(p_ptr, p_stride, idx_ptr, mp_ptr, mp_val, row, HAS_MP, HAS_IDX)
+    lo = j * SLICE
+    hi = tl.minimum(lo + SLICE, V)
+    if MASS:
+        jj = tl.arange(0, BLOCK_S)
+        thr, e_max = _min_p_cut(tl.max(tl.load(mx_ptr + row * S + jj, mask=jj < S, other=-1), axis=0), min_p)
+        offs = tl.arange(0, CHUNK)
+        mass = tl.zeros((), tl.int64)
+        for start in range(lo, hi, CHUNK):
+            cols = start + offs
+            b = _value_bits(p_row, cols, cols < hi)
+            mass += tl.sum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
+        tl.store(mass_ptr + row * S + j, mass)
+    else:
+        tl.store(mx_ptr + row * S + j, _slice_max_bits(p_row, lo, hi, CHUNK))
+
+
+@triton.jit
+def _min_p_kernel(p_ptr, p_stride, mp_ptr, mp_val, seed_ptr, offset_ptr, out_ptr, V, S, q_bits, idx_ptr, mx_ptr,
+                  mass_ptr, HAS_MP: tl.constexpr, BLOCK_S: tl.constexpr, SLICE: tl.constexpr, CHUNK: tl.constexpr,
+                  PER_ROW_RNG: tl.constexpr, HAS_IDX: tl.constexpr):
+    """The draw of ``reference.min_p_sampling_from_probs`` from the slices' largest patterns and kept
+    masses (exact integers, so their sum is the row's in any order): the target, then the first token
+    whose cumulative kept mass exceeds it, scanned in the one slice that holds it. ``HAS_IDX``: output
+    row ``row`` reads the probs row ``idx[row]`` and its ``min_p``."""
+    row = tl.program_id(0).to(tl.int64)
+    p_row, min_p = _min_p_row(p_ptr, p_stride, idx_ptr, mp_ptr, mp_val, row, HAS_MP, HAS_IDX)
+    jj = tl.arange(0, BLOCK_S)
+    live = jj < S
+    thr, e_max = _min_p_cut(tl.max(tl.load(mx_ptr + row * S + jj, mask=live, other=-1), axis=0), min_p)
+    masses = tl.load(mass_ptr + row * S + jj, mask=live, other=0)
+    target = _target(_random_bits31(seed_ptr, offset_ptr, row, PER_ROW_RNG), tl.sum(masses, axis=0))
+    js, base = slice_of_target(masses, jj, S, target)
     token = tl.full((), 2147483647, tl.int32)
-    for start in range(0, V, CHUNK):
+    offs = tl.arange(0, CHUNK)
+    hi = tl.minimum(js * SLICE + SLICE, V)
+    for start in range(js * SLICE, hi, CHUNK):  # no slice holds it (no mass): no pass
         if token == 2147483647:
             cols = start + offs
-            b = _value_bits(p_row, cols, cols < V)
+            b = _value_bits(p_row, cols, cols < hi)
             cum = base + tl.cumsum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
             token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
             base = tl.max(cum, axis=0)
@@ -294,9 +333,19 @@ def min_p_sampling_from_probs(probs: Tensor, maybe_min_p_arr, min_p_val: float, 
     B = probs.shape[0] if indices is None else indices.shape[0]  # output rows
     out = torch.empty(B, dtype=torch.int32, device=probs.device)
     if B:
-        has_mp = maybe_min_p_arr is not None
+        has_mp, has_idx = maybe_min_p_arr is not None, indices is not None
         seed, offset, per_row = rng_tensors(seed, offset, B)
-        _min_p_kernel[(B,)](probs, probs.stride(0), maybe_min_p_arr if has_mp else out, float(min_p_val), seed, offset,
-                            out, V, fixed_point_bits(V), indices if indices is not None else out, HAS_MP=has_mp,
-                            CHUNK=_CHUNK, PER_ROW_RNG=per_row, HAS_IDX=indices is not None, num_warps=4)
+        S = max(1, triton.cdiv(V, _SLICE))
+        mx = torch.empty((B, S), dtype=torch.int32, device=probs.device)
+        mass = torch.empty((B, S), dtype=torch.int64, device=probs.device)
+        mp = maybe_min_p_arr if has_mp else out
+        idx = indices if has_idx else out
+        q_bits, block_s = fixed_point_bits(V), triton.next_power_of_2(S)
+        for with_mass in (False, True):  # every slice's largest, then every slice's kept mass under the row's
+            _min_p_slice_kernel[(B, S)](probs, probs.stride(0), mp, float(min_p_val), idx, mx, mass, V, S, q_bits,
+                                        MASS=with_mass, HAS_MP=has_mp, HAS_IDX=has_idx, BLOCK_S=block_s,
+                                        SLICE=_SLICE, CHUNK=_CHUNK, num_warps=4)
+        _min_p_kernel[(B,)](probs, probs.stride(0), mp, float(min_p_val), seed, offset, out, V, S, q_bits, idx, mx,
+                            mass, HAS_MP=has_mp, BLOCK_S=block_s, SLICE=_SLICE, CHUNK=_CHUNK, PER_ROW_RNG=per_row,
+                            HAS_IDX=has_idx, num_warps=4)
     return out

@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import _fixed, _random_bits31, _target, rng_tensors
+from ._common import _fixed, _random_bits31, _target, rng_tensors, slice_of_target
 from .logits import (_CHUNK, _SLICE, inverse_temperature, min_p_sampling_from_probs, row_inverse_temperature,
                      row_stats, slice_stats, softmax)
 
@@ -95,11 +95,9 @@ def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, stats_ptr, S, mx_ptr, m
     r31 = _random_bits31(seed_ptr, offset_ptr, row, PER_ROW_RNG)
     token = tl.full((), 2147483647, tl.int32)
     if e_max == e_guess:
-        cum_slices = tl.cumsum(masses, axis=0)
         target = _target(r31, tl.sum(masses, axis=0))
-        js = tl.min(tl.where(cum_slices > target, jj, BLOCK_S), axis=0)
+        js, base = slice_of_target(masses, jj, S, target)
         if js < S:
-            base = tl.sum(tl.where(jj < js, masses, 0), axis=0)
             lo = js * SLICE
             hi = tl.minimum(lo + SLICE, V)
             for start in range(lo, hi, CHUNK):
