@@ -68,10 +68,7 @@ def main() -> None:
             for fn in calls.values():
                 fn()
             rows += harness.bandwidth_rows(op, f"{tokens} tokens", calls, nbytes_of(a), ceiling, 3)
-    if args.out:
-        harness.write_json(args.out, {**harness.header(), "copy GB/s": ceiling, "rows": rows})
-    print(f"\ncopy ceiling {ceiling:.0f} GB/s\n")
-    print(harness.markdown(rows, ["op", "shape", "impl", "us", "GB/s", "of copy"]))
+    harness.write_bandwidth_rows(args.out, ceiling, rows, ["op", "shape", "impl", "us", "GB/s", "of copy"])
 
 
 if __name__ == "__main__":

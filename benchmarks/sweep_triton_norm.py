@@ -128,10 +128,7 @@ def main() -> None:
                    "of copy": nbytes / us / 1e3 / ceiling}
             print(row, flush=True)
             rows.append(row)
-    if args.out:
-        harness.write_json(args.out, {**harness.header(), "copy GB/s": ceiling, "rows": rows})
-    print(f"\ncopy ceiling {ceiling:.0f} GB/s\n")
-    print(harness.markdown(rows, ["op", "shape", "impl", "us", "GB/s", "of copy"]))
+    harness.write_bandwidth_rows(args.out, ceiling, rows, ["op", "shape", "impl", "us", "GB/s", "of copy"])
 
 
 if __name__ == "__main__":

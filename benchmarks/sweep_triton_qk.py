@@ -13,6 +13,7 @@ what they decided: ``docs/design/rope.md``.
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -50,8 +51,7 @@ def config(variant, tokens: int, args):
         heads, hs, cache.shape[1] // 2, q.element_size(), qw.element_size(),
         (kw if kw is not None else qw).element_size(), heads if one_tile else
         (-(-tr_rope._MIN_PROGRAMS // tokens) if tokens < tr_rope._MIN_PROGRAMS else 1), warps, per_warp)
-    return tr_rope.TritonQKNormRopeConfig(base.heads_per_program, base.block_h, base.block_n, base.block_d,
-                                          base.num_warps, base.lane_vec, in_regs)
+    return dataclasses.replace(base, in_regs=in_regs)
 
 
 def exact(variant) -> str:
@@ -87,12 +87,8 @@ def main() -> None:
                  for label, v in VARIANTS.items()}
         for fn in calls.values():
             fn()
-        for row in harness.bandwidth_rows("qk_rmsnorm_rope", f"{tokens}x({HQ}+{HK})x{HS}", calls, nbytes, ceiling, 3):
-            rows.append(row)
-    if args.out:
-        harness.write_json(args.out, {**harness.header(), "copy GB/s": ceiling, "exact": misses, "rows": rows})
-    print(f"\ncopy ceiling {ceiling:.0f} GB/s\n")
-    print(harness.markdown(rows, ["shape", "impl", "us", "GB/s", "of copy"]))
+        rows += harness.bandwidth_rows("qk_rmsnorm_rope", f"{tokens}x({HQ}+{HK})x{HS}", calls, nbytes, ceiling, 3)
+    harness.write_bandwidth_rows(args.out, ceiling, rows, ["shape", "impl", "us", "GB/s", "of copy"], exact=misses)
 
 
 if __name__ == "__main__":

@@ -240,6 +240,15 @@ def write_json(path, payload: dict) -> None:
         json.dump(payload, f, indent=1)
 
 
+def write_bandwidth_rows(out, ceiling: float, rows: list, columns: list, **extra) -> None:
+    """A sweep's ending: its rows (and ``extra``) as JSON at ``out`` if given, then the copy ceiling and
+    the rows' ``columns`` as a table on stdout."""
+    if out:
+        write_json(out, {**header(), "copy GB/s": ceiling, **extra, "rows": rows})
+    print(f"\ncopy ceiling {ceiling:.0f} GB/s\n")
+    print(markdown(rows, columns))
+
+
 def markdown(rows: list, columns: list) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
