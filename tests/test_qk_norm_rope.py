@@ -452,9 +452,9 @@ def _subprocess(code, env, *args):
 
 def test_qk_rmsnorm_rope_triton_reduces_a_head_as_rmsnorm_reduces_its_row():
     """Compiled for sm_90: each head's load has the rmsnorm kernel's row layout (elements a lane,
-    lanes, one warp a row), and the arithmetic from the squares to the rsqrt is rmsnorm's for each of a lane's heads, at head
-    sizes 64/128/256, bf16/fp16/fp32, weights of the input's dtype or another (aligned or not), a head
-    size of 80."""
+    lanes, one warp a row), and the arithmetic from the squares to the rsqrt is rmsnorm's for each of a
+    lane's heads, at head sizes 64/128/256, bf16/fp16/fp32, weights of the input's dtype or another
+    (aligned or not), a head size of 80."""
     pytest.importorskip("triton")
     import json
 

@@ -163,15 +163,15 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], he
 # each thread min(max 16-byte vector of its accesses, row / threads) elements, its widest access being
 # its contiguous output (16 bytes of the dtype) or the weight; ours are the head tile and a tile of the
 # weight, so the same p whenever the heads are 16-byte aligned (the launcher copies the rare others).
-# A tile of BLOCK_H heads over BLOCK_H warps, one head a warp, has that layout when p * 32 is the
-# padded row (one vector a lane, one warp a row); any other row (fp32 at 256: two vectors a lane) is
-# reduced one head a tile over rmsnorm's warps.
+# A tile of whole heads a warp has that layout when p * 32 is the padded row (one vector a lane, one warp
+# a row) and every access of the tile is pinned to p elements (``LANE_VEC``: with several heads a lane the
+# coalescing pass would otherwise widen the vector, so the reduction's order); any other row (fp32 at 256:
+# two vectors a lane) is reduced one head a tile over rmsnorm's warps.
 
 from ...backends.norm_rows import TRITON_ONE_PASS_MAX, triton_num_warps  # noqa: E402  (rmsnorm's row launch)
 
-# A head a warp is rmsnorm's row layout; a warp takes _QK_HEADS_PER_WARP of them, rotated in registers:
-# 98 against 103 µs (one head a warp, loaded again to rotate) at 16384 tokens of 32+8 heads on the H200
-# (benchmarks/sweep_triton_qk.py; docs/design/rope.md).
+# Two heads a warp over four warps, rotated in registers: 100 against 103 µs (a head a warp, the pairs
+# loaded again) at 16384 tokens of 32+8 heads on the H200 (benchmarks/sweep_triton_qk.py; docs/design/rope.md).
 _QK_WARPS = 4
 _QK_HEADS_PER_WARP = 2
 
