@@ -205,8 +205,9 @@ def test_emitted_tokens_follow_the_target(device, V, n, source):
 
 
 def _awkward_cases(device):
-    """Vocabularies that are not powers of two, across the kernels' 2048-value chunk; n = 1; one row;
-    strided positions and rows; int32 ids; the odd values; a negative seed and an offset above 2^32."""
+    """Vocabularies that are not powers of two, across the kernels' 2048-value chunks and 4096-value
+    slices; n = 1; one row; strided positions and rows; int32 ids; the odd values; a negative seed and
+    an offset above 2^32."""
     cases = [tuple(a) for a in ops.BY_NAME[OP].samples(device, torch.float32)]
     draft, ids, target = _inputs(3, 1, 2500, device, closeness=3.0)
     cases.append((draft, ids.int(), target, _seed(-3, device), _seed(2**33 + 5, device)))
@@ -219,6 +220,9 @@ def _awkward_cases(device):
     cases.append((wide[:, 0, :2, :257], torch.randint(0, 257, (2, 2), device=device),
                   wide[:, 1, :, :257], _seed(8, device), _seed(3, device)))
     cases.append(_odd_inputs(device) + (_seed(12, device), _seed(0, device)))
+    draft, ids, target = _inputs(4, 3, 9000, device, closeness=0.5)  # three of the Triton kernels' slices
+    target[1] = 0.5 * torch.cat([draft[1], draft[1, :1]])  # no residual mass: the target row draws
+    cases.append((draft, ids, target, _seed(21, device), _seed(2, device)))
     if device == "cuda":
         for B in (1, 32, 256):
             draft, ids, target = _inputs(B, 4, 128256, device)
