@@ -1,8 +1,8 @@
 """Triton ``chain_speculative_sampling``. The acceptance tests one draft position at a time (two loads
 and one Philox call each), one program a row; then the residual row ``max(p_j - q_j, 0)`` at the first
 rejection ``j`` (or the bonus row ``p_n``) by slices, a program a slice: each slice's largest pattern,
-then its fixed-point mass (and the target row's, which draws where the residual has no mass); then one
-program a row finds the slice that holds its draw and scans it. Bit-exact with
+then its fixed-point mass; then one program a row finds the slice that holds its draw and scans it (a
+residual without mass, only when the rows do not sum alike: the target row, walked whole). Bit-exact with
 ``reference.chain_speculative_sampling`` (the same sanitised values, exact acceptance test, Philox
 counters and fixed-point draw: the masses are exact integers, summed in any order)."""
 
@@ -78,65 +78,79 @@ def _residual_rows(d_ptr, d_s0, d_s1, t_ptr, t_s0, t_s1, emit_ptr, row, N, V):
 @triton.jit
 def _residual_slice_kernel(d_ptr, d_s0, d_s1, t_ptr, t_s0, t_s1, emit_ptr, mx_ptr, mass_ptr, N, V, S, q_bits,
                            MASS: tl.constexpr, BLOCK_S: tl.constexpr, SLICE: tl.constexpr, CHUNK: tl.constexpr):
-    """Slice ``j`` of row ``row``'s residual and, beside it, of its target row (what draws where the
-    residual has no mass): their largest patterns (``mx[row, j]``), or with ``MASS`` their fixed-point
-    masses at the exponents of the rows' largest (``mass[row, j]``)."""
+    """Slice ``j`` of row ``row``'s residual: its largest pattern (``mx[row, j]``), or with ``MASS`` its
+    fixed-point mass at the exponent of the row's largest (``mass[row, j]``)."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     t_row, d_row, d_len, _ = _residual_rows(d_ptr, d_s0, d_s1, t_ptr, t_s0, t_s1, emit_ptr, row, N, V)
     lo = j * SLICE
     hi = tl.minimum(lo + SLICE, V)
     offs = tl.arange(0, CHUNK)
-    out = (row * S + j) * 2
     if MASS:
         jj = tl.arange(0, BLOCK_S)
-        at = mx_ptr + (row * S + jj) * 2
-        e_res = tl.maximum(tl.max(tl.load(at, mask=jj < S, other=-1), axis=0) >> 23, 1)
-        e_tgt = tl.maximum(tl.max(tl.load(at + 1, mask=jj < S, other=-1), axis=0) >> 23, 1)
-        m_res = tl.zeros((), tl.int64)
-        m_tgt = tl.zeros((), tl.int64)
+        e_max = tl.maximum(tl.max(tl.load(mx_ptr + row * S + jj, mask=jj < S, other=-1), axis=0) >> 23, 1)
+        mass = tl.zeros((), tl.int64)
         for start in range(lo, hi, CHUNK):
             cols = start + offs
-            m_res += tl.sum(_fixed(_residual_bits(t_row, d_row, cols, cols < hi, d_len), e_res, q_bits), axis=0)
-            m_tgt += tl.sum(_fixed(_residual_bits(t_row, d_row, cols, cols < hi, 0), e_tgt, q_bits), axis=0)
-        tl.store(mass_ptr + out, m_res)
-        tl.store(mass_ptr + out + 1, m_tgt)
+            mass += tl.sum(_fixed(_residual_bits(t_row, d_row, cols, cols < hi, d_len), e_max, q_bits), axis=0)
+        tl.store(mass_ptr + row * S + j, mass)
     else:
-        mx_res = tl.full((), -1, tl.int32)
-        mx_tgt = tl.full((), -1, tl.int32)
+        mx = tl.full((), -1, tl.int32)
         for start in range(lo, hi, CHUNK):
             cols = start + offs
-            mx_res = tl.maximum(mx_res, tl.max(_residual_bits(t_row, d_row, cols, cols < hi, d_len), axis=0))
-            mx_tgt = tl.maximum(mx_tgt, tl.max(_residual_bits(t_row, d_row, cols, cols < hi, 0), axis=0))
-        tl.store(mx_ptr + out, mx_res)
-        tl.store(mx_ptr + out + 1, mx_tgt)
+            mx = tl.maximum(mx, tl.max(_residual_bits(t_row, d_row, cols, cols < hi, d_len), axis=0))
+        tl.store(mx_ptr + row * S + j, mx)
+
+
+@triton.jit
+def _row_mass(t_row, d_row, d_len, V, q_bits, CHUNK: tl.constexpr):
+    """``(exponent field of the largest residual, its fixed-point mass)`` over the whole row, one program."""
+    offs = tl.arange(0, CHUNK)
+    mx = tl.full((), -1, tl.int32)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        mx = tl.maximum(mx, tl.max(_residual_bits(t_row, d_row, cols, cols < V, d_len), axis=0))
+    e_max = tl.maximum(mx >> 23, 1)
+    mass = tl.zeros((), tl.int64)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        mass += tl.sum(_fixed(_residual_bits(t_row, d_row, cols, cols < V, d_len), e_max, q_bits), axis=0)
+    return e_max, mass
 
 
 @triton.jit
 def _chain_draw_kernel(d_ptr, d_s0, d_s1, ids_ptr, i_s0, i_s1, t_ptr, t_s0, t_s1, seed_ptr, offset_ptr, out_ptr,
                        emit_ptr, mx_ptr, mass_ptr, N, V, S, q_bits, PER_ROW_RNG: tl.constexpr, BLOCK_S: tl.constexpr,
                        SLICE: tl.constexpr, CHUNK: tl.constexpr):
-    """Row ``row``'s token at its first rejection (or the bonus position): the residual's masses, or the
-    target row's where the residual has none (only when the rows do not sum alike), the target, and the
-    scan in the one slice that holds it; then the row's output ids."""
+    """Row ``row``'s token at its first rejection (or the bonus position): the target from the residual's
+    slice masses and the scan in the one slice that holds it; where the residual has no mass (only when
+    the rows do not sum alike) the target row draws instead, walked whole by this program. Then the
+    row's output ids."""
     row = tl.program_id(0).to(tl.int64)
     seed, offset, c0 = rng_row(seed_ptr, offset_ptr, row, PER_ROW_RNG)
     t_row, d_row, d_len, pos = _residual_rows(d_ptr, d_s0, d_s1, t_ptr, t_s0, t_s1, emit_ptr, row, N, V)
+    _, w1 = philox_w01(seed, offset, c0, _counter(pos))
+    r31 = (w1 >> 1).to(tl.int64)
     jj = tl.arange(0, BLOCK_S)
     live = jj < S
-    at = (row * S + jj) * 2
-    m_res = tl.load(mass_ptr + at, mask=live, other=0)
-    side = tl.where(tl.sum(m_res, axis=0) > 0, 0, 1)  # 1: the target row instead
-    d_len = d_len * (1 - side)
-    masses = tl.where(side == 0, m_res, tl.load(mass_ptr + at + 1, mask=live, other=0))
-    e_max = tl.maximum(tl.max(tl.load(mx_ptr + at + side, mask=live, other=-1), axis=0) >> 23, 1)
-    _, w1 = philox_w01(seed, offset, c0, _counter(pos))
-    target = _target((w1 >> 1).to(tl.int64), tl.sum(masses, axis=0))
-    js, base = slice_of_target(masses, jj, S, target)
+    masses = tl.load(mass_ptr + row * S + jj, mask=live, other=0)
+    mass = tl.sum(masses, axis=0)
+    if mass > 0:
+        e_max = tl.maximum(tl.max(tl.load(mx_ptr + row * S + jj, mask=live, other=-1), axis=0) >> 23, 1)
+        target = _target(r31, mass)
+        js, base = slice_of_target(masses, jj, S, target)
+        lo = js * SLICE
+        hi = tl.minimum(lo + SLICE, V)
+    else:
+        d_len = d_len * 0
+        e_max, mass = _row_mass(t_row, d_row, d_len, V, q_bits, CHUNK)
+        target = _target(r31, mass)
+        base = tl.zeros((), tl.int64)
+        lo = tl.zeros((), tl.int32)
+        hi = lo + V
     offs = tl.arange(0, CHUNK)
     token = tl.full((), 2147483647, tl.int32)
-    hi = tl.minimum(js * SLICE + SLICE, V)
-    for start in range(js * SLICE, hi, CHUNK):  # no slice holds it (no mass): no pass
+    for start in range(lo, hi, CHUNK):
         if token == 2147483647:
             cols = start + offs
             q = _fixed(_residual_bits(t_row, d_row, cols, cols < hi, d_len), e_max, q_bits)
@@ -165,8 +179,8 @@ def chain_speculative_sampling(draft_probs: Tensor, draft_token_ids: Tensor, tar
         t = (target_probs, target_probs.stride(0), target_probs.stride(1))
         _accept_kernel[(B,)](*d, *ids, *t, seed, offset, accepted, emitted, n, V, PER_ROW_RNG=per_row, num_warps=1)
         S = max(1, triton.cdiv(V, _SLICE))
-        mx = torch.empty((B, S, 2), dtype=torch.int32, device=dev)
-        mass = torch.empty((B, S, 2), dtype=torch.int64, device=dev)
+        mx = torch.empty((B, S), dtype=torch.int32, device=dev)
+        mass = torch.empty((B, S), dtype=torch.int64, device=dev)
         q_bits, block_s = fixed_point_bits(V), triton.next_power_of_2(S)
         for with_mass in (False, True):  # every slice's largest, then every slice's mass at the row's exponent
             _residual_slice_kernel[(B, S)](*d, *t, emitted, mx, mass, n, V, S, q_bits, MASS=with_mass,
