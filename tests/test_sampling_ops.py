@@ -208,6 +208,56 @@ def test_triton_edge_rows_match_reference(device):
                      reference.top_k_mask_logits(big, None, k))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_top_k_mask_routes_match_reference(device, dtype):
+    """Both routes of the Triton ``top_k_mask_logits`` bit for bit against the reference: k the slices'
+    bound serves (1, 50), k past its candidate slots or its groups (200, 257: the radix route), a row of
+    ties beyond any slice's slots, a short last slice, one slice, and per-row k mixing the routes."""
+    if device == "cpu" and not _interpreting():
+        pytest.skip("Triton runs on CPU tensors only in its interpreter")
+    from torch_kernels.families.sampling.triton import logits as triton_logits
+    torch.manual_seed(5)
+    for vocab in (700, 9000):
+        x = _rows(device, dtype, vocab=vocab, rows=3)
+        x[1, ::3] = NINF
+        x[2, : vocab // 2] = 1.5  # half the row one value
+        for k in (1, 50, 200, 257, vocab - 1):
+            _compare("top_k_mask_logits", f"triton {vocab} {dtype} k={k}", triton_logits.top_k_mask_logits(x, None, k),
+                     reference.top_k_mask_logits(x, None, k))
+        per_row = torch.tensor([50, 300, 2], device=device)
+        _compare("top_k_mask_logits", f"triton {vocab} {dtype} per-row k", triton_logits.top_k_mask_logits(x, per_row),
+                 reference.top_k_mask_logits(x, per_row))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_top_k_mask_bound_route_serves_k_50(device):
+    """The slices' bound finishes distinct rows at k = 50 by itself (the radix passes are left nothing),
+    and hands a row of ties to the radix route rather than guessing."""
+    if device == "cpu" and not _interpreting():
+        pytest.skip("Triton runs on CPU tensors only in its interpreter")
+    import triton
+    from torch_kernels.families.sampling.triton import logits as tl_mod
+    torch.manual_seed(6)
+    B, V = 3, 3 * tl_mod._MASK_SLICE + 100
+    x = torch.randn(B, V, device=device)
+    x[2] = 0.25  # every value tied
+    S = triton.cdiv(V, tl_mod._MASK_SLICE)
+    buf = torch.empty((B, S, tl_mod._MASK_CAP), dtype=torch.int32, device=device)
+    meta = torch.empty((B, 3, S), dtype=torch.int32, device=device)
+    state = torch.empty((B, 2), dtype=torch.int64, device=device)
+    counts = torch.full((B, 256), 7, dtype=torch.int32, device=device)
+    tl_mod._mask_slice_kernel[(B, S)](x, x.stride(0), x, 50, buf, meta, V, S, HAS_K=False, GROUPS=tl_mod._MASK_GROUPS,
+                                      GROUP=tl_mod._MASK_GROUP, CAP=tl_mod._MASK_CAP)
+    tl_mod._mask_threshold_kernel[(B,)](x, 50, buf, meta, state, counts, V, S, LOW=0, HAS_K=False,
+                                        BLOCK_S=triton.next_power_of_2(S), CAP=tl_mod._MASK_CAP)
+    keys = reference.order_key(x[:2].cpu())
+    kth = keys.sort(-1, descending=True).values[:, 49].long() + 2**31
+    assert state[:2, 1].tolist() == [0, 0], "rows of distinct values finished by the bound"
+    assert state[:2, 0].cpu().tolist() == kth.tolist(), "the bound route's threshold is the 50th largest key"
+    assert state[2, 1].item() == 50 and counts[2].eq(0).all(), "the row of ties goes to the radix route, counts cleared"
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input: named, nothing written.
 
