@@ -3,9 +3,8 @@
     python benchmarks/probe_top_k_mask.py --out results/probe_top_k_mask.json
 
 bf16 logits (``randn * 3``), rows x vocab x k, timed by CUDA-graph replay: the Triton op as it routes
-(the bound route where every row completes, else the radix route for the rest), its slice kernel at
-4 warps, the radix route alone,
-and ``flashinfer.sampling.top_k_mask_logits`` when installed. Each result is checked against the
+(the slices' bounds where they finish a row, the radix route for the rest), its slice kernel at 4
+warps, the radix route alone, and ``flashinfer.sampling.top_k_mask_logits`` when installed. Each result is checked against the
 reference before it is timed (FlashInfer's labelled where it keeps other ties).
 """
 
@@ -27,12 +26,12 @@ TOP_K = (50, 200, 1000)
 
 def radix_only(x, k):
     """The op with the bound route switched off: every row by radix select."""
-    groups = triton_logits._MASK_GROUPS
-    triton_logits._MASK_GROUPS = 0
+    most = triton_logits._MASK_MAX_SLICES
+    triton_logits._MASK_MAX_SLICES = 0
     try:
         return triton_logits.top_k_mask_logits(x, None, k)
     finally:
-        triton_logits._MASK_GROUPS = groups
+        triton_logits._MASK_MAX_SLICES = most
 
 
 def slice_warps(x, k, warps):

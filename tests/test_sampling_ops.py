@@ -211,9 +211,9 @@ def test_triton_edge_rows_match_reference(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_top_k_mask_routes_match_reference(device, dtype):
-    """Both routes of the Triton ``top_k_mask_logits`` bit for bit against the reference: k the slices'
-    bound serves (1, 50), k past its candidate slots or its groups (200, 257: the radix route), a row of
-    ties beyond any slice's slots, a short last slice, one slice, and per-row k mixing the routes."""
+    """Both routes of the Triton ``top_k_mask_logits`` bit for bit against the reference: k each slice's
+    bound serves (1, 50), k past its slots or its groups (200, 257, V - 1: the shared bound or the radix
+    route), a row of ties beyond any slice's slots, a short last slice, one slice, per-row k."""
     if device == "cpu" and not _interpreting():
         pytest.skip("Triton runs on CPU tensors only in its interpreter")
     from torch_kernels.families.sampling.triton import logits as triton_logits
@@ -231,31 +231,35 @@ def test_triton_top_k_mask_routes_match_reference(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_triton_top_k_mask_bound_route_serves_k_50(device):
-    """The slices' bound finishes distinct rows at k = 50 by itself (the radix passes are left nothing),
-    and hands a row of ties to the radix route rather than guessing."""
+@pytest.mark.parametrize("k", [50, 600])
+def test_triton_top_k_mask_bound_route_finishes_distinct_rows(device, k):
+    """The slices' bounds finish rows of distinct values by themselves (the radix passes are left
+    nothing): at k = 50 each slice's own, at k = 600 (past its groups) the one the full slices share.
+    A row of ties goes to the radix route rather than a guess."""
     if device == "cpu" and not _interpreting():
         pytest.skip("Triton runs on CPU tensors only in its interpreter")
     import triton
     from torch_kernels.families.sampling.triton import logits as tl_mod
     torch.manual_seed(6)
-    B, V = 3, 3 * tl_mod._MASK_SLICE + 100
+    B, V = 3, 8 * tl_mod._MASK_SLICE + 100
     x = torch.randn(B, V, device=device)
     x[2] = 0.25  # every value tied
     S = triton.cdiv(V, tl_mod._MASK_SLICE)
     buf = torch.empty((B, S, tl_mod._MASK_CAP), dtype=torch.int32, device=device)
-    meta = torch.empty((B, 3, S), dtype=torch.int32, device=device)
+    meta = torch.empty((B, 4, S), dtype=torch.int32, device=device)
     state = torch.empty((B, 2), dtype=torch.int64, device=device)
     counts = torch.full((B, 256), 7, dtype=torch.int32, device=device)
-    tl_mod._mask_slice_kernel[(B, S)](x, x.stride(0), x, 50, buf, meta, V, S, HAS_K=False, GROUPS=tl_mod._MASK_GROUPS,
-                                      GROUP=tl_mod._MASK_GROUP, CAP=tl_mod._MASK_CAP)
-    tl_mod._mask_threshold_kernel[(B,)](x, 50, buf, meta, state, counts, V, S, LOW=0, HAS_K=False,
-                                        BLOCK_S=triton.next_power_of_2(S), CAP=tl_mod._MASK_CAP)
+    tl_mod._mask_slice_kernel[(B, S)](x, x.stride(0), x, k, buf, meta, V, S, HAS_K=False, KEY_SHIFT=1,
+                                      GROUPS=tl_mod._MASK_GROUPS, GROUP=tl_mod._MASK_GROUP, CAP=tl_mod._MASK_CAP,
+                                      PIVOTS=tl_mod._MASK_PIVOTS, SHARED_FROM=tl_mod._MASK_SHARED_FROM)
+    tl_mod._mask_threshold_kernel[(B,)](x, k, buf, meta, state, counts, V, S, LOW=0, HAS_K=False,
+                                        BLOCK_S=triton.next_power_of_2(S), CAP=tl_mod._MASK_CAP,
+                                        SLICE=tl_mod._MASK_SLICE)
     keys = reference.order_key(x[:2].cpu())
-    kth = keys.sort(-1, descending=True).values[:, 49].long() + 2**31
+    kth = keys.sort(-1, descending=True).values[:, k - 1].long() + 2**31
     assert state[:2, 1].tolist() == [0, 0], "rows of distinct values finished by the bound"
-    assert state[:2, 0].cpu().tolist() == kth.tolist(), "the bound route's threshold is the 50th largest key"
-    assert state[2, 1].item() == 50 and counts[2].eq(0).all(), "the row of ties goes to the radix route, counts cleared"
+    assert state[:2, 0].cpu().tolist() == kth.tolist(), f"the bound route's threshold is the {k}th largest key"
+    assert state[2, 1].item() == k and counts[2].eq(0).all(), "the row of ties goes to the radix route, counts cleared"
 
 
 # ------------------------------------------------------------------------------------------------

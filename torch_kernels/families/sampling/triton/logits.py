@@ -133,12 +133,13 @@ def _order_key(raw):
 
 
 # top_k_mask_logits: the k-th largest order key T of each row, then a masked copy (keys >= T kept).
-# * Bound route (k <= _MASK_GROUPS, V <= _MASK_SLICE * _MASK_MAX_SLICES): a program a slice of
-#   _MASK_SLICE values, held in registers, takes the k-th largest of its groups' maxima, tau_s <= the
-#   slice's k-th largest <= T, and writes its values >= tau_s (~k (1 + k / groups) of them) to its
-#   _MASK_CAP slots; then a program a row finds T among them by bisection: every value >= tau = max tau_s
-#   is there. A slice with more than _MASK_CAP such values writes those >= a cover c_s instead, and the
-#   row is complete only where c_s <= tau; any other row takes the radix route.
+# * Bound route (V <= _MASK_SLICE * _MASK_MAX_SLICES): a program a slice of _MASK_SLICE values, held in
+#   registers, takes two lower bounds of T from its groups' maxima: tau_s, their k-th largest (k groups
+#   reach it, so k values do), and past _MASK_SHARED_FROM, b_s, their m-th largest, m = cdiv(k, full
+#   slices) (each full slice holds m values >= min b_s). It writes its values >= tau_s to its _MASK_CAP
+#   slots, or where more than _MASK_CAP are, those >= a cover c_s. A program a row then bisects the
+#   candidates for T: they hold every value >= L = max(max tau_s, min b_s) where every c_s <= L. Any
+#   other row (ties, k past the slots) takes the radix route.
 # * Radix route: T by radix select, 8 bits a pass, MSB first, over the key bits the dtype can set (a
 #   16-bit value's key has constant low bits: bf16 2 passes, fp16 3, fp32 4); each pass histograms the
 #   next byte of the keys matching the bytes chosen so far, over slices in parallel programs (integer
@@ -150,10 +151,12 @@ _RADIX_BITS = 8
 _RADIX_PROGRAMS = 512  # (row, slice) programs to aim for: about 4 a streaming multiprocessor
 _MASK_SLICE = 4096  # values a program of the bound route holds in registers: 16 keys a thread
 _MASK_GROUP = 16
-_MASK_GROUPS = _MASK_SLICE // _MASK_GROUP  # the bound needs k groups: k <= 256
+_MASK_GROUPS = _MASK_SLICE // _MASK_GROUP  # tau_s needs k groups (k <= 256); past them the shared bound
 _MASK_CAP = 128  # candidate slots a slice: expected k (1 + k / 256) used, ~60 at k = 50
 _MASK_MAX_SLICES = 64  # the row kernel holds 64 x 128 candidates: V <= 262144
-_MASK_WARPS = 8  # 127 registers a thread on sm_90 (4 warps: 249, 2 programs an SM)
+_MASK_WARPS = 8  # sm_90, bf16: 128 registers a thread (24 bytes spilled), 2 programs an SM; 4 warps: 251
+_MASK_PIVOTS = 16  # a bf16 slice's bound in 4 reductions over its groups' maxima (bisection: 32)
+_MASK_SHARED_FROM = 64  # k past which a slice also takes the shared bound: ~k (1 + k / 256) > the slots
 _KEY_MIN = tl.constexpr(-2147483648)  # below every order key (that of -inf and NaN is -2139095041)
 
 
@@ -185,71 +188,106 @@ def _kth_key(keys, k, lo, hi):
 
 
 @triton.jit
+def _kth_by_pivots(vals, k, lo, hi, PIVOTS: tl.constexpr):
+    """The largest ``t`` in ``[lo, hi)`` with at least ``k`` of the 1-D int32 ``vals`` ``>= t`` (``lo``
+    has; ``hi - lo < 2^31``): each step counts at ``PIVOTS`` evenly spaced pivots in one reduction and
+    keeps the span between the last that holds k and the next."""
+    i = tl.arange(0, PIVOTS)
+    while hi - lo > 1:
+        step = (hi - lo + PIVOTS - 1) // PIVOTS
+        pivots = lo + i * step
+        enough = (tl.sum((vals[None, :] >= pivots[:, None]).to(tl.int32), axis=1) >= k) & (pivots < hi)
+        lo = lo + tl.max(tl.where(enough, i, 0), axis=0) * step
+        hi = tl.minimum(lo + step, hi)
+    return lo
+
+
+@triton.jit
 def _mask_slice_kernel(x_ptr, x_stride, k_ptr, k_val, buf_ptr, meta_ptr, V, S,
-                       HAS_K: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, CAP: tl.constexpr):
-    """Slice ``j``: ``tau_s`` (the k-th largest of its groups' maxima; ``_KEY_MIN`` with fewer than k
-    groups), its values ``>= c_s`` in its ``CAP`` slots of ``buf`` (any order), ``c_s = tau_s`` or, where
-    more than ``CAP`` values are ``>= tau_s``, the least key with at most ``CAP`` at or above it;
-    ``meta[row] = (tau_s, c_s, count)``, a column a slice."""
+                       HAS_K: tl.constexpr, KEY_SHIFT: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+                       CAP: tl.constexpr, PIVOTS: tl.constexpr, SHARED_FROM: tl.constexpr):
+    """Slice ``j`` of a row: ``meta[row] = (tau_s, c_s, count, b_s)``, a column a slice, and its values
+    ``>= c_s`` in its ``CAP`` slots of ``buf`` (any order).
+
+    * ``tau_s``: the k-th largest of the groups' maxima (``_KEY_MIN`` with fewer than k groups).
+    * ``b_s`` (k above ``SHARED_FROM``, full slices): the m-th largest of them, ``m = cdiv(k, full
+      slices)``: the full slices hold ``>= k`` values ``>= min b_s``. ``_KEY_MIN`` otherwise.
+    * ``c_s = tau_s``, or where more than ``CAP`` values are ``>= tau_s``, the least key with at most
+      ``CAP`` at or above it.
+
+    The searches run on ``key >> KEY_SHIFT`` (the bits a 16-bit dtype sets; fp32 drops its lowest,
+    which only loosens the bounds by an ulp), so their int32 arithmetic cannot overflow."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     k = _row_k(k_ptr, k_val, row, V, HAS_K)
     tau = tl.full((), -2147483648, tl.int64)
+    shared = tl.full((), -2147483648, tl.int64)
     cover = tl.full((), 2147483647, tl.int64)  # the row cannot be complete: the radix route
     n = tl.zeros((), tl.int32)
-    if (k > 0) & (k <= GROUPS):
+    if k > 0:
         cols = j * GROUPS * GROUP + tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         live = cols < V
         keys = tl.where(live, _order_key(tl.load(x_ptr + row * x_stride + cols, mask=live, other=0.0)), _KEY_MIN)
-        gmax = tl.max(keys, axis=1)
-        top = tl.max(gmax, axis=0).to(tl.int64) + 1
-        tau = _kth_key(gmax[:, None], k, tau, top)
+        bits = keys >> KEY_SHIFT  # int32 searches: spans below 2^31
+        top_bits = tl.max(bits, axis=1)  # every group's largest
+        lo = tl.min(top_bits, axis=0)
+        hi = tl.max(top_bits, axis=0) + 1
+        if k <= GROUPS:
+            tau = _kth_by_pivots(top_bits, k, lo, hi, PIVOTS).to(tl.int64) << KEY_SHIFT
+        full = V // (GROUPS * GROUP)
+        m = (k + full - 1) // tl.maximum(full, 1)
+        if (k > SHARED_FROM) & (j < full) & (m <= GROUPS):
+            shared = _kth_by_pivots(top_bits, m, lo, hi, PIVOTS).to(tl.int64) << KEY_SHIFT
         sel = live & (keys >= tau)
         n = tl.sum(tl.sum(sel.to(tl.int32), axis=1), axis=0)
         cover = tau
-        if n > CAP:  # ties, or k near CAP: the least key with at most CAP at or above it
-            lo = tau
-            hi = top
+        if n > CAP:  # ties, k near CAP or past the groups: the least key with at most CAP at or above it
+            lo = (tau >> KEY_SHIFT).to(tl.int32)
             while hi - lo > 1:
                 mid = lo + (hi - lo) // 2
-                fits = _count_at_or_above(keys, mid) <= CAP
+                fits = _count_at_or_above(bits, mid) <= CAP
                 lo = tl.where(fits, lo, mid)
                 hi = tl.where(fits, mid, hi)
-            cover = hi
+            cover = hi.to(tl.int64) << KEY_SHIFT
             sel = live & (keys >= cover)
             n = tl.sum(tl.sum(sel.to(tl.int32), axis=1), axis=0)
         per_group = tl.sum(sel.to(tl.int32), axis=1)
         pos = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
         tl.store(buf_ptr + (row * S + j) * CAP + pos, keys, mask=sel)
-    meta = meta_ptr + row * 3 * S + j
+    meta = meta_ptr + row * 4 * S + j
     tl.store(meta, tau.to(tl.int32))
-    tl.store(meta + S, cover.to(tl.int32))
+    tl.store(meta + S, tl.minimum(cover, 2147483647).to(tl.int32))
     tl.store(meta + 2 * S, n)
+    tl.store(meta + 3 * S, shared.to(tl.int32))
 
 
 @triton.jit
 def _mask_threshold_kernel(k_ptr, k_val, buf_ptr, meta_ptr, state_ptr, counts_ptr, V, S,
-                           LOW: tl.constexpr, HAS_K: tl.constexpr, BLOCK_S: tl.constexpr, CAP: tl.constexpr):
+                           LOW: tl.constexpr, HAS_K: tl.constexpr, BLOCK_S: tl.constexpr, CAP: tl.constexpr,
+                           SLICE: tl.constexpr):
     """``state[row] = (T_u >> LOW, 0)`` (``T_u`` the unsigned key, ``T + 2^31``) where the row's
-    candidates are complete; ``(0, k)`` and its radix counts cleared where they are not; ``(0, 0)``
-    where the row keeps every value."""
+    candidates hold every value ``>= L = max(max tau_s, min b_s) <= T``; ``(0, k)`` and its radix counts
+    cleared where they do not; ``(0, 0)`` where the row keeps every value."""
     row = tl.program_id(0).to(tl.int64)
     k = _row_k(k_ptr, k_val, row, V, HAS_K)
     jj = tl.arange(0, BLOCK_S)
     live = jj < S
-    meta = meta_ptr + row * 3 * S + jj
-    tau = tl.max(tl.load(meta, mask=live, other=-2147483648), axis=0).to(tl.int64)
+    meta = meta_ptr + row * 4 * S + jj
+    full = V // SLICE
+    bound = tl.max(tl.load(meta, mask=live, other=-2147483648), axis=0).to(tl.int64)
+    shared = tl.min(tl.load(meta + 3 * S, mask=jj < full, other=2147483647), axis=0).to(tl.int64)
+    bound = tl.maximum(bound, tl.where(full > 0, shared, -2147483648))
     cover = tl.max(tl.load(meta + S, mask=live, other=-2147483648), axis=0).to(tl.int64)
     n = tl.load(meta + 2 * S, mask=live, other=0)
     prefix = tl.zeros((), tl.int64)
     k_left = tl.zeros((), tl.int64)
     if k > 0:
-        if cover <= tau:
+        if cover <= bound:
             slots = tl.arange(0, CAP)
             cand = tl.load(buf_ptr + (row * S + jj[:, None]) * CAP + slots[None, :],
                            mask=slots[None, :] < n[:, None], other=-2147483648)
             top = tl.max(tl.max(cand, axis=1), axis=0).to(tl.int64) + 1
-            prefix = (_kth_key(cand, k, tau, top) + 2147483648) >> LOW
+            prefix = (_kth_key(cand, k, bound, top) + 2147483648) >> LOW
         else:
             k_left = k
             tl.store(counts_ptr + row * 256 + tl.arange(0, 256), tl.zeros((256,), tl.int32))
@@ -336,9 +374,9 @@ def softmax(logits: Tensor, maybe_temperature_arr=None, temperature_val: float =
     return out
 
 
-# Low key bits constant within a sign for the dtype (its fp32 widening's zero mantissa bits, rounded
-# down to a byte): the radix passes stop above them.
-_KEY_LOW = {torch.bfloat16: 16, torch.float16: 8, torch.float32: 0}
+# Low key bits constant within a sign for the dtype (its fp32 widening's zero mantissa bits): the radix
+# passes stop above them, rounded down to a byte; the bound's searches skip them (fp32: one bit).
+_KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 
 
 def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0) -> Tensor:
@@ -349,7 +387,8 @@ def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0) 
     has_k = maybe_top_k_arr is not None
     k_val = max(min(int(top_k_val), V), -1)  # the kernel takes an int32 scalar; every k outside (0, V) keeps all
     k_arg = maybe_top_k_arr if has_k else out
-    low = _KEY_LOW[logits.dtype]
+    shift = _KEY_SHIFT[logits.dtype]
+    low = shift // _RADIX_BITS * _RADIX_BITS
     chunks = triton.cdiv(V, _CHUNK)
     slices = max(1, min(chunks, _RADIX_PROGRAMS // B))
     slice_len = triton.cdiv(chunks, slices) * _CHUNK
@@ -359,14 +398,15 @@ def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0) 
     S = triton.cdiv(V, _MASK_SLICE)
     if keeps_all:
         state.zero_()
-    elif S <= _MASK_MAX_SLICES and (has_k or k_val <= _MASK_GROUPS):
+    elif S <= _MASK_MAX_SLICES and (has_k or k_val <= _MASK_CAP * S):  # more than the slots hold: radix
         buf = torch.empty((B, S, _MASK_CAP), dtype=torch.int32, device=logits.device)
-        meta = torch.empty((B, 3, S), dtype=torch.int32, device=logits.device)
+        meta = torch.empty((B, 4, S), dtype=torch.int32, device=logits.device)
         counts = torch.empty((B, 256), dtype=torch.int32, device=logits.device)  # cleared by the rows using it
         _mask_slice_kernel[(B, S)](logits, logits.stride(0), k_arg, k_val, buf, meta, V, S, HAS_K=has_k,
-                                   GROUPS=_MASK_GROUPS, GROUP=_MASK_GROUP, CAP=_MASK_CAP, num_warps=_MASK_WARPS)
+                                   KEY_SHIFT=max(shift, 1), GROUPS=_MASK_GROUPS, GROUP=_MASK_GROUP, CAP=_MASK_CAP,
+                                   PIVOTS=_MASK_PIVOTS, SHARED_FROM=_MASK_SHARED_FROM, num_warps=_MASK_WARPS)
         _mask_threshold_kernel[(B,)](k_arg, k_val, buf, meta, state, counts, V, S, LOW=low, HAS_K=has_k,
-                                     BLOCK_S=triton.next_power_of_2(S), CAP=_MASK_CAP, num_warps=4)
+                                     BLOCK_S=triton.next_power_of_2(S), CAP=_MASK_CAP, SLICE=_MASK_SLICE, num_warps=4)
     else:
         counts = torch.zeros((B, 256), dtype=torch.int32, device=logits.device)
         _radix_init_kernel[(B,)](k_arg, k_val, state, V, HAS_K=has_k)
