@@ -248,11 +248,11 @@ def test_triton_top_k_mask_bound_route_finishes_distinct_rows(device, k):
     buf = torch.empty((B, S, tl_mod._MASK_CAP), dtype=torch.int32, device=device)
     meta = torch.empty((B, 4, S), dtype=torch.int32, device=device)
     state = torch.empty((B, 2), dtype=torch.int64, device=device)
-    counts = torch.full((B, 256), 7, dtype=torch.int32, device=device)
+    counts = torch.full((B, 4, 256), 7, dtype=torch.int32, device=device)
     tl_mod._mask_slice_kernel[(B, S)](x, x.stride(0), x, k, buf, meta, V, S, HAS_K=False, KEY_SHIFT=1,
                                       GROUPS=tl_mod._MASK_GROUPS, GROUP=tl_mod._MASK_GROUP, CAP=tl_mod._MASK_CAP,
                                       PIVOTS=tl_mod._MASK_PIVOTS, SHARED_FROM=tl_mod._MASK_SHARED_FROM)
-    tl_mod._mask_threshold_kernel[(B,)](x, k, buf, meta, state, counts, V, S, LOW=0, HAS_K=False,
+    tl_mod._mask_threshold_kernel[(B,)](x, k, buf, meta, state, counts, V, S, PASSES=4, HAS_K=False,
                                         BLOCK_S=triton.next_power_of_2(S), CAP=tl_mod._MASK_CAP,
                                         SLICE=tl_mod._MASK_SLICE)
     keys = reference.order_key(x[:2].cpu())

@@ -143,7 +143,8 @@ def _order_key(raw):
 # * Radix route: T by radix select, 8 bits a pass, MSB first, over the key bits the dtype can set (a
 #   16-bit value's key has constant low bits: bf16 2 passes, fp16 3, fp32 4); each pass histograms the
 #   next byte of the keys matching the bytes chosen so far, over slices in parallel programs (integer
-#   counts, any order), then a program a row picks the byte where the count from the top reaches k.
+#   counts, any order); the byte where the count from the top reaches k is replayed from the counts by
+#   the programs of the next pass and of the copy, so a pass is one launch.
 # The radix route alone (4 passes) took 886 µs at 256x128256 bf16, k = 50 on the H200 (FlashInfer
 # 121): its histograms (ballots over 512 bins) bound it at ~200 µs a pass.
 
@@ -263,11 +264,12 @@ def _mask_slice_kernel(x_ptr, x_stride, k_ptr, k_val, buf_ptr, meta_ptr, V, S,
 
 @triton.jit
 def _mask_threshold_kernel(k_ptr, k_val, buf_ptr, meta_ptr, state_ptr, counts_ptr, V, S,
-                           LOW: tl.constexpr, HAS_K: tl.constexpr, BLOCK_S: tl.constexpr, CAP: tl.constexpr,
+                           PASSES: tl.constexpr, HAS_K: tl.constexpr, BLOCK_S: tl.constexpr, CAP: tl.constexpr,
                            SLICE: tl.constexpr):
-    """``state[row] = (T_u >> LOW, 0)`` (``T_u`` the unsigned key, ``T + 2^31``) where the row's
-    candidates hold every value ``>= L = max(max tau_s, min b_s) <= T``; ``(0, k)`` and its radix counts
-    cleared where they do not; ``(0, 0)`` where the row keeps every value."""
+    """``state[row] = (T_u >> LOW, 0)`` (``T_u`` the unsigned key, ``T + 2^31``; ``LOW = 32 - 8 PASSES``,
+    the radix passes' last shift) where the row's candidates hold every value ``>= L = max(max tau_s,
+    min b_s) <= T``; ``(0, k)`` and its radix counts cleared where they do not; ``(0, 0)`` where the row
+    keeps every value."""
     row = tl.program_id(0).to(tl.int64)
     k = _row_k(k_ptr, k_val, row, V, HAS_K)
     jj = tl.arange(0, BLOCK_S)
@@ -287,10 +289,11 @@ def _mask_threshold_kernel(k_ptr, k_val, buf_ptr, meta_ptr, state_ptr, counts_pt
             cand = tl.load(buf_ptr + (row * S + jj[:, None]) * CAP + slots[None, :],
                            mask=slots[None, :] < n[:, None], other=-2147483648)
             top = tl.max(tl.max(cand, axis=1), axis=0).to(tl.int64) + 1
-            prefix = (_kth_key(cand, k, bound, top) + 2147483648) >> LOW
+            prefix = (_kth_key(cand, k, bound, top) + 2147483648) >> (32 - 8 * PASSES)
         else:
             k_left = k
-            tl.store(counts_ptr + row * 256 + tl.arange(0, 256), tl.zeros((256,), tl.int32))
+            for p in tl.static_range(PASSES):
+                tl.store(counts_ptr + (row * PASSES + p) * 256 + tl.arange(0, 256), tl.zeros((256,), tl.int32))
     tl.store(state_ptr + 2 * row, prefix)
     tl.store(state_ptr + 2 * row + 1, k_left)
 
@@ -304,13 +307,31 @@ def _radix_init_kernel(k_ptr, k_val, state_ptr, V, HAS_K: tl.constexpr):
 
 
 @triton.jit
+def _radix_prefix(state_ptr, counts_ptr, row, PASSES: tl.constexpr, DONE: tl.constexpr):
+    """A radix row's key prefix after its first ``DONE`` passes, replayed from their counts: each pass's
+    byte ``d`` is where the count of matching keys from the top first reaches k; the prefix gains ``d``
+    and k loses the count above it. Replayed by every program that needs it: no select launches."""
+    prefix = tl.zeros((), tl.int64)
+    k = tl.load(state_ptr + 2 * row + 1)
+    digits = tl.arange(0, 256)
+    for p in tl.static_range(DONE):
+        c = tl.load(counts_ptr + (row * PASSES + p) * 256 + digits).to(tl.int64)
+        at_or_above = tl.sum(c, axis=0) - tl.cumsum(c, axis=0) + c  # matching keys with a byte >= d
+        d = tl.max(tl.where(at_or_above >= k, digits, -1), axis=0)
+        k = k - tl.sum(tl.where(digits > d, c, 0), axis=0)
+        prefix = (prefix << 8) | d.to(tl.int64)
+    return prefix
+
+
+@triton.jit
 def _radix_count_kernel(x_ptr, x_stride, state_ptr, counts_ptr, V, slice_len,
-                        SHIFT: tl.constexpr, CHUNK: tl.constexpr):
-    """Histogram of byte ``SHIFT`` of the unsigned keys (``key + 2^31``) in this program's slice whose
-    higher bytes equal the row's prefix, added to ``counts[row, 0:256]``."""
+                        PASSES: tl.constexpr, PASS: tl.constexpr, CHUNK: tl.constexpr):
+    """Pass ``PASS`` of a radix row: the histogram of the next byte of the unsigned keys (``key + 2^31``)
+    in this program's slice whose higher bytes equal the row's prefix, added to ``counts[row, PASS]``."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(state_ptr + 2 * row + 1) > 0:
-        prefix = tl.load(state_ptr + 2 * row)
+        prefix = _radix_prefix(state_ptr, counts_ptr, row, PASSES, PASS)
+        shift: tl.constexpr = 24 - 8 * PASS
         x_row = x_ptr + row * x_stride
         lo = tl.program_id(1) * slice_len
         offs = tl.arange(0, CHUNK)
@@ -319,37 +340,24 @@ def _radix_count_kernel(x_ptr, x_stride, state_ptr, counts_ptr, V, slice_len,
             cols = start + offs
             live = cols < V
             u = _order_key(tl.load(x_row + cols, mask=live, other=0.0)).to(tl.int64) + 2147483648
-            match = live & ((u >> (SHIFT + 8)) == prefix)
-            digit = ((u >> SHIFT) & 255).to(tl.int32)
+            match = live & ((u >> (shift + 8)) == prefix)
+            digit = ((u >> shift) & 255).to(tl.int32)
             hist += tl.histogram(tl.where(match, digit, 256 + digit), 2 * 256)  # bins 256.. take the rest
         kept, _ = tl.split(tl.permute(tl.reshape(hist, (2, 256)), (1, 0)))
-        tl.atomic_add(counts_ptr + row * 256 + tl.arange(0, 256), kept, sem="relaxed")
+        tl.atomic_add(counts_ptr + (row * PASSES + PASS) * 256 + tl.arange(0, 256), kept, sem="relaxed")
 
 
 @triton.jit
-def _radix_select_kernel(state_ptr, counts_ptr):
-    """The byte ``d`` where the count of matching keys from the top first reaches k: the prefix
-    gains ``d``, k loses the count above it; the row's counts are cleared for the next pass."""
+def _top_k_mask_copy_kernel(x_ptr, x_stride, state_ptr, counts_ptr, out_ptr, out_stride, V, slice_len,
+                            PASSES: tl.constexpr, CHUNK: tl.constexpr):
+    """``out = x`` where the unsigned key is at least the row's threshold ``prefix << (32 - 8 PASSES)``,
+    else -inf: the prefix from the state (0 for a row keeping every value), or for a radix row from its
+    passes' counts."""
     row = tl.program_id(0).to(tl.int64)
-    k = tl.load(state_ptr + 2 * row + 1)
-    if k > 0:
-        digits = tl.arange(0, 256)
-        c = tl.load(counts_ptr + row * 256 + digits).to(tl.int64)
-        at_or_above = tl.sum(c, axis=0) - tl.cumsum(c, axis=0) + c  # matching keys with a byte >= d
-        d = tl.max(tl.where(at_or_above >= k, digits, -1), axis=0)
-        above = tl.sum(tl.where(digits > d, c, 0), axis=0)
-        tl.store(state_ptr + 2 * row, (tl.load(state_ptr + 2 * row) << 8) | d.to(tl.int64))
-        tl.store(state_ptr + 2 * row + 1, k - above)
-        tl.store(counts_ptr + row * 256 + digits, tl.zeros((256,), tl.int32))
-
-
-@triton.jit
-def _top_k_mask_copy_kernel(x_ptr, x_stride, state_ptr, out_ptr, out_stride, V, slice_len,
-                            LOW: tl.constexpr, CHUNK: tl.constexpr):
-    """``out = x`` where the unsigned key is at least the row's ``prefix << LOW`` (0 for a row keeping
-    every value), else -inf."""
-    row = tl.program_id(0).to(tl.int64)
-    threshold = tl.load(state_ptr + 2 * row) << LOW
+    prefix = tl.load(state_ptr + 2 * row)
+    if tl.load(state_ptr + 2 * row + 1) > 0:
+        prefix = _radix_prefix(state_ptr, counts_ptr, row, PASSES, PASSES)
+    threshold = prefix << (32 - 8 * PASSES)
     x_row = x_ptr + row * x_stride
     o_row = out_ptr + row * out_stride
     lo = tl.program_id(1) * slice_len
@@ -375,7 +383,7 @@ def softmax(logits: Tensor, maybe_temperature_arr=None, temperature_val: float =
 
 
 # Low key bits constant within a sign for the dtype (its fp32 widening's zero mantissa bits): the radix
-# passes stop above them, rounded down to a byte; the bound's searches skip them (fp32: one bit).
+# passes stop above them (a byte a pass: bf16 2, fp16 3, fp32 4); the bound's searches skip them (fp32: one).
 _KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 
 
@@ -388,7 +396,7 @@ def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0) 
     k_val = max(min(int(top_k_val), V), -1)  # the kernel takes an int32 scalar; every k outside (0, V) keeps all
     k_arg = maybe_top_k_arr if has_k else out
     shift = _KEY_SHIFT[logits.dtype]
-    low = shift // _RADIX_BITS * _RADIX_BITS
+    passes = (32 - shift) // _RADIX_BITS + ((32 - shift) % _RADIX_BITS > 0)
     chunks = triton.cdiv(V, _CHUNK)
     slices = max(1, min(chunks, _RADIX_PROGRAMS // B))
     slice_len = triton.cdiv(chunks, slices) * _CHUNK
@@ -398,25 +406,25 @@ def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0) 
     S = triton.cdiv(V, _MASK_SLICE)
     if keeps_all:
         state.zero_()
+        counts = torch.empty(0, dtype=torch.int32, device=logits.device)  # no row is a radix row
     elif S <= _MASK_MAX_SLICES and (has_k or k_val <= _MASK_CAP * S):  # more than the slots hold: radix
         buf = torch.empty((B, S, _MASK_CAP), dtype=torch.int32, device=logits.device)
         meta = torch.empty((B, 4, S), dtype=torch.int32, device=logits.device)
-        counts = torch.empty((B, 256), dtype=torch.int32, device=logits.device)  # cleared by the rows using it
+        counts = torch.empty((B, passes, 256), dtype=torch.int32, device=logits.device)  # cleared by radix rows
         _mask_slice_kernel[(B, S)](logits, logits.stride(0), k_arg, k_val, buf, meta, V, S, HAS_K=has_k,
                                    KEY_SHIFT=max(shift, 1), GROUPS=_MASK_GROUPS, GROUP=_MASK_GROUP, CAP=_MASK_CAP,
                                    PIVOTS=_MASK_PIVOTS, SHARED_FROM=_MASK_SHARED_FROM, num_warps=_MASK_WARPS)
-        _mask_threshold_kernel[(B,)](k_arg, k_val, buf, meta, state, counts, V, S, LOW=low, HAS_K=has_k,
+        _mask_threshold_kernel[(B,)](k_arg, k_val, buf, meta, state, counts, V, S, PASSES=passes, HAS_K=has_k,
                                      BLOCK_S=triton.next_power_of_2(S), CAP=_MASK_CAP, SLICE=_MASK_SLICE, num_warps=4)
     else:
-        counts = torch.zeros((B, 256), dtype=torch.int32, device=logits.device)
+        counts = torch.zeros((B, passes, 256), dtype=torch.int32, device=logits.device)
         _radix_init_kernel[(B,)](k_arg, k_val, state, V, HAS_K=has_k)
     if not keeps_all:  # the rows the bound route finished (most) return at once
-        for shift in range(32 - _RADIX_BITS, low - 1, -_RADIX_BITS):
-            _radix_count_kernel[grid](logits, logits.stride(0), state, counts, V, slice_len, SHIFT=shift,
+        for p in range(passes):
+            _radix_count_kernel[grid](logits, logits.stride(0), state, counts, V, slice_len, PASSES=passes, PASS=p,
                                       CHUNK=_CHUNK, num_warps=4)
-            _radix_select_kernel[(B,)](state, counts, num_warps=4)
-    _top_k_mask_copy_kernel[grid](logits, logits.stride(0), state, out, out.stride(0), V, slice_len, LOW=low,
-                                  CHUNK=_CHUNK, num_warps=4)
+    _top_k_mask_copy_kernel[grid](logits, logits.stride(0), state, counts, out, out.stride(0), V, slice_len,
+                                  PASSES=passes, CHUNK=_CHUNK, num_warps=4)
     return out
 
 
