@@ -45,6 +45,13 @@ def _row_max_bits(row_ptr, V, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def slices_max_bits(mx_ptr, row, S, BLOCK_S: tl.constexpr):
+    """The row's largest pattern from its ``S`` slices' (``mx[row, :S]``, -1 for none)."""
+    jj = tl.arange(0, BLOCK_S)
+    return tl.max(tl.load(mx_ptr + row * S + jj, mask=jj < S, other=-1), axis=0)
+
+
+@triton.jit
 def slice_of_target(masses, jj, S, target):
     """``(js, base)``: the first of the ``S`` slices (``masses`` at ``jj``, int64, 0 past ``S``) whose
     cumulative mass exceeds ``target``, ``S`` if none, and the mass of the slices before it."""

@@ -14,7 +14,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import _fixed, _random_bits31, _slice_max_bits, _target, _value_bits, rng_tensors, slice_of_target
+from ._common import (_fixed, _kth_in_registers, _random_bits31, _slice_max_bits, _target, _value_bits, rng_tensors,
+                      slice_of_target, slices_max_bits)
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
 
@@ -155,7 +156,7 @@ _MASK_GROUP = 16
 _MASK_GROUPS = _MASK_SLICE // _MASK_GROUP  # tau_s needs k groups (k <= 256); past them the shared bound
 _MASK_CAP = 128  # candidate slots a slice: expected k (1 + k / 256) used, ~60 at k = 50
 _MASK_MAX_SLICES = 64  # the row kernel holds 64 x 128 candidates: V <= 262144
-_MASK_WARPS = 8  # sm_90, bf16: 128 registers a thread (24 bytes spilled), 2 programs an SM; 4 warps: 251
+_MASK_WARPS = 8  # sm_90, bf16: 128 registers a thread, 2 programs an SM; 4 warps: 254
 _MASK_PIVOTS = 16  # a bf16 slice's bound in 4 reductions over its groups' maxima (bisection: 32)
 _MASK_SHARED_FROM = 64  # k past which a slice also takes the shared bound: ~k (1 + k / 256) > the slots
 _KEY_MIN = tl.constexpr(-2147483648)  # below every order key (that of -inf and NaN is -2139095041)
@@ -169,23 +170,6 @@ def _row_k(k_ptr, k_val, row, V, HAS_K: tl.constexpr):
     else:
         k = tl.full((), 0, tl.int64) + k_val
     return tl.where((k > 0) & (k < V), k, 0)
-
-
-@triton.jit
-def _count_at_or_above(keys, t):
-    return tl.sum(tl.sum((keys >= t).to(tl.int32), axis=1), axis=0)
-
-
-@triton.jit
-def _kth_key(keys, k, lo, hi):
-    """The largest ``t`` in ``[lo, hi)`` with at least ``k`` of the 2-D ``keys`` ``>= t`` (``lo`` has),
-    by bisection."""
-    while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        enough = _count_at_or_above(keys, mid) >= k
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid)
-    return lo
 
 
 @triton.jit
@@ -243,13 +227,9 @@ def _mask_slice_kernel(x_ptr, x_stride, k_ptr, k_val, buf_ptr, meta_ptr, V, S,
         n = tl.sum(tl.sum(sel.to(tl.int32), axis=1), axis=0)
         cover = tau
         if n > CAP:  # ties, k near CAP or past the groups: the least key with at most CAP at or above it
-            lo = (tau >> KEY_SHIFT).to(tl.int32)
-            while hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                fits = _count_at_or_above(bits, mid) <= CAP
-                lo = tl.where(fits, lo, mid)
-                hi = tl.where(fits, mid, hi)
-            cover = hi.to(tl.int64) << KEY_SHIFT
+            flat = tl.reshape(bits, (GROUPS * GROUP,))
+            cover = (_kth_in_registers(flat, CAP + 1, (tau >> KEY_SHIFT).to(tl.int32), hi, 0) + 1).to(tl.int64)
+            cover = cover << KEY_SHIFT
             sel = live & (keys >= cover)
             n = tl.sum(tl.sum(sel.to(tl.int32), axis=1), axis=0)
         per_group = tl.sum(sel.to(tl.int32), axis=1)
@@ -288,8 +268,9 @@ def _mask_threshold_kernel(k_ptr, k_val, buf_ptr, meta_ptr, state_ptr, counts_pt
             slots = tl.arange(0, CAP)
             cand = tl.load(buf_ptr + (row * S + jj[:, None]) * CAP + slots[None, :],
                            mask=slots[None, :] < n[:, None], other=-2147483648)
-            top = tl.max(tl.max(cand, axis=1), axis=0).to(tl.int64) + 1
-            prefix = (_kth_key(cand, k, bound, top) + 2147483648) >> (32 - 8 * PASSES)
+            cand = tl.reshape(cand, (BLOCK_S * CAP,))
+            prefix = (_kth_in_registers(cand, k, bound, tl.max(cand, axis=0).to(tl.int64) + 1, 0) + 2147483648)
+            prefix = prefix >> (32 - 8 * PASSES)
         else:
             k_left = k
             for p in tl.static_range(PASSES):
@@ -465,8 +446,7 @@ def _min_p_slice_kernel(p_ptr, p_stride, mp_ptr, mp_val, idx_ptr, mx_ptr, mass_p
     lo = j * SLICE
     hi = tl.minimum(lo + SLICE, V)
     if MASS:
-        jj = tl.arange(0, BLOCK_S)
-        thr, e_max = _min_p_cut(tl.max(tl.load(mx_ptr + row * S + jj, mask=jj < S, other=-1), axis=0), min_p)
+        thr, e_max = _min_p_cut(slices_max_bits(mx_ptr, row, S, BLOCK_S), min_p)
         offs = tl.arange(0, CHUNK)
         mass = tl.zeros((), tl.int64)
         for start in range(lo, hi, CHUNK):
@@ -490,7 +470,7 @@ def _min_p_kernel(p_ptr, p_stride, mp_ptr, mp_val, seed_ptr, offset_ptr, out_ptr
     p_row, min_p = _min_p_row(p_ptr, p_stride, idx_ptr, mp_ptr, mp_val, row, HAS_MP, HAS_IDX)
     jj = tl.arange(0, BLOCK_S)
     live = jj < S
-    thr, e_max = _min_p_cut(tl.max(tl.load(mx_ptr + row * S + jj, mask=live, other=-1), axis=0), min_p)
+    thr, e_max = _min_p_cut(slices_max_bits(mx_ptr, row, S, BLOCK_S), min_p)
     masses = tl.load(mass_ptr + row * S + jj, mask=live, other=0)
     target = _target(_random_bits31(seed_ptr, offset_ptr, row, PER_ROW_RNG), tl.sum(masses, axis=0))
     js, base = slice_of_target(masses, jj, S, target)

@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import _fixed, _random_bits31, _target, rng_tensors, slice_of_target
+from ._common import _fixed, _random_bits31, _target, rng_tensors, slice_of_target, slices_max_bits
 from .logits import (_CHUNK, _SLICE, inverse_temperature, min_p_sampling_from_probs, row_inverse_temperature,
                      row_stats, slice_stats, softmax)
 
@@ -90,7 +90,7 @@ def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, stats_ptr, S, mx_ptr, m
     e_guess = tl.maximum(_largest_bits(inv_s) >> 23, 1)
     jj = tl.arange(0, BLOCK_S)
     live = jj < S
-    e_max = tl.maximum(tl.max(tl.load(mx_ptr + row * S + jj, mask=live, other=-1), axis=0) >> 23, 1)
+    e_max = tl.maximum(slices_max_bits(mx_ptr, row, S, BLOCK_S) >> 23, 1)
     masses = tl.load(mass_ptr + row * S + jj, mask=live, other=0)
     r31 = _random_bits31(seed_ptr, offset_ptr, row, PER_ROW_RNG)
     token = tl.full((), 2147483647, tl.int32)
