@@ -319,10 +319,10 @@ def _split_rows(device):
 
 def _split_decisions(probs, top_k, cfg):
     """Whether the filter kernel takes the split path for each row, from the prepass's stats."""
-    from torch_kernels.families.sampling import triton as triton_sampling
+    from torch_kernels.families.sampling.triton.candidates import _slice_prepass
     B, _ = probs.shape
     buf = [torch.empty((B, cfg.cap), dtype=torch.int32, device=probs.device) for _ in range(2)]
-    stats = triton_sampling._slice_prepass(probs, top_k, *buf, cfg).cpu()
+    stats = _slice_prepass(probs, top_k, *buf, cfg).cpu()
     tau, n, cover = stats[:, 0].amax(-1), stats[:, 2].amin(-1), stats[:, 3].amax(-1)
     k = top_k.cpu().long()
     k = torch.where((k > 0) & (k < probs.shape[1]), k, probs.shape[1])
@@ -369,7 +369,7 @@ def test_triton_slice_prepass_keeps_its_contract():
 def test_triton_split_rows_skip_the_streaming_pass(monkeypatch):
     """Sampling reads a split row in the prepass only: with the rows zeroed right after it, the split
     rows of ``_split_rows`` still draw the reference's token and the others draw 0 (no mass)."""
-    from torch_kernels.families.sampling import triton as triton_sampling
+    from torch_kernels.families.sampling.triton import launch
     torch.manual_seed(7)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     probs, top_k, top_p, split = _split_rows(device)
@@ -377,14 +377,14 @@ def test_triton_split_rows_skip_the_streaming_pass(monkeypatch):
     want = reference.top_k_top_p_sampling_from_probs(probs, top_k, top_p, seed, offset).cpu()
     split = torch.tensor(split)
     assert (want[~split] != 0).all(), "a falling-back row draws 0 anyway: change the seed"
-    prepass = triton_sampling._slice_prepass
+    prepass = launch._slice_prepass
 
     def prepass_then_zero(p, *rest):
         stats = prepass(p, *rest)
         p.zero_()
         return stats
-    monkeypatch.setattr(triton_sampling, "_slice_prepass", prepass_then_zero)
-    got = triton_sampling._launch(probs.clone(), top_k, top_p, seed, offset, True, _small_split_config()).cpu()
+    monkeypatch.setattr(launch, "_slice_prepass", prepass_then_zero)
+    got = launch._launch(probs.clone(), top_k, top_p, seed, offset, True, _small_split_config()).cpu()
     assert torch.equal(got[split], want[split]) and (got[~split] == 0).all(), f"{got.tolist()} vs {want.tolist()}"
 
 
@@ -472,7 +472,7 @@ def test_triton_histogram_route_keeps_its_contract():
     bracket: ``lo`` fails and ``hi`` passes (the threshold lies in ``(lo, hi]``), ``g_*``/``c_*`` are
     the exact mass and count above them, the rows take the route or the fallback as intended; the
     compacted buffer holds exactly the values in the bracket. Rows whose top-k cuts are off the route."""
-    from torch_kernels.families.sampling import triton as triton_sampling
+    from torch_kernels.families.sampling.triton.histogram import _hist_prepasses
     torch.manual_seed(8)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     probs, top_p, want_route, want_sure = _hist_rows(device)
@@ -481,7 +481,7 @@ def test_triton_histogram_route_keeps_its_contract():
     B, V = probs.shape
     buf = torch.full((B, cfg.cap), -7, dtype=torch.int32, device=device)
     top_k = torch.tensor([0, V, -2] + [0] * (B - 4) + [5], device=device)  # the last row is off the route
-    _, bracket, window = triton_sampling._hist_prepasses(probs, top_k, top_p, buf, cfg)
+    _, bracket, window = _hist_prepasses(probs, top_k, top_p, buf, cfg)
     bracket, buf, window = bracket.cpu(), buf.cpu(), window.cpu()
     bits = reference.value_bits(probs).cpu()
     q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(V))

@@ -15,6 +15,7 @@ from torch_kernels import ops, registry
 from torch_kernels.families.sampling import reference
 from torch_kernels.spec import Backend
 
+from conftest import bits as conftest_bits
 from conftest import DEVICES, assert_bad_inputs_raise, chi_square, chi_square_critical, implementations_on, triton_here
 
 FROM_PROBS, FROM_LOGITS, TKTP_LOGITS = "sampling_from_probs", "sampling_from_logits", "top_k_top_p_sampling_from_logits"
@@ -233,6 +234,51 @@ def test_logits_in_is_softmax_then_probs_in_on_every_backend(op, dtype, device):
                 assert torch.equal(registered, by_op[op][Backend.TORCH].load()(*args))
             else:
                 assert _ids_in(logits_in_kept(op, args), registered), "registered op: an id outside the kept set"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_logits_in_writes_only_the_rows_the_prepass_does_not_finish(dtype, device):
+    """The split prepass from logits: the ids of softmax then the probs-in kernels (and the reference's),
+    with the probabilities tensor written only for the rows the filter kernel reads, each exactly as
+    softmax writes it; the rows the prepass finishes keep what was there (NaN here). A 64-slot buffer
+    of 4 slices (16 slots, k <= 16 splits) on rows of 1000; and the default launch at 32000."""
+    ts = triton_here("sampling", device)
+    from torch_kernels.families.sampling.triton.candidates import Logits
+    from torch_kernels.families.sampling.triton.logits import slice_stats
+    from torch_kernels.families.sampling.triton.logits_in import top_k_top_p_sampling_from_logits
+
+    torch.manual_seed(33)
+    small = ts.Config(cap=64, chunk=64, k_small=32, chunk_g=512, np_count=16, np_mass=16, num_warps=4, slices=4,
+                      slice_warps=4, hist_slices=0)
+    x = _logits(8, 1000, device, dtype, stride=1024)
+    x[1, ::2] = NINF  # half the row masked
+    x[2] = torch.randint(0, 2, (1000,), device=device).to(dtype)  # ties beyond a slice's 16 slots: not finished
+    x[3, 5:] = NINF  # fewer finite values than k: ties of zeros
+    k = torch.tensor([10, 16, 10, 10, 17, 0, 1, -1], device=device)  # 17, off: not split
+    p = torch.tensor([0.9, 0.5, 1.0, 0.8, 0.9, 0.95, 0.3, 0.7], device=device)
+    t = torch.tensor([1.0, 0.7, 1.0, 1.0, 1.3, 1.0, 2.0, 0.0], device=device)  # t = 0: uniform, all tied
+    cases = [(x, k, 0, p, 1.0, t, 1.0, small, [0, 1, 6]), (x, None, 12, None, 0.9, None, 0.8, small, None),
+             (_logits(2, 32000, device, dtype), None, 50, None, 0.9, None, 1.0, ts.DEFAULT, [0, 1])]
+    for x, k_arr, k_val, p_arr, p_val, t_arr, t_val, config, finished in cases:
+        B, V = x.shape
+        s, o = _t(4321, device), _t(9, device)
+        softmax = ts.softmax(x, t_arr, t_val)
+        want = ts._launch(softmax, ts._either(k_arr, k_val), ts._either(p_arr, p_val), s, o, sample=True, config=config)
+        assert torch.equal(want.cpu(), reference.top_k_top_p_sampling_from_logits(
+            x, k_arr, k_val, p_arr, p_val, t_arr, t_val, s, o).cpu())
+        assert torch.equal(top_k_top_p_sampling_from_logits(x, k_arr, k_val, p_arr, p_val, t_arr, t_val, s, o,
+                                                            config=config).cpu(), want.cpu())
+        probs = torch.full((B, V), math.nan, device=device)
+        stats, S, block_s = slice_stats(x, t_arr, t_val)
+        got = ts._launch(probs, ts._either(k_arr, k_val), ts._either(p_arr, p_val), s, o, sample=True, config=config,
+                         logits=Logits(x, t_arr, t_val, stats, S, block_s))
+        assert torch.equal(got.cpu(), want.cpu()), f"{tuple(x.shape)}: {got.tolist()} vs {want.tolist()}"
+        untouched = [r for r in range(B) if probs[r].isnan().all()]
+        if finished is not None:
+            assert untouched == finished, untouched
+        for r in set(range(B)) - set(untouched):
+            assert torch.equal(conftest_bits(probs[r]), conftest_bits(softmax[r])), f"row {r} not softmax's"
 
 
 def logits_in_kept(op, args):

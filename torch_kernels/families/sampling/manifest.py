@@ -68,8 +68,10 @@ FAMILY = Family(
                  "then sampling_from_probs",
                  ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, ("top_k_top_p_sampling_from_logits",),
-                 "not fused: the Triton softmax kernel, then the top_k_top_p_sampling_from_probs kernels on its "
-                 "fp32 probabilities", ("float32", "float16", "bfloat16")),
+                 "the probs-in kernels with the split prepass computing each probability from the logits (after "
+                 "softmax's slice statistics); probabilities written only for rows it does not finish; a scalar "
+                 "top-k off or past the prepass's slots, or the joint order: Triton softmax then the probs-in kernels",
+                 ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, ("sampled_token_logprobs",),
                  "softmax's slice statistics, then one program per row counting the values at or above the "
                  "token's; no log-probabilities tensor", ("float32", "float16", "bfloat16")),

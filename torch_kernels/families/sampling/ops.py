@@ -1455,7 +1455,9 @@ def top_k_top_p_sampling_from_logits(logits: Tensor, top_k: Union[int, Tensor], 
     temperature)`` (fp32, the ``softmax`` op), then the top-k and top-p filters and the draw of
     ``top_k_top_p_sampling_from_probs`` on those probabilities: the ids are those of the two ops in sequence
     on the same ``(seed, offset)`` and backend, bit for bit (across backends as ``sampling_from_logits``).
-    The Triton backend runs the two kernels in sequence (an fp32 probabilities tensor between them).
+    The Triton backend computes the probabilities where its top-k prepass reads them and writes them only
+    for the rows that prepass does not finish (ties, top-k off or large); with a scalar top-k off or past
+    the prepass's 128 slots a slice, or the joint order, it runs the two ops' kernels in sequence.
 
     Args:
         logits: ``(B, V)`` float32, float16 or bfloat16, last dimension contiguous (rows may be strided).
@@ -1610,8 +1612,18 @@ def _flashinfer_logits_in(op: str):
     return peer
 
 
+def _unfused_logits_in(logits, k_arr, k_val, p_arr, p_val, t_arr, t_val, seed, offset, order="top_k_first"):
+    probs = torch.ops.deepinfer.softmax(logits, t_arr, t_val)
+    return torch.ops.deepinfer.top_k_top_p_sampling_from_probs(probs, k_arr, p_arr, seed, offset, k_val, p_val, order)
+
+
+#: our softmax then our probs-in sampler, as the default selection serves them (the fused op's 1.2x goal)
+_UNFUSED_LOGITS_IN = Peer("unfused", _unfused_logits_in)
+
+
 def _bench_logits_in(op: str, args) -> BenchCase:
     return BenchCase(_bench_shape, args, _bench_nbytes(1), own_hidden=_bench_vocab, flashinfer=_flashinfer_logits_in(op),
+                     peers=(_UNFUSED_LOGITS_IN,) if op == _TOP_K_TOP_P_FROM_LOGITS else (),
                      compare=_bench_compare_logits_in(op), axis="rows")
 
 

@@ -20,6 +20,13 @@ def row_value(arg, stride, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def row_top_k(top_k_ptr, top_k_stride, row, V, K_ARR: tl.constexpr):
+    """The row's top-k as an int32 in ``[1, V]``: ``<= 0`` or ``>= V`` keeps the whole row (``V``)."""
+    k64 = row_value(top_k_ptr, top_k_stride, row, K_ARR, tl.int64)
+    return tl.where((k64 > 0) & (k64 < V), k64, V).to(tl.int32)
+
+
+@triton.jit
 def _value_bits(row_ptr, cols, mask):
     """int32 bit patterns of the sanitised values (NaN/negative -> 0, +inf -> FLT_MAX); -1 where masked."""
     p = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # fp16/bf16: exact

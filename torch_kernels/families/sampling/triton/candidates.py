@@ -31,12 +31,15 @@ of the slice's 16 values a thread, and one count over the slice checks it (the p
 from there when it does not fit: ties, k near ``SLICE_CAP``).
 """
 
+from typing import NamedTuple, Optional
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import _fixed, _kth_in_registers, _target, _top_p_in_registers, _value_bits, row_value
+from ._common import _fixed, _kth_in_registers, _target, _top_p_in_registers, _value_bits, row_top_k
+from .logits import _CHUNK, _SLICE, prob_bits, row_inverse_temperature, row_stats, softmax_slice
 from .config import Config
 
 
@@ -151,6 +154,11 @@ def _slice_candidates_kernel(
     GROUPS: tl.constexpr,  # group maxima the search starts from (<= 1: none)
     GM_CAP: tl.constexpr,  # the group-maxima search stops at g(lo) <= GM_CAP (3/4 of SLICE_CAP)
     K_ARR: tl.constexpr = True,  # top_k a (B,) tensor, else an int for every row
+    FROM_LOGITS: tl.constexpr = False,  # probs_ptr holds logits: each value is softmax's, computed (prob_bits)
+    t_ptr=None, t_val=1.0,  # FROM_LOGITS: the temperature, (B,) with HAS_T, else the scalar
+    x_stats_ptr=None, S_X=1,  # FROM_LOGITS: the softmax's S_X slice statistics a row (logits.slice_stats)
+    HAS_T: tl.constexpr = False,
+    BLOCK_S: tl.constexpr = 1,  # FROM_LOGITS: next power of two >= S_X
 ):
     """The split prepass of one slice ``[s*L, min((s+1)*L, V))`` of one row (module docstring).
 
@@ -166,15 +174,19 @@ def _slice_candidates_kernel(
     s = tl.program_id(1)
     row_ptr = probs_ptr + row * probs_row_stride
     stats = stats_ptr + row * (4 * SLICES) + s
-    k64 = row_value(top_k_ptr, top_k_stride, row, K_ARR, tl.int64)
-    k = tl.where((k64 > 0) & (k64 < V), k64, V).to(tl.int32)
+    k = row_top_k(top_k_ptr, top_k_stride, row, V, K_ARR)
     split = k <= K_SPLIT
 
     cols = s * L + tl.arange(0, SLICE)
     # the slice ends at min((s+1)*L, V): the last slices may be short or empty. The scalar `split` is
     # folded into the bound (the interpreter rejects a mask of vector & scalar)
     end = tl.where(split, tl.minimum(s * L + L, V), 0)
-    b = _value_bits(row_ptr, cols, cols < end)  # -1 outside the slice (and everywhere without a split)
+    # -1 outside the slice (and everywhere without a split)
+    if FROM_LOGITS:
+        m, s_sum = row_stats(x_stats_ptr, row, S_X, BLOCK_S)
+        b = prob_bits(row_ptr, cols, cols < end, row_inverse_temperature(t_ptr, t_val, row, HAS_T), m, 1.0 / s_sum)
+    else:
+        b = _value_bits(row_ptr, cols, cols < end)
     mx = tl.max(b, axis=0)  # -1: an empty slice
 
     # multi-pivot count search: f(lo) >= k > f(hi) (f(mx + 1) = 0), until f(lo) <= SLICE_CAP. It starts
@@ -238,22 +250,82 @@ def _slice_candidates_kernel(
     tl.store(cand_bits_ptr + dst + rest, tl.full([SLICE_CAP], -1, tl.int32), mask=rest >= tl.where(split, n, SLICE_CAP))
 
 
-def _slice_prepass(probs: Tensor, top_k, buf_bits: Tensor, buf_idx: Tensor, config: Config) -> Tensor:
+@triton.jit
+def split_row(stats_ptr, row, k, SLICES: tl.constexpr, K_SMALL: tl.constexpr):
+    """``(split, tau)`` of a row from the split prepass's stats: ``split``, the buffer holds every value
+    of the row ``>= tau`` (a lower bound of ``t_k``) and the filter kernel takes them, reading no row.
+
+    Each tau_s is 0 or has k values of its slice >= it, so the row has k values >= tau = max_s tau_s:
+    tau <= t_k (also when slices are shorter than k or empty: their tau_s is 0). Slice s wrote ALL its
+    values >= cover_s; where cover_s <= tau for every s, that includes all its values >= tau, so the
+    values >= tau of the row are all in the buffer, in index order (slices are contiguous and in order,
+    and so are the slots); the other slots are below tau or -1. At most SLICES * SLICE_CAP <= CAP."""
+    sl = tl.arange(0, SLICES)
+    stats = stats_ptr + row * (4 * SLICES)
+    tau = tl.max(tl.load(stats + sl), axis=0)
+    n_min = tl.min(tl.load(stats + 2 * SLICES + sl), axis=0)
+    cover_max = tl.max(tl.load(stats + 3 * SLICES + sl), axis=0)
+    # (the prepass flags k > K_SMALL already)
+    return (n_min >= 0) & (cover_max <= tau) & (k <= K_SMALL), tau
+
+
+@triton.jit(do_not_specialize=["top_k_ptr"])
+def _unsplit_softmax_kernel(x_ptr, x_stride, t_ptr, t_val, x_stats_ptr, S_X, top_k_ptr, top_k_stride, stats_ptr,
+                            out_ptr, out_stride, V, HAS_T: tl.constexpr, BLOCK_S: tl.constexpr, SLICE: tl.constexpr,
+                            CHUNK: tl.constexpr, SLICES: tl.constexpr, K_SMALL: tl.constexpr, K_ARR: tl.constexpr):
+    """Slice ``j`` of the softmax of a row the split prepass (from logits) did not finish (:func:`split_row`),
+    where the filter kernel's other routes read it; nothing for the rows it finished."""
+    row = tl.program_id(0).to(tl.int64)
+    split, _ = split_row(stats_ptr, row, row_top_k(top_k_ptr, top_k_stride, row, V, K_ARR), SLICES, K_SMALL)
+    if split.to(tl.int32) == 0:
+        m, s = row_stats(x_stats_ptr, row, S_X, BLOCK_S)
+        lo = tl.program_id(1) * SLICE
+        softmax_slice(x_ptr + row * x_stride, out_ptr + row * out_stride, lo, tl.minimum(lo + SLICE, V),
+                      row_inverse_temperature(t_ptr, t_val, row, HAS_T), m, 1.0 / s, CHUNK)
+
+
+class Logits(NamedTuple):
+    """The probabilities of a sampling call as softmax's, from its logits: computed where read, written
+    only for the rows the split prepass does not finish (``_launch``'s ``logits``)."""
+    x: Tensor  # (B, V) logits, last dim contiguous
+    t_arr: Optional[Tensor]  # (B,) temperatures, or None: t_val for every row
+    t_val: float
+    stats: Tensor  # the softmax's slice statistics (logits.slice_stats)
+    S: int
+    block_s: int
+
+
+def _slice_prepass(probs: Tensor, top_k, buf_bits: Tensor, buf_idx: Tensor, config: Config,
+                   logits: Optional[Logits] = None) -> Tensor:
     """Run ``_slice_candidates_kernel`` over ``(B, config.slices)``: writes the slices' candidates into
     ``buf_bits``/``buf_idx`` (``(B, cap)``, as ``(B, slices, cap // slices)``) and returns their
-    ``(B, 4, slices)`` int32 stats (``tau_s``, largest pattern, ``n_s``, ``cover_s``)."""
+    ``(B, 4, slices)`` int32 stats (``tau_s``, largest pattern, ``n_s``, ``cover_s``). With ``logits``
+    the values are computed from them (``probs`` is not read) and then written to ``probs`` for the rows
+    the filter kernel will read (:func:`split_row`)."""
     B, V = probs.shape
     slices = config.slices
     slice_len = triton.cdiv(V, slices)
     stats = torch.empty((B, 4, slices), dtype=torch.int32, device=probs.device)
+    src = probs if logits is None else logits.x
+    from_logits = {}
+    if logits is not None:
+        has_t = logits.t_arr is not None
+        from_logits = dict(FROM_LOGITS=True, t_ptr=logits.t_arr if has_t else stats, t_val=float(logits.t_val),
+                           x_stats_ptr=logits.stats, S_X=logits.S, HAS_T=has_t, BLOCK_S=logits.block_s)
     _slice_candidates_kernel[(B, slices)](
-        probs, probs.stride(0), top_k, _stride(top_k), stats, buf_bits, buf_idx, V, slice_len,
+        src, src.stride(0), top_k, _stride(top_k), stats, buf_bits, buf_idx, V, slice_len,
         SLICES=slices, SLICE=triton.next_power_of_2(slice_len), SLICE_CAP=config.cap // slices,
         K_SPLIT=min(config.cap // slices, config.k_small), NP=config.np_slice,
         GROUPS=triton.next_power_of_2(slice_len) // config.slice_group if config.slice_group else 1,
         GM_CAP=config.cap // slices * 3 // 4, K_ARR=isinstance(top_k, Tensor), num_warps=config.slice_warps,
-        **({"maxnreg": config.slice_maxnreg} if config.slice_maxnreg else {}),
+        **from_logits, **({"maxnreg": config.slice_maxnreg} if config.slice_maxnreg else {}),
     )
+    if logits is not None:
+        _unsplit_softmax_kernel[(B, logits.S)](
+            logits.x, logits.x.stride(0), from_logits["t_ptr"], from_logits["t_val"], logits.stats, logits.S, top_k,
+            _stride(top_k), stats, probs, probs.stride(0), V, HAS_T=from_logits["HAS_T"], BLOCK_S=logits.block_s,
+            SLICE=_SLICE, CHUNK=_CHUNK, SLICES=slices, K_SMALL=config.k_small, K_ARR=isinstance(top_k, Tensor),
+            num_warps=4)
     return stats
 
 

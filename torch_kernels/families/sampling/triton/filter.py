@@ -7,8 +7,8 @@ the renormalised row: one program walking a whole row was latency-bound."""
 import triton
 import triton.language as tl
 
-from ._common import _fixed, _random_bits31, _row_max_bits, _value_bits, row_value
-from .candidates import _candidate_route, _candidates_in_registers, _stream_candidates
+from ._common import _fixed, _random_bits31, _row_max_bits, _value_bits, row_top_k, row_value
+from .candidates import _candidate_route, _candidates_in_registers, _stream_candidates, split_row
 from .histogram import _hist_row
 from .pivots import _full_pass_route
 
@@ -47,20 +47,11 @@ def _top_k_row(row_ptr, V, k, q_bits, limit_scale, joint_mass, buf_bits, buf_idx
     """(threshold pattern, kept mass, sampled token, e_max) of a row off the histogram route: the split
     candidates when the prepass split it, else pass 1 and the candidate or full-pass route."""
     if SPLIT:
-        # Why the buffer then holds what the candidate route needs. Each tau_s is 0 or has k values of
-        # its slice >= it, so the row has k values >= tau = max_s tau_s: tau <= t_k (also when slices
-        # are shorter than k or empty: their tau_s is 0). Slice s wrote ALL its values >= cover_s; where
-        # cover_s <= tau for every s, that includes all its values >= tau, so the values >= tau of the
-        # row are all in the buffer, in index order (slices are contiguous and in order, and so are
-        # the slots); the other slots are below tau or -1. At most SLICES * SLICE_CAP <= CAP of them.
-        sl = tl.arange(0, SLICES)
-        stats = stats_ptr + row * (4 * SLICES)
-        tau = tl.max(tl.load(stats + sl), axis=0)
-        n_min = tl.min(tl.load(stats + 2 * SLICES + sl), axis=0)
-        cover_max = tl.max(tl.load(stats + 3 * SLICES + sl), axis=0)
-        if (n_min >= 0) & (cover_max <= tau) & (k <= K_SMALL):  # (the prepass flags k > K_SMALL already)
+        split, tau = split_row(stats_ptr, row, k, SLICES, K_SMALL)
+        if split:
             # ---- split row: the prepass wrote the candidates; no streaming pass ---------------------
-            mx = tl.max(tl.load(stats + SLICES + sl), axis=0)  # the row's largest bit pattern
+            sl = tl.arange(0, SLICES)
+            mx = tl.max(tl.load(stats_ptr + row * (4 * SLICES) + SLICES + sl), axis=0)  # the row's largest pattern
             e_max = tl.maximum(mx >> 23, 1)
             vb = tl.load(buf_bits + slots)  # SLICES x SLICE_CAP = CAP slots (powers of two), all written
             vb = tl.where(vb >= tau, vb, -1)  # below tau (a lower cover_s): harmless, but no candidate
@@ -122,8 +113,7 @@ def _filter_kernel(
 
     k = V
     if HAS_K:
-        k64 = row_value(top_k_ptr, top_k_stride, row, K_ARR, tl.int64)
-        k = tl.where((k64 > 0) & (k64 < V), k64, V).to(tl.int32)
+        k = row_top_k(top_k_ptr, top_k_stride, row, V, K_ARR)
 
     limit_scale = 0.0
     if HAS_P:

@@ -112,16 +112,34 @@ def _softmax_kernel(x_ptr, x_stride, t_ptr, t_val, stats_ptr, out_ptr, out_strid
     x_row = x_ptr + row * x_stride
     inv = row_inverse_temperature(t_ptr, t_val, row, HAS_T)
     m, s = row_stats(stats_ptr, row, S, BLOCK_S)
-    inv_s = 1.0 / s
-    offs = tl.arange(0, CHUNK)
     lo = tl.program_id(1) * SLICE
-    hi = tl.minimum(lo + SLICE, V)
+    softmax_slice(x_row, out_ptr + row * out_stride, lo, tl.minimum(lo + SLICE, V), inv, m, 1.0 / s, CHUNK)
+
+
+@triton.jit
+def softmax_slice(x_row, out_row, lo, hi, inv, m, inv_s, CHUNK: tl.constexpr):
+    """Columns ``[lo, hi)`` of the row's softmax, ``exp(x - m) * inv_s`` in fp32 (a row of all ``-inf``: NaN)."""
+    offs = tl.arange(0, CHUNK)
     for start in range(lo, hi, CHUNK):
         cols = start + offs
         mask = cols < hi
         raw = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
         x = tl.where(raw == -float("inf"), -float("inf"), raw * inv)
-        tl.store(out_ptr + row * out_stride + cols, tl.exp(x - m) * inv_s, mask=mask)  # all -inf: NaN
+        tl.store(out_row + cols, tl.exp(x - m) * inv_s, mask=mask)
+
+
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def prob_bits(x_row, cols, mask, inv, m, inv_s):
+    """The sanitised pattern (``_value_bits``) of :func:`softmax_slice`'s output at ``cols``, computed in
+    registers, not read; -1 where masked."""
+    raw = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    x = tl.where(raw == -float("inf"), -float("inf"), raw * inv)
+    p = tl.exp(x - m) * inv_s
+    p = tl.where(p > 0, tl.minimum(p, _FLT_MAX), 0.0)
+    return tl.where(mask, p.to(tl.int32, bitcast=True), -1)
 
 
 @triton.jit

@@ -7,8 +7,11 @@
   registers (``exp(x - m) * (1 / s)``, the softmax kernel's expression, ``m`` and ``s`` combined as it
   combines them): no probabilities tensor; the ids are those of ``softmax`` then ``sampling_from_probs``
   on this backend (the same fixed-point masses, exact integers in any order).
-* ``top_k_top_p_sampling_from_logits``: the composition of this backend's ``softmax`` and
-  ``top_k_top_p_sampling_from_probs`` kernels (an fp32 probabilities tensor in between).
+* ``top_k_top_p_sampling_from_logits``: ``top_k_top_p_sampling_from_probs``'s kernels with the split
+  prepass computing each probability from the logits as ``softmax`` writes it (``prob_bits``, after the
+  softmax's slice statistics): the probabilities are written only for the rows the prepass does not
+  finish (ties, top-k off or beyond the slices' slots), which the filter kernel reads. Rows that all
+  miss the split (a scalar top-k off or large, the joint order) take ``softmax`` then the probs-in kernels.
 * ``sampled_token_logprobs``: the softmax's slice statistics, then one counting pass for the rank.
 """
 
@@ -21,10 +24,11 @@ from torch import Tensor
 
 from ..reference import fixed_point_bits
 from ._common import _fixed, _random_bits31, _target, rng_tensors, slice_of_target, slices_max_bits
-from .logits import (_CHUNK, _SLICE, inverse_temperature, min_p_sampling_from_probs, row_inverse_temperature,
-                     row_stats, slice_stats, softmax)
-
-_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+from .candidates import Logits
+from .config import DEFAULT, Config
+from .launch import _either, _launch, splits
+from .logits import (_CHUNK, _FLT_MAX, _SLICE, inverse_temperature, min_p_sampling_from_probs, prob_bits,
+                     row_inverse_temperature, row_stats, slice_stats, softmax)
 
 
 def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor, indices: Optional[Tensor] = None) -> Tensor:
@@ -32,18 +36,8 @@ def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor, indices: Op
 
 
 @triton.jit
-def _prob_bits(x_row, cols, mask, inv, m, inv_s):
-    """The sanitised pattern (``_value_bits``) of the softmax kernel's output at ``cols``; -1 where masked."""
-    raw = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
-    x = tl.where(raw == -float("inf"), -float("inf"), raw * inv)
-    p = tl.exp(x - m) * inv_s
-    p = tl.where(p > 0, tl.minimum(p, _FLT_MAX), 0.0)
-    return tl.where(mask, p.to(tl.int32, bitcast=True), -1)
-
-
-@triton.jit
 def _largest_bits(inv_s):
-    """The pattern of the row's largest probability, ``exp(0) * (1 / s)``, sanitised as ``_prob_bits``."""
+    """The pattern of the row's largest probability, ``exp(0) * (1 / s)``, sanitised as ``prob_bits``."""
     return tl.where(inv_s > 0, tl.minimum(inv_s, _FLT_MAX), 0.0).to(tl.int32, bitcast=True)
 
 
@@ -66,7 +60,7 @@ def _slice_mass_kernel(x_ptr, x_stride, t_val, stats_ptr, S, mx_ptr, mass_ptr, V
     hi = tl.minimum(lo + SLICE, V)
     for start in range(lo, hi, CHUNK):
         cols = start + offs
-        b = _prob_bits(x_row, cols, cols < hi, inv, m, inv_s)
+        b = prob_bits(x_row, cols, cols < hi, inv, m, inv_s)
         mx = tl.maximum(mx, tl.max(b, axis=0))
         mass += tl.sum(_fixed(b, e_guess, q_bits), axis=0)
     tl.store(mx_ptr + row * S + j, mx)
@@ -103,7 +97,7 @@ def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, stats_ptr, S, mx_ptr, m
             for start in range(lo, hi, CHUNK):
                 if token == 2147483647:
                     cols = start + offs
-                    cum = base + tl.cumsum(_fixed(_prob_bits(x_row, cols, cols < hi, inv, m, inv_s), e_max, q_bits),
+                    cum = base + tl.cumsum(_fixed(prob_bits(x_row, cols, cols < hi, inv, m, inv_s), e_max, q_bits),
                                            axis=0)
                     token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
                     base = tl.max(cum, axis=0)
@@ -111,13 +105,13 @@ def _sampling_from_logits_kernel(x_ptr, x_stride, t_val, stats_ptr, S, mx_ptr, m
         mass = tl.zeros((), tl.int64)
         for start in range(0, V, CHUNK):
             cols = start + offs
-            mass += tl.sum(_fixed(_prob_bits(x_row, cols, cols < V, inv, m, inv_s), e_max, q_bits), axis=0)
+            mass += tl.sum(_fixed(prob_bits(x_row, cols, cols < V, inv, m, inv_s), e_max, q_bits), axis=0)
         target = _target(r31, mass)
         base = tl.zeros((), tl.int64)
         for start in range(0, V, CHUNK):
             if token == 2147483647:
                 cols = start + offs
-                cum = base + tl.cumsum(_fixed(_prob_bits(x_row, cols, cols < V, inv, m, inv_s), e_max, q_bits), axis=0)
+                cum = base + tl.cumsum(_fixed(prob_bits(x_row, cols, cols < V, inv, m, inv_s), e_max, q_bits), axis=0)
                 token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
                 base = tl.max(cum, axis=0)
     tl.store(out_ptr + row, tl.where(token == 2147483647, 0, token))  # no mass: 0, as the reference
@@ -142,13 +136,21 @@ def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor
 
 def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val: int, maybe_top_p_arr,
                                      top_p_val: float, maybe_temperature_arr, temperature_val: float,
-                                     seed: Tensor, offset: Tensor, filter_apply_order: str = "top_k_first") -> Tensor:
-    from . import _launch  # the package imports this module: no circle at import time
-
+                                     seed: Tensor, offset: Tensor, filter_apply_order: str = "top_k_first",
+                                     config: Config = DEFAULT) -> Tensor:
+    top_k = _either(maybe_top_k_arr, top_k_val)  # a scalar: a kernel argument
+    top_p = _either(maybe_top_p_arr, top_p_val)
+    B, V = logits.shape
+    if B and filter_apply_order != "joint" and splits(top_k, V, config):
+        # fused: the split prepass computes the probabilities from the logits; the rows it does not
+        # finish get theirs written for the filter kernel's other routes
+        stats, S, block_s = slice_stats(logits, maybe_temperature_arr, temperature_val)
+        probs = torch.empty((B, V), dtype=torch.float32, device=logits.device)
+        source = Logits(logits, maybe_temperature_arr, temperature_val, stats, S, block_s)
+        return _launch(probs, top_k, top_p, seed, offset, sample=True, config=config, logits=source)
     probs = softmax(logits, maybe_temperature_arr, temperature_val)
-    top_k = top_k_val if maybe_top_k_arr is None else maybe_top_k_arr  # a scalar: a kernel argument
-    top_p = top_p_val if maybe_top_p_arr is None else maybe_top_p_arr
-    return _launch(probs, top_k, top_p, seed, offset, sample=True, joint=filter_apply_order == "joint")
+    return _launch(probs, top_k, top_p, seed, offset, sample=True, config=config,
+                   joint=filter_apply_order == "joint")
 
 
 @triton.jit
