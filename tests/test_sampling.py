@@ -366,6 +366,28 @@ def test_triton_slice_prepass_keeps_its_contract():
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a GPU or Triton's interpreter")
+def test_triton_scalar_top_k_off_takes_the_histogram_route(monkeypatch):
+    """A scalar top-k that keeps every row (0, negative, V and past it: ``top_p_sampling_from_probs``) is
+    no top-k: the histogram route's kernels run, not the split prepass, and the ids are the reference's."""
+    from torch_kernels.families.sampling.triton import launch
+    torch.manual_seed(9)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    probs = torch.softmax(torch.randn(4, 1000, device=device) * 3, -1)
+    seed, offset = torch.tensor(11, device=device), torch.tensor(2, device=device)
+    ran = []
+    for name in ("_hist_prepasses", "_slice_prepass"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, real=real, name=name: ran.append(name) or real(*a))
+    for k in (0, -1, 1000, 1001):
+        want = reference.top_k_top_p_sampling_from_probs(probs, torch.full((4,), k, device=device),
+                                                         torch.full((4,), 0.9, device=device), seed, offset)
+        got = launch._launch(probs, k, 0.9, seed, offset, True, _small_split_config())
+        assert torch.equal(got.cpu(), want.cpu()), f"top_k {k}: {got.tolist()} vs {want.tolist()}"
+        assert ran == ["_hist_prepasses"], f"top_k {k}: {ran}"
+        ran.clear()
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a GPU or Triton's interpreter")
 def test_triton_split_rows_skip_the_streaming_pass(monkeypatch):
     """Sampling reads a split row in the prepass only: with the rows zeroed right after it, the split
     rows of ``_split_rows`` still draw the reference's token and the others draw 0 (no mass)."""
