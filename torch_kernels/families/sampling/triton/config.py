@@ -2,6 +2,8 @@
 every kernel's launch; sweeps pass their own (``benchmarks/bench_sampling.py --sweep``,
 ``--prepass-sweep``). The figures behind the defaults are in ``docs/design/sampling.md``."""
 
+from __future__ import annotations
+
 from typing import NamedTuple
 
 
@@ -44,6 +46,24 @@ class Config(NamedTuple):
     # sampling calls too (rows with top_k <= 0 or >= V): the four launches cost the top_k=50 call
     # 119 against 101 µs at 64 rows, and top-p-only sampling rows take the full-pass route instead
     hist_with_top_k: bool = False
+    # a call's slices a row (`slices`, `hist_slices` at most; 0: always those): enough to keep a slice
+    # within slice_values, and fewer where the batch alone fills fill_programs: a program's cost is
+    # mostly fixed (top_k_renorm_probs took 153 µs at 256 x 32000, 1000 values a slice, and 257 at
+    # 256 x 128256, 4008), and 132 SMs hold 4 slice programs each
+    slice_values: int = 4096
+    fill_programs: int = 528
+
+
+def fitted(config: Config, rows: int, V: int) -> Config:
+    """``config`` with the slices a row of a call of ``rows`` rows of ``V`` values takes (``slice_values``)."""
+    if not config.slice_values or rows <= 0:
+        return config
+
+    def pow2_at_least(n: int) -> int:
+        return 1 << max(0, n - 1).bit_length()
+
+    want = max(pow2_at_least(-(-V // config.slice_values)), pow2_at_least(-(-config.fill_programs // rows)))
+    return config._replace(slices=min(config.slices, want), hist_slices=min(config.hist_slices, want))
 
 
 DEFAULT = Config()

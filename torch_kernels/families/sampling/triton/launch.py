@@ -11,7 +11,7 @@ from torch import Tensor
 from ..reference import fixed_point_bits
 from ._common import rng_tensors
 from .candidates import Logits, _slice_prepass, _stride
-from .config import DEFAULT, Config
+from .config import DEFAULT, Config, fitted
 from .filter import _filter_kernel, _renorm_write_kernel, _row_mass_kernel
 from .histogram import _hist_prepasses
 
@@ -22,11 +22,12 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
     ``probs`` is an unwritten fp32 tensor: the split prepass computes its values from the logits, and
     only the rows it does not finish are written, for the filter kernel's other routes."""
     B, V = probs.shape
+    config = fitted(config, B, V)
     if not isinstance(top_k, Tensor) and top_k is not None and not 0 < top_k < V:
         # a scalar top-k that keeps every row whole is none: top-p rows then take the histogram route,
         # not the full-pass searches (459 against ~120 µs at 64 rows of 128256, p = 0.9)
         top_k = None
-    if logits is not None and not (sample and not joint and splits(top_k, V, config)):
+    if logits is not None and not (sample and not joint and splits(top_k, B, V, config)):
         raise ValueError("_launch: logits are served only by a sampling call that splits (top_k_first)")
     if sample:
         out = torch.empty(B, dtype=torch.int32, device=probs.device)
@@ -88,8 +89,10 @@ def _either(arr: Optional[Tensor], val):
     return val if arr is None else arr
 
 
-def splits(top_k, V: int, config: Config = DEFAULT) -> bool:
-    """Whether the split prepass runs and can finish a row: a per-row top-k, or one in ``(0, K_SPLIT]``."""
+def splits(top_k, B: int, V: int, config: Config = DEFAULT) -> bool:
+    """Whether the split prepass of a call of ``B`` rows runs and can finish a row: a per-row top-k, or
+    one in ``(0, K_SPLIT]``."""
+    config = fitted(config, B, V)
     if not (V > config.cap and config.slices > 0):
         return False
     return isinstance(top_k, Tensor) or 0 < top_k <= min(config.cap // config.slices, config.k_small)

@@ -141,7 +141,7 @@ def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val:
     top_k = _either(maybe_top_k_arr, top_k_val)  # a scalar: a kernel argument
     top_p = _either(maybe_top_p_arr, top_p_val)
     B, V = logits.shape
-    if B and filter_apply_order != "joint" and splits(top_k, V, config):
+    if B and filter_apply_order != "joint" and splits(top_k, B, V, config):
         # fused: the split prepass computes the probabilities from the logits; the rows it does not
         # finish get theirs written for the filter kernel's other routes
         stats, S, block_s = slice_stats(logits, maybe_temperature_arr, temperature_val)
