@@ -24,9 +24,10 @@ from torch_kernels.families.sampling import triton as triton_sampling  # noqa: E
 from torch_kernels.families.sampling.ops import kept_set  # noqa: E402
 from torch_kernels.families.sampling.triton import logits_in  # noqa: E402
 
-SHAPES = ((1, 32000), (32, 32000), (64, 32000), (256, 32000), (512, 32000), (256, 128256))
+SHAPES = ((1, 32000), (32, 32000), (64, 32000), (256, 32000), (512, 32000), (256, 128256), (256, 256000))
 TOP_K, TOP_P = 50, 0.9
-CONFIGS = {"fitted slices": triton_sampling.DEFAULT, "32 slices": triton_sampling.DEFAULT._replace(slice_values=0)}
+CONFIGS = {"fitted slices": triton_sampling.DEFAULT,
+           "32 slices": triton_sampling.DEFAULT._replace(slice_values=0, hist_slices=32)}
 
 
 def probs_in_calls(probs, seed, offset, fs):

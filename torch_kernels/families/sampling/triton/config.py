@@ -34,7 +34,9 @@ class Config(NamedTuple):
     write_block: int = 4096
     write_warps: int = 8
     # the histogram route (top-p rows that top-k leaves whole, V > cap; 0 slices: none)
-    hist_slices: int = 32  # slices a row of the histogram kernels (4008 values at V = 128256)
+    # the most slices a row of the histogram kernels (4000 values at V = 256000): at 32 slices of 8000,
+    # _hist_kernel took 228 registers a thread for sm_90 against 110 at 4096 (1 program an SM, not 2)
+    hist_slices: int = 64
     # a power of two >= 4 (2 lumps), 24 KB a row: over a 2-octave window a fine bucket is 1/512 octave,
     # ~5 values at the threshold of a softmax of randn * 3 at p = 0.9: one compaction, 14 bisection steps
     hist_buckets: int = 2048
@@ -47,7 +49,7 @@ class Config(NamedTuple):
     # 119 against 101 µs at 64 rows, and top-p-only sampling rows take the full-pass route instead
     hist_with_top_k: bool = False
     # a call's slices a row (`slices`, `hist_slices` at most; 0: always those): enough to keep a slice
-    # within slice_values, and fewer where the batch alone fills fill_programs: a program's cost is
+    # within slice_values, else `slices` or fewer where the batch alone fills fill_programs: a program's cost is
     # mostly fixed (top_k_renorm_probs took 153 µs at 256 x 32000, 1000 values a slice, and 257 at
     # 256 x 128256, 4008), and 132 SMs hold 4 slice programs each
     slice_values: int = 4096
@@ -62,7 +64,8 @@ def fitted(config: Config, rows: int, V: int) -> Config:
     def pow2_at_least(n: int) -> int:
         return 1 << max(0, n - 1).bit_length()
 
-    want = max(pow2_at_least(-(-V // config.slice_values)), pow2_at_least(-(-config.fill_programs // rows)))
+    by_fill = min(config.slices, pow2_at_least(-(-config.fill_programs // rows)))
+    want = max(pow2_at_least(-(-V // config.slice_values)), by_fill)
     return config._replace(slices=min(config.slices, want), hist_slices=min(config.hist_slices, want))
 
 
