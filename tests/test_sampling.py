@@ -14,7 +14,8 @@ from torch_kernels import registry
 from torch_kernels.families.sampling import reference as reference
 from torch_kernels.families.sampling import ops as sampling_ops
 from torch_kernels.spec import Backend
-from torch_kernels.testing import TOP_P_SLACK, assert_close, assert_ids_kept
+from torch_kernels.families.sampling.ops import TOP_P_SLACK, assert_ids_kept
+from torch_kernels.testing import assert_close
 
 from conftest import DEVICES, arg_names, assert_bad_inputs_raise, chi_square_critical, family_ops, implementations_on
 

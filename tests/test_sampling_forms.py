@@ -389,7 +389,7 @@ def _fake_forms_release():
 
 @pytest.mark.parametrize("release", ["0.6.0", "0.6.18.post1", "0.7.4"])
 def test_flashinfer_backend_forms_on_a_fake(release, monkeypatch):
-    from torch_kernels.testing import TOP_P_SLACK
+    from torch_kernels.families.sampling.ops import TOP_P_SLACK
     fake = _fake_forms_release()(release, monkeypatch).install()
     s = fake.sampling
     torch.manual_seed(38)
@@ -432,7 +432,8 @@ def test_flashinfer_forms_keep_the_reference_set():
     spec = registry.BY_OP[SAMPLING].get(Backend.FLASHINFER)
     if spec is None or not spec.is_available(torch_kernels.Platform.detect()):
         pytest.skip("FlashInfer is not installed")
-    from torch_kernels.testing import TOP_P_SLACK, as_dispatched
+    from torch_kernels.families.sampling.ops import TOP_P_SLACK
+    from torch_kernels.testing import as_dispatched
     fn = as_dispatched(spec)
     torch.manual_seed(37)
     V = 128256

@@ -89,6 +89,9 @@ class OpDef:
     # compare(got, want, dtype): a backend's outputs against the reference's (as
     # testing.outputs_of returns them); raises AssertionError. None: assert_close per output.
     compare: Optional[Callable[..., None]] = None
+    # check_draw(args, outputs): the outputs of a backend that draws from its own random stream
+    # (KernelSpec.own_random_stream) against what the op may return on args; raises AssertionError
+    check_draw: Optional[Callable[[tuple, Any], None]] = None
     bench: Optional[BenchCase] = None  # the benchmark's shapes, bytes and peers; None: not benchmarked
     # other public functions over this op, exported beside its wrapper (FlashInfer's names for its forms)
     aliases: Tuple[Callable[..., Any], ...] = ()

@@ -54,18 +54,3 @@ def as_dispatched(spec):
         bound.apply_defaults()
         return (reference if impl.refuses(tuple(bound.arguments.values())) is not None else fn)(*args, **kwargs)
     return dispatched
-
-
-#: slack on top_p for the kept set of an implementation that decides the top-p boundary in fp32
-TOP_P_SLACK = 1e-4
-
-
-def assert_ids_kept(probs, top_k, top_p, ids, top_p_slack: float = 0.0) -> None:
-    """Every sampled id lies in the reference's kept set (``top_p`` raised by ``top_p_slack``)."""
-    from .families.sampling import reference
-
-    bits = reference.value_bits(probs)
-    q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(probs.shape[1]))
-    kept = reference.kept_mask(bits, q, top_k, (top_p + top_p_slack).to(top_p.dtype))[0]
-    inside = kept.gather(1, ids.long()[:, None]).squeeze(1)
-    assert bool(inside.all()), f"ids outside the kept set in rows {(~inside).nonzero().flatten().tolist()[:10]}"

@@ -488,6 +488,35 @@ def kept_set(probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return reference.kept_mask(bits, q, top_k, top_p)[0]
 
 
+#: slack on top_p for the kept set of an implementation that decides the top-p boundary in fp32
+TOP_P_SLACK = 1e-4
+
+
+def assert_ids_kept(probs, top_k, top_p, ids, top_p_slack: float = 0.0, joint: bool = False) -> None:
+    """Every sampled id lies in the reference's kept set (``top_p`` raised by ``top_p_slack``);
+    ``top_k``/``top_p`` per-row tensors or scalars."""
+    from . import reference
+
+    bits = reference.value_bits(probs)
+    q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(probs.shape[1]))
+    top_p = reference.per_row(top_p, probs.shape[0], torch.float32, probs.device) + top_p_slack
+    kept = reference.kept_mask(bits, q, top_k, top_p, joint=joint)[0]
+    inside = kept.gather(1, ids.long()[:, None]).squeeze(1)
+    assert bool(inside.all()), f"ids outside the kept set in rows {(~inside).nonzero().flatten().tolist()[:10]}"
+
+
+def _check_draw(args: tuple, ids: Tensor) -> None:
+    """``top_k_top_p_sampling_from_probs`` from another random stream: ids of int32, one an output row,
+    each in the reference's kept set (its top-p boundary decided in fp32: ``TOP_P_SLACK``)."""
+    from .reference import gather_rows
+
+    probs, k_arr, p_arr, _, _, k_val, p_val, order, indices = (tuple(args) + (0, 1.0, "top_k_first", None)[len(args) - 5:])
+    rows, k_arr, p_arr = gather_rows(indices, probs, k_arr, p_arr)
+    assert ids.shape == rows.shape[:1], f"ids of shape {tuple(ids.shape)} for {rows.shape[0]} rows"
+    assert_ids_kept(rows, k_val if k_arr is None else k_arr, p_val if p_arr is None else p_arr, ids, TOP_P_SLACK,
+                    joint=order == "joint")
+
+
 def _bench_compare_samples(got: list, want: list, dtype, args: tuple) -> Optional[str]:
     """The reference's ids, or, from another random stream, ids all in the reference's kept set."""
     try:
@@ -975,7 +1004,7 @@ OPS = (
           "Tensor offset, int top_k_val=0, float top_p_val=1.0, str filter_apply_order=\"top_k_first\", "
           "Tensor? indices=None) -> Tensor",
           validate_sampling, _fake_sampling, top_k_top_p_sampling_from_probs, _samples_sampling, _tokens_sampling,
-          no_grad_reason=_NO_GRAD, compare=compare_samples,
+          no_grad_reason=_NO_GRAD, compare=compare_samples, check_draw=_check_draw,
           bench=_bench("top_k_top_p_sampling_from_probs", _bench_args_sampling, 1, _bench_compare_samples),
           aliases=(top_p_sampling_from_probs, top_k_sampling_from_probs)),
     OpDef("softmax(Tensor logits, Tensor? maybe_temperature_arr=None, float temperature_val=1.0) -> Tensor",
