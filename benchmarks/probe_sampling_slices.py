@@ -4,8 +4,9 @@ on the GPU host.
     python benchmarks/probe_sampling_slices.py --out results/probe_sampling_slices.json
 
 fp32 probabilities (softmax of ``randn * 3``) and bf16 logits, rows x vocab, timed by CUDA-graph replay in
-interleaved rounds: each Triton op with the slices its launch now fits to the call (``Config.slice_values``)
-and with the fixed 32 (``slice_values=0``), ``top_k_top_p_sampling_from_logits`` fused and as softmax then the
+interleaved rounds: each Triton op with the slices its launch now fits to the call (``Config.slice_values``),
+with the fixed 32 (``slice_values=0``), and the top-k prepass at 64 slices or without its register cap
+(``CONFIGS``), ``top_k_top_p_sampling_from_logits`` fused and as softmax then the
 probs-in sampler, and FlashInfer's op when installed. Our results are checked against the reference first
 (the ids exactly, the renormalised rows to fp32 rounding); FlashInfer's ids against the reference's kept set.
 """
@@ -27,7 +28,11 @@ from torch_kernels.families.sampling.triton import logits_in  # noqa: E402
 SHAPES = ((1, 32000), (32, 32000), (64, 32000), (256, 32000), (512, 32000), (256, 128256), (256, 256000))
 TOP_K, TOP_P = 50, 0.9
 CONFIGS = {"fitted slices": triton_sampling.DEFAULT,
-           "32 slices": triton_sampling.DEFAULT._replace(slice_values=0, hist_slices=32)}
+           "32 slices": triton_sampling.DEFAULT._replace(slice_values=0, hist_slices=32),
+           # at 256000 the top-k prepass's slices of 8000 values spill at 64 registers a thread (564 bytes
+           # for sm_90); 64 slices keep 4000 but leave 64 slots (no group-maxima start at k = 50)
+           "top-k prepass 64 slices": triton_sampling.DEFAULT._replace(slices=64),
+           "top-k prepass, ptxas' registers": triton_sampling.DEFAULT._replace(slice_maxnreg=0)}
 
 
 def probs_in_calls(probs, seed, offset, fs):
