@@ -48,10 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    try:
-        import flashinfer.sampling as fs
-    except ImportError:
-        fs = None
+    fs = harness.optional_module("flashinfer.sampling")
     ceiling = harness.copy_ceiling_gbps()
     rows = []
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ the same run. Triton is imported only by :func:`graph_us`, so the CPU run of the
 """
 
 import datetime
+import importlib
 import json
 import platform as pyplatform
 import statistics
@@ -204,6 +205,14 @@ def l2_flush():
     l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or 0
     buf = torch.ones(max(FLUSH_BYTES, 4 * l2) // 4, device="cuda")
     return lambda: buf.sum()
+
+
+def optional_module(name: str):
+    """The module ``name``, or None where it is not installed (a peer a probe times when it can)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def copy_ceiling_gbps(sizes_mb=(64, 256, 1024)) -> float:
