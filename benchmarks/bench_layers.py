@@ -19,8 +19,10 @@ tolerance), then both are timed: ``wall us``, µs per call over back-to-back cal
 events (the host included: what a caller without CUDA graphs pays), and ``device us``, the same call
 replayed from a CUDA graph (eager and compiled; reduce-overhead replays graphs already). The goals of
 the whole-layer issue are judged per layer and token count: ours compiled at most plain compiled, ours
-eager at most 1.2x plain compiled at 1 and 32 tokens, ours reduce-overhead at most plain's. On the CPU
-only the wall clock is taken, which says nothing of a GPU, and no goal is judged.
+eager at most 1.2x plain compiled at 1 and 32 tokens, ours reduce-overhead at most plain's. ``--profile``
+adds, per call, our ops' host µs, the copies made outside them (Inductor's around in-place ops among
+them), the costliest other outermost aten ops and, on CUDA, the kernels launched. On the CPU only the wall
+clock is taken, which says nothing of a GPU, and no goal is judged.
 """
 
 import argparse
@@ -87,8 +89,8 @@ def _check(layer: str, got, want, what: str) -> None:
             raise AssertionError(f"{what}: relative error {err:.3g} against plain eager (bound {bound})")
 
 
-def rows_at(layer: str, cfg, tokens: int, modes, device: str, dtype) -> list:
-    """One row per (impl, mode): ours checked against plain eager, then both timed."""
+def rows_at(layer: str, cfg, tokens: int, modes, device: str, dtype, profile: bool = False) -> list:
+    """One row per (impl, mode): ours checked against plain eager, then both timed (and profiled)."""
     from torch._dynamo.utils import counters
 
     pair = layer_pair(layer, cfg, tokens, device, dtype)
@@ -112,10 +114,58 @@ def rows_at(layer: str, cfg, tokens: int, modes, device: str, dtype) -> list:
                     row["device us"] = harness.graph_us(lambda: fn(*args))
             else:
                 row["wall us"] = harness.wall_us(lambda: fn(*args), min_s=1e-3, repeat=3)
+            if profile:
+                row["profile"] = profile_of(lambda: fn(*args), cuda=device == "cuda")
             rows.append(row)
-            print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+            print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items() if k != "profile"}, flush=True)
     torch._dynamo.reset()
     return rows
+
+
+#: the ops a copy is made by, counted where no op of ours and no other copy made them
+COPIES = ("aten::copy_", "aten::clone", "aten::_to_copy")
+
+
+def _under(event, prefixes) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(prefixes):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def profile_of(fn, calls: int = 5, cuda: bool = False) -> dict:
+    """What separates the columns, per call of ``fn``: our ops called and each one's host µs (inclusive),
+    the copies made outside our ops (Inductor's around in-place ops among them), the host µs of the
+    costliest other outermost aten ops, and on CUDA the kernels launched (copies and memsets included)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    ours, top, copies = {}, {}, {}
+    for e in cpu:
+        if _under(e, ("deepinfer::",)):
+            continue
+        if e.name.startswith("deepinfer::"):
+            ours[e.name] = ours.get(e.name, 0.0) + e.cpu_time_total / calls
+        elif e.name in COPIES and not _under(e, COPIES):
+            copies[e.name] = copies.get(e.name, 0) + 1 / calls
+        elif e.name.startswith("aten::") and not _under(e, ("aten::",)):  # the outermost, compiled code's too
+            top[e.name] = top.get(e.name, 0.0) + e.cpu_time_total / calls
+    out = {"our ops": {k: round(v, 1) for k, v in sorted(ours.items())},
+           "copies": {k: round(v, 2) for k, v in sorted(copies.items())},
+           "outermost aten host us": dict(sorted(((k, round(v, 1)) for k, v in top.items()), key=lambda kv: -kv[1])[:5])}
+    if cuda:
+        out["kernels"] = sum(e.device_type == DeviceType.CUDA for e in events) / calls
+    return out
 
 
 def _at(rows: list, layer: str, tokens: int, impl: str, mode: str) -> dict:
@@ -181,6 +231,10 @@ def plot(rows: list, path: Path) -> None:
     plt.close(fig)
 
 
+def _inline(v):
+    return ", ".join(f"{k.split('::')[-1]} {n}" for k, n in v.items()) if isinstance(v, dict) else v
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -188,6 +242,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,32,2048; on the CPU 1,7)")
     p.add_argument("--layers", default=",".join(LAYERS))
     p.add_argument("--modes", default=None, help=f"comma-separated of {','.join(MODES)} (on the CPU no reduce-overhead)")
+    p.add_argument("--profile", action="store_true", help="also profile each row: our ops' host µs, the copies "
+                   "made outside them, the costliest other ops, the kernels launched")
     p.add_argument("--out", default=None, help="folder for layers.json, layers.md and layers.png")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
@@ -201,7 +257,7 @@ def main(argv=None) -> int:
     with torch._dynamo.config.patch(recompile_limit=64), torch.inference_mode():
         for layer in a.layers.split(","):
             for t in tokens:
-                rows += rows_at(layer, cfg, t, modes, a.device, torch.bfloat16)
+                rows += rows_at(layer, cfg, t, modes, a.device, torch.bfloat16, a.profile)
     header = harness.header() if cuda else {"gpu": None, "versions": harness.versions()}
     judged = goals(rows) if cuda else []
     result = {**header, "device": a.device, "config": dataclasses.asdict(cfg), "rows": rows, "goals": judged}
@@ -209,6 +265,12 @@ def main(argv=None) -> int:
                                              "ours device us", "plain device us", "device x plain", "note"])
     text = f"# Decoder layers: ours against plain torch\n\n{result['gpu'] or a.device}, torch {result['versions']['torch']}\n\n"
     text += table + "\n"
+    profiled = [{**{k: r[k] for k in ("layer", "tokens", "impl", "mode")}, **{k: _inline(v) for k, v in r["profile"].items()}}
+                for r in rows if "profile" in r]
+    if profiled:
+        text += "\n## Per call: our ops (host µs), copies outside them, costliest other ops (host µs), kernels\n\n"
+        text += harness.markdown(profiled, ["layer", "tokens", "impl", "mode", "our ops", "copies",
+                                            "outermost aten host us", "kernels"]) + "\n"
     if judged:
         text += "\n## Goals (wall µs)\n\n" + harness.markdown(judged, ["layer", "tokens", "goal", "ours / plain", "met"]) + "\n"
     print("\n" + text)

@@ -313,12 +313,12 @@ def _bench_layers():
 
 
 def test_layers_benchmark_cpu_smoke_run(tmp_path):
-    """Every layer, ours and plain, checked against plain and timed eagerly on the CPU; the JSON, the
-    table and the plot written; no goal judged off a GPU."""
+    """Every layer, ours and plain, checked against plain, timed and profiled eagerly on the CPU; the
+    JSON, the table and the plot written; no goal judged off a GPU."""
     import subprocess
 
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_layers.py"), "--device", "cpu", "--tiny",
-                           "--modes", "eager", "--tokens", "1,5", "--out", str(tmp_path)],
+                           "--modes", "eager", "--tokens", "1,5", "--profile", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "layers.json").read_text())
@@ -326,6 +326,10 @@ def test_layers_benchmark_cpu_smoke_run(tmp_path):
     assert {(r["layer"], r["tokens"], r["impl"], r["mode"]) for r in result["rows"]} == {
         (layer, t, impl, "eager") for layer in layers for t in (1, 5) for impl in ("ours", "plain")}
     assert all(r["wall us"] > 0 and "device us" not in r for r in result["rows"]) and result["goals"] == []
+    for r in result["rows"]:  # the profile: our ops in ours only, each with its host time
+        ours = r["profile"]["our ops"]
+        assert (r["impl"] == "ours") == bool(ours) and all(us > 0 for us in ours.values()), r
+        assert "kernels" not in r["profile"], r
     assert "| paged qk-norm | 5 | eager |" in (tmp_path / "layers.md").read_text()
     assert (tmp_path / "layers.png").read_bytes()[:4] == b"\x89PNG"
 
