@@ -5,8 +5,8 @@ on the GPU host.
 
 fp32 probabilities (softmax of ``randn * 3``) and bf16 logits, rows x vocab, timed by CUDA-graph replay in
 interleaved rounds: each Triton op with the slices its launch now fits to the call (``Config.slice_values``),
-with the fixed 32 (``slice_values=0``), and the top-k prepass at 64 slices or without its register cap
-(``CONFIGS``), ``top_k_top_p_sampling_from_logits`` fused and as softmax then the
+with the fixed 32 (``slice_values=0``), the top-k prepass at 64 slices or without its register cap, and
+the histogram kernel at 80 registers (``CONFIGS``), ``top_k_top_p_sampling_from_logits`` fused and as softmax then the
 probs-in sampler, and FlashInfer's op when installed. Our results are checked against the reference first
 (the ids exactly, the renormalised rows to fp32 rounding); FlashInfer's ids against the reference's kept set.
 """
@@ -32,7 +32,9 @@ CONFIGS = {"fitted slices": triton_sampling.DEFAULT,
            # at 256000 the top-k prepass's slices of 8000 values spill at 64 registers a thread (564 bytes
            # for sm_90); 64 slices keep 4000 but leave 64 slots (no group-maxima start at k = 50)
            "top-k prepass 64 slices": triton_sampling.DEFAULT._replace(slices=64),
-           "top-k prepass, ptxas' registers": triton_sampling.DEFAULT._replace(slice_maxnreg=0)}
+           "top-k prepass, ptxas' registers": triton_sampling.DEFAULT._replace(slice_maxnreg=0),
+           # _hist_kernel at 80 registers a thread: 3 programs an SM, not 2 (40 bytes of spill for sm_90)
+           "histogram kernel 80 registers": triton_sampling.DEFAULT._replace(hist_maxnreg=80)}
 
 
 def probs_in_calls(probs, seed, offset, fs):

@@ -45,6 +45,9 @@ class Config(NamedTuple):
     hist_levels: int = 8
     hist_level_octaves: int = 2
     hist_warps: int = 8  # a slice program: 16 values a thread, as the slice prepass
+    # ptxas .maxnreg of _hist_kernel (0: its choice, 110 for sm_90: 2 programs an SM); 80 fits 3 with
+    # 40 bytes of spill, 64 spills 368 (benchmarks/probe_sampling_slices.py times 80)
+    hist_maxnreg: int = 0
     # sampling calls too (rows with top_k <= 0 or >= V): the four launches cost the top_k=50 call
     # 119 against 101 µs at 64 rows, and top-p-only sampling rows take the full-pass route instead
     hist_with_top_k: bool = False

@@ -370,7 +370,7 @@ def _hist_prepasses(probs: Tensor, top_k, top_p, buf_bits: Tensor, config: Confi
     _hist_kernel[(B, slices)](probs, probs.stride(0), top_p, _stride(top_p), hist_max, hist_level, hist_mass,
                               hist_count, window, V, slice_len, fixed_point_bits(V), SLICES=slices, SLICE=slice_pow2,
                               NB=nb, LEVELS=levels, LEVEL_OCT=level_oct, P_ARR=isinstance(top_p, Tensor),
-                              num_warps=config.hist_warps)
+                              num_warps=config.hist_warps, **({"maxnreg": config.hist_maxnreg} if config.hist_maxnreg else {}))
     _hist_bracket_kernel[(B,)](top_p, _stride(top_p), hist_max, hist_mass, hist_count, window, bracket,
                                SLICES=slices, NB=nb, P_ARR=isinstance(top_p, Tensor), num_warps=config.hist_warps)
     _bracket_compact_kernel[(B, slices)](probs, probs.stride(0), bracket, buf_bits, fill, V, slice_len,
