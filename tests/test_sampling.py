@@ -237,6 +237,10 @@ def _cases(device):
              t([0.9, 0.9, 0.5, 1.0, 0.2, 1.0, 0.95, 0.0])),
             (_ties(4, V, device, levels=8), t([50, 5000, 0, 1], torch.int32), t([0.9, 0.5, 0.9, 0.9])),
             (_softmax(5, 32000, device, stride=32768), t([40, 0, 600, 3, 31999]), t([0.8, 0.95, 0.99, 0.1, 0.999])),
+            # a batch that fits 8 slices a row (512 slots: k up to 512 splits), and 64 histogram slices
+            (_softmax(256, 32000, device), torch.randint(-1, 700, (256,), device=device),
+             torch.rand(256, device=device) * 0.6 + 0.4),
+            (_softmax(3, 256000, device), t([0, 50, 200]), t([0.9, 0.95, 0.5])),
         ]
     return cases
 

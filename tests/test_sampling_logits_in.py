@@ -541,6 +541,29 @@ def test_cuda_engine_shapes_match_reference(op, dtype, batch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch,vocab", [(256, 32000), (512, 32000), (8, 256000)])
+def test_cuda_fused_logits_in_is_the_composition_at_fitted_slices(batch, vocab):
+    """The fused top-k/top-p sampler where the launch fits other slice counts (8 a row at 256-512 x 32000,
+    64 histogram slices at 256000): the Triton composition's ids exactly, per-row top-k mixing split rows,
+    rows past the slots and rows without top-k, and the reference's but where a draw falls within a
+    last-bit rounding of softmax."""
+    torch.manual_seed(34)
+    logits = _logits(batch, vocab, "cuda", torch.bfloat16)
+    k = torch.randint(-1, 700, (batch,), device="cuda")
+    p, temperature = torch.rand(batch, device="cuda") * 0.6 + 0.4, torch.rand(batch, device="cuda") + 0.3
+    by_op = registry.BY_OP
+    composed = lambda args: _probs_in(by_op[FROM_PROBS][Backend.TRITON].load(),  # noqa: E731
+                                      by_op["top_k_top_p_sampling_from_probs"][Backend.TRITON].load(),
+                                      by_op["softmax"][Backend.TRITON].load(), args, TKTP_LOGITS)
+    for args in (_args(TKTP_LOGITS, logits, k, p, temperature), _args(TKTP_LOGITS, logits, 50, 0.9, 0.8)):
+        got = by_op[TKTP_LOGITS][Backend.TRITON].load()(*args)
+        assert torch.equal(got, composed(args)), "fused != Triton composition"
+        assert _ids_in(logits_in_kept(TKTP_LOGITS, args), got), "an id outside the kept set"
+        want = by_op[TKTP_LOGITS][Backend.TORCH].load()(*args)
+        assert int((got != want).sum()) <= max(1, batch // 256), "rows differ from the reference"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", NEW_OPS)
 def test_cuda_graph_replays_draw_afresh(op):
     torch.manual_seed(32)
