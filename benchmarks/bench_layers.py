@@ -14,8 +14,8 @@ Layers, each from ``examples/`` with ours and plain over the same weights:
   cache (block 16) and read back for SDPA (ours: the fused rope + cache write, and with QK-norm the fused
   QK-norm + RoPE); the caches are marked static addresses, as engines hold them.
 
-Each (layer, tokens, mode) runs ours, checked against plain first (relative error below the layer's
-tolerance), then both are timed: ``wall us``, µs per call over back-to-back calls between two CUDA
+Each (layer, tokens, mode) runs ours and plain, each checked against plain eager first (relative error
+below the layer's tolerance), then timed: ``wall us``, µs per call over back-to-back calls between two CUDA
 events (the host included: what a caller without CUDA graphs pays), and ``device us``, the same call
 replayed from a CUDA graph (eager and compiled; reduce-overhead replays graphs already). The goals of
 the whole-layer issue are judged per layer and token count: ours compiled at most plain compiled, ours
