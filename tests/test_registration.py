@@ -296,6 +296,23 @@ def test_wrappers_are_the_registered_ops():
     assert torch.equal(torch_kernels.rmsnorm(x, w), torch.ops.deepinfer.rmsnorm(x, w))
 
 
+def test_every_op_with_an_own_random_stream_says_what_it_may_draw():
+    """The self-check holds a backend drawing from its own random stream to its op's ``check_draw``;
+    it holds a reference's own draw too, and a draw outside the kept set fails it."""
+    from torch_kernels import registry
+    from torch_kernels.spec import Backend
+
+    own = {op for op, _ in registry.OWN_RANDOM_STREAM}
+    assert own and all(ops.BY_NAME[op].check_draw is not None for op in own), own
+    for op in own:
+        definition = ops.BY_NAME[op]
+        for args in definition.samples("cpu", torch.float32):
+            definition.check_draw(args, registry.BY_OP[op][Backend.TORCH].load()(*args))
+        args = next(a for a in definition.samples("cpu", torch.float32) if a[0].shape[1] > 100)
+        with pytest.raises(AssertionError, match="outside the kept set"):
+            definition.check_draw(args, args[0].argmin(-1).int())
+
+
 def test_docs_op_reference_is_up_to_date():
     r = subprocess.run([sys.executable, "-m", "torch_kernels", "docs", "--check"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
