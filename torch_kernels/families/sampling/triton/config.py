@@ -2,8 +2,6 @@
 every kernel's launch; sweeps pass their own (``benchmarks/bench_sampling.py --sweep``,
 ``--prepass-sweep``). The figures behind the defaults are in ``docs/design/sampling.md``."""
 
-from __future__ import annotations
-
 from typing import NamedTuple
 
 
@@ -52,9 +50,9 @@ class Config(NamedTuple):
     # 119 against 101 µs at 64 rows, and top-p-only sampling rows take the full-pass route instead
     hist_with_top_k: bool = False
     # a call's slices a row (`slices`, `hist_slices` at most; 0: always those): enough to keep a slice
-    # within slice_values, else `slices` or fewer where the batch alone fills fill_programs: a program's cost is
-    # mostly fixed (top_k_renorm_probs took 153 µs at 256 x 32000, 1000 values a slice, and 257 at
-    # 256 x 128256, 4008), and 132 SMs hold 4 slice programs each
+    # within slice_values, else `slices` or fewer where the batch alone fills fill_programs: a program's
+    # cost is mostly fixed (top_k_renorm_probs took 153 µs at 256 x 32000, 1000 values a slice, and 257
+    # at 256 x 128256, 4008), and an H200's 132 SMs hold 4 slice programs each
     slice_values: int = 4096
     fill_programs: int = 528
 
