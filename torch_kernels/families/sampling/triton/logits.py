@@ -117,15 +117,21 @@ def _softmax_kernel(x_ptr, x_stride, t_ptr, t_val, stats_ptr, out_ptr, out_strid
 
 
 @triton.jit
+def softmax_value(x_row, cols, mask, inv, m, inv_s):
+    """The softmax at ``cols``, ``exp(x * inv - m) * inv_s`` in fp32 (``-inf`` logits exactly 0): the one
+    expression the softmax writes and the samplers recompute, so they agree bit for bit."""
+    raw = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    x = tl.where(raw == -float("inf"), -float("inf"), raw * inv)
+    return tl.exp(x - m) * inv_s
+
+
+@triton.jit
 def softmax_slice(x_row, out_row, lo, hi, inv, m, inv_s, CHUNK: tl.constexpr):
-    """Columns ``[lo, hi)`` of the row's softmax, ``exp(x - m) * inv_s`` in fp32 (a row of all ``-inf``: NaN)."""
+    """Columns ``[lo, hi)`` of the row's softmax (a row of all ``-inf``: NaN)."""
     offs = tl.arange(0, CHUNK)
     for start in range(lo, hi, CHUNK):
         cols = start + offs
-        mask = cols < hi
-        raw = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        x = tl.where(raw == -float("inf"), -float("inf"), raw * inv)
-        tl.store(out_row + cols, tl.exp(x - m) * inv_s, mask=mask)
+        tl.store(out_row + cols, softmax_value(x_row, cols, cols < hi, inv, m, inv_s), mask=cols < hi)
 
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -133,11 +139,9 @@ _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 @triton.jit
 def prob_bits(x_row, cols, mask, inv, m, inv_s):
-    """The sanitised pattern (``_value_bits``) of :func:`softmax_slice`'s output at ``cols``, computed in
-    registers, not read; -1 where masked."""
-    raw = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
-    x = tl.where(raw == -float("inf"), -float("inf"), raw * inv)
-    p = tl.exp(x - m) * inv_s
+    """The sanitised pattern (``_value_bits``) of the softmax at ``cols``, computed in registers, not
+    read; -1 where masked."""
+    p = softmax_value(x_row, cols, mask, inv, m, inv_s)
     p = tl.where(p > 0, tl.minimum(p, _FLT_MAX), 0.0)
     return tl.where(mask, p.to(tl.int32, bitcast=True), -1)
 
