@@ -478,14 +478,14 @@ def _bench_nbytes(reads: int):
     return lambda args: args[0].numel() * args[0].element_size() * reads
 
 
-def kept_set(probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def kept_set(probs: Tensor, top_k, top_p, joint: bool = False) -> Tensor:
     """``(B, V)`` bool: the tokens the reference's top-k then top-p filter keeps (where any correct
-    sampler's ids must fall, whatever its random stream)."""
+    sampler's ids must fall, whatever its random stream); ``top_k``/``top_p`` per-row tensors or scalars."""
     from . import reference
 
     bits = reference.value_bits(probs)
     q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(probs.shape[1]))
-    return reference.kept_mask(bits, q, top_k, top_p)[0]
+    return reference.kept_mask(bits, q, top_k, top_p, joint=joint)[0]
 
 
 #: slack on top_p for the kept set of an implementation that decides the top-p boundary in fp32
@@ -493,15 +493,11 @@ TOP_P_SLACK = 1e-4
 
 
 def assert_ids_kept(probs, top_k, top_p, ids, top_p_slack: float = 0.0, joint: bool = False) -> None:
-    """Every sampled id lies in the reference's kept set (``top_p`` raised by ``top_p_slack``);
-    ``top_k``/``top_p`` per-row tensors or scalars."""
-    from . import reference
+    """Every sampled id lies in the reference's kept set (``top_p`` raised by ``top_p_slack``)."""
+    from .reference import per_row
 
-    bits = reference.value_bits(probs)
-    q = reference.fixed_point(bits, bits.amax(-1, keepdim=True), reference.fixed_point_bits(probs.shape[1]))
-    top_p = reference.per_row(top_p, probs.shape[0], torch.float32, probs.device) + top_p_slack
-    kept = reference.kept_mask(bits, q, top_k, top_p, joint=joint)[0]
-    inside = kept.gather(1, ids.long()[:, None]).squeeze(1)
+    top_p = per_row(top_p, probs.shape[0], torch.float32, probs.device) + top_p_slack
+    inside = kept_set(probs, top_k, top_p, joint).gather(1, ids.long()[:, None]).squeeze(1)
     assert bool(inside.all()), f"ids outside the kept set in rows {(~inside).nonzero().flatten().tolist()[:10]}"
 
 
