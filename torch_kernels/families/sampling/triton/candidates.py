@@ -40,7 +40,7 @@ from torch import Tensor
 
 from ._common import _fixed, _kth_in_registers, _target, _top_p_in_registers, _value_bits, row_top_k
 from .logits import _CHUNK, _SLICE, prob_bits, row_inverse_temperature, row_stats, softmax_slice
-from .config import Config
+from .config import Config, k_split
 
 
 @triton.jit
@@ -290,9 +290,7 @@ class Logits(NamedTuple):
     x: Tensor  # (B, V) logits, last dim contiguous
     t_arr: Optional[Tensor]  # (B,) temperatures, or None: t_val for every row
     t_val: float
-    stats: Tensor  # the softmax's slice statistics (logits.slice_stats)
-    S: int
-    block_s: int
+    stats: Tensor  # (B, S, 2): the softmax's statistics of its S slices a row (logits.slice_stats)
 
 
 def _slice_prepass(probs: Tensor, top_k, buf_bits: Tensor, buf_idx: Tensor, config: Config,
@@ -309,23 +307,24 @@ def _slice_prepass(probs: Tensor, top_k, buf_bits: Tensor, buf_idx: Tensor, conf
     src = probs if logits is None else logits.x
     from_logits = {}
     if logits is not None:
+        S_X = logits.stats.shape[1]
         has_t = logits.t_arr is not None
-        from_logits = dict(FROM_LOGITS=True, t_ptr=logits.t_arr if has_t else stats, t_val=float(logits.t_val),
-                           x_stats_ptr=logits.stats, S_X=logits.S, HAS_T=has_t, BLOCK_S=logits.block_s)
+        softmax_args = dict(t_ptr=logits.t_arr if has_t else stats, t_val=float(logits.t_val), x_stats_ptr=logits.stats,
+                            S_X=S_X, HAS_T=has_t, BLOCK_S=triton.next_power_of_2(S_X))
+        from_logits = dict(FROM_LOGITS=True, **softmax_args)
     _slice_candidates_kernel[(B, slices)](
         src, src.stride(0), top_k, _stride(top_k), stats, buf_bits, buf_idx, V, slice_len,
         SLICES=slices, SLICE=triton.next_power_of_2(slice_len), SLICE_CAP=config.cap // slices,
-        K_SPLIT=min(config.cap // slices, config.k_small), NP=config.np_slice,
+        K_SPLIT=k_split(config), NP=config.np_slice,
         GROUPS=triton.next_power_of_2(slice_len) // config.slice_group if config.slice_group else 1,
         GM_CAP=config.cap // slices * 3 // 4, K_ARR=isinstance(top_k, Tensor), num_warps=config.slice_warps,
         **from_logits, **({"maxnreg": config.slice_maxnreg} if config.slice_maxnreg else {}),
     )
     if logits is not None:
-        _unsplit_softmax_kernel[(B, logits.S)](
-            logits.x, logits.x.stride(0), from_logits["t_ptr"], from_logits["t_val"], logits.stats, logits.S, top_k,
-            _stride(top_k), stats, probs, probs.stride(0), V, HAS_T=from_logits["HAS_T"], BLOCK_S=logits.block_s,
-            SLICE=_SLICE, CHUNK=_CHUNK, SLICES=slices, K_SMALL=config.k_small, K_ARR=isinstance(top_k, Tensor),
-            num_warps=4)
+        _unsplit_softmax_kernel[(B, S_X)](
+            logits.x, logits.x.stride(0), top_k_ptr=top_k, top_k_stride=_stride(top_k), stats_ptr=stats, out_ptr=probs,
+            out_stride=probs.stride(0), V=V, SLICE=_SLICE, CHUNK=_CHUNK, SLICES=slices, K_SMALL=config.k_small,
+            K_ARR=isinstance(top_k, Tensor), num_warps=4, **softmax_args)
     return stats
 
 

@@ -4,6 +4,8 @@ every kernel's launch; sweeps pass their own (``benchmarks/bench_sampling.py --s
 
 from typing import NamedTuple
 
+import triton
+
 
 class Config(NamedTuple):
     """Launch parameters (powers of two; ``k_small <= cap``, ``slices <= cap``). The one-program routes
@@ -61,13 +63,14 @@ def fitted(config: Config, rows: int, V: int) -> Config:
     """``config`` with the slices a row of a call of ``rows`` rows of ``V`` values takes (``slice_values``)."""
     if not config.slice_values or rows <= 0:
         return config
-
-    def pow2_at_least(n: int) -> int:
-        return 1 << max(0, n - 1).bit_length()
-
-    by_fill = min(config.slices, pow2_at_least(-(-config.fill_programs // rows)))
-    want = max(pow2_at_least(-(-V // config.slice_values)), by_fill)
+    by_fill = min(config.slices, triton.next_power_of_2(triton.cdiv(config.fill_programs, rows)))
+    want = max(triton.next_power_of_2(triton.cdiv(V, config.slice_values)), by_fill)
     return config._replace(slices=min(config.slices, want), hist_slices=min(config.hist_slices, want))
+
+
+def k_split(config: Config) -> int:
+    """The largest top-k a row can split at: a slice's slots (``cap // slices``), within ``k_small``."""
+    return min(config.cap // config.slices, config.k_small)
 
 
 DEFAULT = Config()

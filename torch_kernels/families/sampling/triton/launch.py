@@ -11,7 +11,7 @@ from torch import Tensor
 from ..reference import fixed_point_bits
 from ._common import rng_tensors
 from .candidates import Logits, _slice_prepass, _stride
-from .config import DEFAULT, Config, fitted
+from .config import DEFAULT, Config, fitted, k_split
 from .filter import _filter_kernel, _renorm_write_kernel, _row_mass_kernel
 from .histogram import _hist_prepasses
 
@@ -27,8 +27,6 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
         # a scalar top-k that keeps every row whole is none: top-p rows then take the histogram route,
         # not the full-pass searches (459 µs at 64 rows of 128256, p = 0.9; that route's kernels ~120)
         top_k = None
-    if logits is not None and not (sample and not joint and splits(top_k, B, V, config)):
-        raise ValueError("_launch: logits are served only by a sampling call that splits (top_k_first)")
     if sample:
         out = torch.empty(B, dtype=torch.int32, device=probs.device)
     else:
@@ -95,4 +93,4 @@ def splits(top_k, B: int, V: int, config: Config = DEFAULT) -> bool:
     config = fitted(config, B, V)
     if not (V > config.cap and config.slices > 0):
         return False
-    return isinstance(top_k, Tensor) or top_k is not None and 0 < top_k <= min(config.cap // config.slices, config.k_small)
+    return isinstance(top_k, Tensor) or top_k is not None and 0 < top_k <= k_split(config)

@@ -144,9 +144,9 @@ def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val:
     if B and filter_apply_order != "joint" and splits(top_k, B, V, config):
         # fused: the split prepass computes the probabilities from the logits; the rows it does not
         # finish get theirs written for the filter kernel's other routes
-        stats, S, block_s = slice_stats(logits, maybe_temperature_arr, temperature_val)
+        stats, _, _ = slice_stats(logits, maybe_temperature_arr, temperature_val)
         probs = torch.empty((B, V), dtype=torch.float32, device=logits.device)
-        source = Logits(logits, maybe_temperature_arr, temperature_val, stats, S, block_s)
+        source = Logits(logits, maybe_temperature_arr, temperature_val, stats)
         return _launch(probs, top_k, top_p, seed, offset, sample=True, config=config, logits=source)
     probs = softmax(logits, maybe_temperature_arr, temperature_val)
     return _launch(probs, top_k, top_p, seed, offset, sample=True, config=config,
