@@ -54,7 +54,7 @@ def test_inventory_on_cuda_orders_the_backends_and_notes_once(capsys, monkeypatc
     monkeypatch.setattr(Capability, "missing_package", lambda self: None)  # every framework installed
     rows = {r[0]: r[1:] for r in cli._inventory(H200)}
     assert rows["rmsnorm"] == ("1", "2", "3", "4", "opaque*")
-    assert rows["rotary_embedding"][:4] == ("2", "1", "3", "4")  # Triton first (registry.CUDA_PRIORITY)
+    assert rows["qk_rmsnorm_rope"][:4] == ("2", "1", "-", "3")  # Triton first (registry.CUDA_PRIORITY)
     assert rows["per_token_group_quant_fp8"][:4] == ("1", "2", "-", "3")
 
     torch_kernels.configure(backend="torch", compile_route="rmsnorm=opaque,topk_softmax=inductor_triton")

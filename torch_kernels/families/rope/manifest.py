@@ -9,9 +9,9 @@ FAMILY = Family(
     __package__,
     ops=(
         # compile 1213 GB/s against ours 3912 (8192 tokens); opaque rotates QKV views in their buffer, no copy.
-        # Triton first: 85.8 against TileLang's 86.0 µs at 16384 tokens when chosen (docs/design/rope.md)
-        OpInfo("rotary_embedding", OPAQUE, decompose_after_pointwise=True,
-               cuda_priority=(Backend.TRITON, Backend.TILELANG, Backend.FLASHINFER, Backend.TORCH)),
+        # TileLang first (the default order): 1.58 / 2.72 / 84.6 µs against Triton's 1.71 / 3.46 / 85.0 at
+        # 1 / 512 / 16384 tokens, a third of its host time (docs/design/rope.md)
+        OpInfo("rotary_embedding", OPAQUE, decompose_after_pointwise=True),
         # as rotary_embedding: opaque, in place on the views of a fused qkv buffer; Triton first, ahead at
         # every size measured: 1.68 / 23.1 / 99.4 µs against TileLang's 1.97 / 40.4 / 158 at 1 / 4096 / 16384
         OpInfo("qk_rmsnorm_rope", OPAQUE, decompose_after_pointwise=True,
