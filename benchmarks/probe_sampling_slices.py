@@ -1,15 +1,15 @@
 """How many slices a row the top-k/top-p kernels should take, and what the fused logits-in sampler saves,
-on the GPU host.
+on a CUDA GPU.
 
     python benchmarks/probe_sampling_slices.py --out results/probe_sampling_slices.json
 
 fp32 probabilities (softmax of ``randn * 3``) and bf16 logits, rows x vocab, timed by CUDA-graph replay in
 interleaved rounds: each Triton op with the slices its launch now fits to the call (``Config.slice_values``),
-with the fixed 32 (``slice_values=0``), the top-k prepass at 64 slices or without its register cap, and
-the histogram kernel at 80 registers (``CONFIGS``), ``top_k_top_p_sampling_from_logits`` fused and as softmax then the
-probs-in sampler, and FlashInfer's op when installed. Our results are checked against the reference first
-(the ids exactly, the renormalised rows to fp32 rounding); FlashInfer's ids against the reference's kept set.
-"""
+with the fixed 32 (``slice_values=0``), the top-k prepass at 64 slices or without its register cap, the
+histogram kernel without its register cap or its floor of 32 slices (``CONFIGS``);
+``top_k_top_p_sampling_from_logits`` fused and as softmax then the probs-in sampler; and FlashInfer's op
+when installed. Our results are checked against the reference first (the ids exactly, the renormalised
+rows to fp32 rounding); FlashInfer's ids against the reference's kept set."""
 
 import argparse
 import os
@@ -33,8 +33,10 @@ CONFIGS = {"fitted slices": triton_sampling.DEFAULT,
            # for sm_90); 64 slices keep 4000 but leave 64 slots (no group-maxima start at k = 50)
            "top-k prepass 64 slices": triton_sampling.DEFAULT._replace(slices=64),
            "top-k prepass, ptxas' registers": triton_sampling.DEFAULT._replace(slice_maxnreg=0),
-           # _hist_kernel at 80 registers a thread: 3 programs an SM, not 2 (40 bytes of spill for sm_90)
-           "histogram kernel 80 registers": triton_sampling.DEFAULT._replace(hist_maxnreg=80)}
+           # _hist_kernel at ptxas' 110 registers a thread: 2 programs an SM, not 3 (the default's 80 spill 40 bytes)
+           "histogram kernel, ptxas' registers": triton_sampling.DEFAULT._replace(hist_maxnreg=0),
+           # the histogram route's slices fitted as the prepass's (8 a row at 256 x 32000), not at least 32
+           "histogram route without its 32-slice floor": triton_sampling.DEFAULT._replace(hist_min_slices=0)}
 
 
 def probs_in_calls(probs, seed, offset, fs):

@@ -46,8 +46,8 @@ class Config(NamedTuple):
     hist_level_octaves: int = 2
     hist_warps: int = 8  # a slice program: 16 values a thread, as the slice prepass
     # ptxas .maxnreg of _hist_kernel (0: its choice, 110 for sm_90: 2 programs an SM); 80 fits 3 with
-    # 40 bytes of spill, 64 spills 368 (benchmarks/probe_sampling_slices.py times 80)
-    hist_maxnreg: int = 0
+    # 40 bytes of spill: top_p_renorm_probs 337 against 375 µs at 512 x 32000, 524 against 531 at 256 x 128256
+    hist_maxnreg: int = 80
     # sampling calls too (rows with top_k <= 0 or >= V): the four launches cost the top_k=50 call
     # 119 against 101 µs at 64 rows, and top-p-only sampling rows take the full-pass route instead
     hist_with_top_k: bool = False
@@ -57,6 +57,9 @@ class Config(NamedTuple):
     # at 256 x 128256, 4008), and an H200's 132 SMs hold 4 slice programs each
     slice_values: int = 4096
     fill_programs: int = 528
+    # the histogram route's fewest slices a row: 32 slices of 1000 values took top_p_renorm_probs 173
+    # against 187 µs at 256 x 32000 (8 slices) and 349 against 375 at 512; 55.8 against 58.5 at 64 (16)
+    hist_min_slices: int = 32
 
 
 def fitted(config: Config, rows: int, V: int) -> Config:
@@ -65,7 +68,8 @@ def fitted(config: Config, rows: int, V: int) -> Config:
         return config
     by_fill = min(config.slices, triton.next_power_of_2(triton.cdiv(config.fill_programs, rows)))
     want = max(triton.next_power_of_2(triton.cdiv(V, config.slice_values)), by_fill)
-    return config._replace(slices=min(config.slices, want), hist_slices=min(config.hist_slices, want))
+    return config._replace(slices=min(config.slices, want),
+                           hist_slices=min(config.hist_slices, max(want, config.hist_min_slices)))
 
 
 def k_split(config: Config) -> int:
