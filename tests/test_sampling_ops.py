@@ -212,8 +212,8 @@ def test_triton_edge_rows_match_reference(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_top_k_mask_routes_match_reference(device, dtype):
     """Both routes of the Triton ``top_k_mask_logits`` bit for bit against the reference: k each slice's
-    bound serves (1, 50), k past its slots or its groups (200, 257, V - 1: the shared bound or the radix
-    route), a row of ties beyond any slice's slots, a short last slice, one slice, per-row k."""
+    bound serves (1, 50), k past a quarter of the slots (200, 257, V - 1: the radix route), a row of ties
+    beyond any slice's slots, a short last slice, one slice, per-row k past the slots (300), one row."""
     if device == "cpu" and not _interpreting():
         pytest.skip("Triton runs on CPU tensors only in its interpreter")
     from torch_kernels.families.sampling.triton import logits as triton_logits
@@ -228,6 +228,8 @@ def test_triton_top_k_mask_routes_match_reference(device, dtype):
         per_row = torch.tensor([50, 300, 2], device=device)
         _compare("top_k_mask_logits", f"triton {vocab} {dtype} per-row k", triton_logits.top_k_mask_logits(x, per_row),
                  reference.top_k_mask_logits(x, per_row))
+        _compare("top_k_mask_logits", f"triton {vocab} {dtype} one row", triton_logits.top_k_mask_logits(x[:1], None, 50),
+                 reference.top_k_mask_logits(x[:1], None, 50))
 
 
 @pytest.mark.parametrize("device", DEVICES)
