@@ -540,13 +540,37 @@ def test_cuda_engine_shapes_match_reference(op, dtype, batch):
             assert torch.equal(t[op][Backend.TRITON].load()(*args), composed), "fused != Triton composition"
 
 
+def _fused_launch(args):
+    """The fused prepass on ``args`` (the op's), whether or not the op routes them to it."""
+    from torch_kernels.families.sampling import triton as ts
+    from torch_kernels.families.sampling.triton.candidates import Logits
+    from torch_kernels.families.sampling.triton.logits import slice_stats
+    x, k_arr, k_val, p_arr, p_val, t_arr, t_val, s, o = args
+    stats, _, _ = slice_stats(x, t_arr, t_val)
+    probs = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    return ts._launch(probs, ts._either(k_arr, k_val), ts._either(p_arr, p_val), s, o, sample=True,
+                      config=ts.DEFAULT, logits=Logits(x, t_arr, t_val, stats))
+
+
+def test_fused_logits_in_serves_slices_of_at_most_slice_values():
+    """The op fuses where a row splits into slices of at most 4096 values: 32000 and 128256 (Llama 3), not
+    256000 (8000 values a slice at the 32-slice cap) nor a scalar top-k past the slots."""
+    pytest.importorskip("triton")
+    from torch_kernels.families.sampling.triton.config import DEFAULT
+    from torch_kernels.families.sampling.triton.logits_in import _fuses
+    assert _fuses(50, 256, 32000, DEFAULT) and _fuses(50, 1, 128256, DEFAULT) and _fuses(50, 512, 131072, DEFAULT)
+    assert not _fuses(50, 256, 256000, DEFAULT) and not _fuses(50, 256, 131073, DEFAULT)
+    assert not _fuses(5000, 256, 128256, DEFAULT) and not _fuses(None, 256, 128256, DEFAULT)
+    assert _fuses(50, 256, 256000, DEFAULT._replace(slice_values=0))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,vocab", [(256, 32000), (512, 32000), (8, 256000)])
 def test_cuda_fused_logits_in_is_the_composition_at_fitted_slices(batch, vocab):
     """The fused top-k/top-p sampler where the launch fits other slice counts (8 a row at 256-512 x 32000,
-    64 histogram slices at 256000): the Triton composition's ids exactly, per-row top-k mixing split rows,
-    rows past the slots and rows without top-k, and the reference's but where a draw falls within a
-    last-bit rounding of softmax."""
+    64 histogram slices at 256000, where the op itself takes the composition): the Triton composition's
+    ids exactly, per-row top-k mixing split rows, rows past the slots and rows without top-k, and the
+    reference's but where a draw falls within a last-bit rounding of softmax."""
     torch.manual_seed(34)
     logits = _logits(batch, vocab, "cuda", torch.bfloat16)
     k = torch.randint(-1, 700, (batch,), device="cuda")
@@ -556,8 +580,9 @@ def test_cuda_fused_logits_in_is_the_composition_at_fitted_slices(batch, vocab):
                                       by_op["top_k_top_p_sampling_from_probs"][Backend.TRITON].load(),
                                       by_op["softmax"][Backend.TRITON].load(), args, TKTP_LOGITS)
     for args in (_args(TKTP_LOGITS, logits, k, p, temperature), _args(TKTP_LOGITS, logits, 50, 0.9, 0.8)):
-        got = by_op[TKTP_LOGITS][Backend.TRITON].load()(*args)
+        got = _fused_launch(args)
         assert torch.equal(got, composed(args)), "fused != Triton composition"
+        assert torch.equal(by_op[TKTP_LOGITS][Backend.TRITON].load()(*args), got), "the op != the fused launch"
         assert _ids_in(logits_in_kept(TKTP_LOGITS, args), got), "an id outside the kept set"
         want = by_op[TKTP_LOGITS][Backend.TORCH].load()(*args)
         assert int((got != want).sum()) <= max(1, batch // 256), "rows differ from the reference"

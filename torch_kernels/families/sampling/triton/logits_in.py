@@ -11,7 +11,8 @@
   prepass computing each probability from the logits as ``softmax`` writes it (``prob_bits``, after the
   softmax's slice statistics): the probabilities are written only for the rows the prepass does not
   finish (ties, top-k off or beyond the slices' slots), which the filter kernel reads. Rows that all
-  miss the split (a scalar top-k off or large, the joint order) take ``softmax`` then the probs-in kernels.
+  miss the split (a scalar top-k off or large, the joint order) and rows of more than 32 slices of
+  ``slice_values`` (V > 131072) take ``softmax`` then the probs-in kernels.
 * ``sampled_token_logprobs``: the softmax's slice statistics, then one counting pass for the rank.
 """
 
@@ -25,7 +26,7 @@ from torch import Tensor
 from ..reference import fixed_point_bits
 from ._common import _fixed, _random_bits31, _target, rng_tensors, slice_of_target, slices_max_bits
 from .candidates import Logits
-from .config import DEFAULT, Config
+from .config import DEFAULT, Config, fitted
 from .launch import _either, _launch, splits
 from .logits import (_CHUNK, _FLT_MAX, _SLICE, inverse_temperature, min_p_sampling_from_probs, prob_bits,
                      row_inverse_temperature, row_stats, slice_stats, softmax)
@@ -134,6 +135,14 @@ def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor
     return out
 
 
+def _fuses(top_k, B: int, V: int, config: Config) -> bool:
+    """Whether the split prepass reads the logits itself: where the row splits, into slices of at most
+    ``slice_values`` (with 8000 values a slice, 256 x 256000, it took 621 against the composition's 553 µs)."""
+    if not splits(top_k, B, V, config):
+        return False
+    return not config.slice_values or triton.cdiv(V, fitted(config, B, V).slices) <= config.slice_values
+
+
 def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val: int, maybe_top_p_arr,
                                      top_p_val: float, maybe_temperature_arr, temperature_val: float,
                                      seed: Tensor, offset: Tensor, filter_apply_order: str = "top_k_first",
@@ -141,7 +150,7 @@ def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val:
     top_k = _either(maybe_top_k_arr, top_k_val)  # a scalar: a kernel argument
     top_p = _either(maybe_top_p_arr, top_p_val)
     B, V = logits.shape
-    if B and filter_apply_order != "joint" and splits(top_k, B, V, config):
+    if B and filter_apply_order != "joint" and _fuses(top_k, B, V, config):
         # fused: the split prepass computes the probabilities from the logits; the rows it does not
         # finish get theirs written for the filter kernel's other routes
         stats, _, _ = slice_stats(logits, maybe_temperature_arr, temperature_val)
