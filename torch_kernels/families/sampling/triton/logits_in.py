@@ -26,7 +26,7 @@ from torch import Tensor
 from ..reference import fixed_point_bits
 from ._common import _fixed, _random_bits31, _target, rng_tensors, slice_of_target, slices_max_bits
 from .candidates import Logits
-from .config import DEFAULT, Config, fitted
+from .config import DEFAULT, Config
 from .launch import _either, _launch, splits
 from .logits import (_CHUNK, _FLT_MAX, _SLICE, inverse_temperature, min_p_sampling_from_probs, prob_bits,
                      row_inverse_temperature, row_stats, slice_stats, softmax)
@@ -137,10 +137,9 @@ def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor
 
 def _fuses(top_k, B: int, V: int, config: Config) -> bool:
     """Whether the split prepass reads the logits itself: where the row splits, into slices of at most
-    ``slice_values`` (with 8000 values a slice, 256 x 256000, it took 621 against the composition's 553 µs)."""
-    if not splits(top_k, B, V, config):
-        return False
-    return not config.slice_values or triton.cdiv(V, fitted(config, B, V).slices) <= config.slice_values
+    ``slice_values`` (with 8000 values a slice, 256 x 256000, it took 621 against the composition's 553 µs).
+    The fitted count reaches that size unless capped at ``slices``: hence ``V <= slices * slice_values``."""
+    return splits(top_k, B, V, config) and (not config.slice_values or V <= config.slices * config.slice_values)
 
 
 def top_k_top_p_sampling_from_logits(logits: Tensor, maybe_top_k_arr, top_k_val: int, maybe_top_p_arr,
