@@ -351,10 +351,12 @@ def test_inventory_lines(fake):
 
 
 def test_launchers_and_checks_take_the_references_arguments(fake):
+    """The reference's arguments, and a launcher that writes its out overload's tensors the keyword
+    ``out`` besides (``KernelSpec.out``)."""
     for k in (k for k in registry.KERNELS if k.backend is Backend.FLASHINFER):
         ref = inspect.signature(_reference(k.op))
         strip = lambda s: [(p.name, p.default) for p in s.parameters.values()]  # noqa: E731
-        assert strip(inspect.signature(k.load())) == strip(ref), k.op
+        assert strip(inspect.signature(k.load())) == strip(ref) + ([("out", None)] if k.out else []), k.op
         assert strip(inspect.signature(k.load_check())) == strip(ref), k.op
 
 

@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import checks as check
+from . import checks as check, outputs
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -51,16 +51,34 @@ def group_scales_empty(lead, groups: int, column_major: bool, like: Tensor) -> T
 
 
 def empty_outputs(input: Tensor, hidden: int, scale: Optional[Tensor], group_size: int, column_major: bool,
-                  per_token: bool = True) -> Tuple[Tensor, Tensor]:
+                  per_token: bool = True, out: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
     """``q (..., hidden)`` contiguous fp8 and the scales of the mode: ``(1,)`` per tensor (static, or
-    dynamic with ``per_token`` False), ``(..., 1)`` per token, ``(..., hidden / group_size)`` per group."""
+    dynamic with ``per_token`` False), ``(..., 1)`` per token, ``(..., hidden / group_size)`` per group;
+    ``out``: the ``out`` overload's two tensors instead, checked to be those (``outputs.given``)."""
     lead = input.shape[:-1]
+    if out is not None:
+        return _given_outputs(out, input, lead, hidden, scale, group_size, column_major, per_token)
     q = input.new_empty((*lead, hidden), dtype=FP8)
     if scale is not None or (group_size == PER_TOKEN and not per_token):
         return q, input.new_empty((1,), dtype=torch.float32)
     if group_size == PER_TOKEN:
         return q, input.new_empty((*lead, 1), dtype=torch.float32)
     return q, group_scales_empty(lead, hidden // group_size, column_major, input)
+
+
+def _given_outputs(out, input: Tensor, lead, hidden: int, scale, group_size: int, column_major: bool,
+                   per_token: bool) -> Tuple[Tensor, Tensor]:
+    q = outputs.given(out, 0, (*lead, hidden), FP8, input.device)
+    if scale is not None or (group_size == PER_TOKEN and not per_token):
+        return q, outputs.given(out, 1, (1,), torch.float32, input.device)
+    if group_size == PER_TOKEN:
+        return q, outputs.given(out, 1, (*lead, 1), torch.float32, input.device)
+    groups = hidden // group_size
+    strides = None
+    if column_major:  # storage (groups, *lead) seen as (*lead, groups), as group_scales_empty lays it
+        storage = outputs.contiguous_strides((groups, *lead))
+        strides = (*storage[1:], storage[0])
+    return q, outputs.given(out, 1, (*lead, groups), torch.float32, input.device, strides)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,9 +8,12 @@ Per op:
 * fake (``Meta`` and fake tensors): the op definition's fake function, so ``torch.compile`` traces
   the op as one node with dynamic shapes.
 * ``Autograd``: the op's backward formula, or a clear error for the in-place ops.
-* ``out`` overload (functional ops, aten's convention, :attr:`OpDef.out_schema`): the default overload's
-  result copied into the given tensors, checked first (shape, dtype, device), which it returns;
-  compiled, that copy into the graph's tensors.
+* ``out`` overload (functional ops, aten's convention, :attr:`OpDef.out_schema`): the results in the
+  given tensors, which it returns. On CUDA, where the serving backend writes them itself
+  (``KernelSpec.out``, :mod:`~torch_kernels.outputs`) and they are contiguous, aligned and apart from
+  the inputs, its kernel writes there; otherwise, and on every other device, the default overload's
+  result is copied into them, checked first (shape, dtype, device). Compiled: that copy into the
+  graph's tensors.
 * a ``FunctionalTensorMode`` rule: the op's compiled route (``registry.COMPILE_ROUTE``,
   ``dispatch.compile_route``). ``torch.compile`` functionalises its graph under that mode (in
   AOTAutograd, below Dynamo's one node per op), so the rule decides what Inductor receives: the
@@ -35,7 +38,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-from . import checks as check, dispatch, fast_path, registry
+from . import checks as check, dispatch, fast_path, outputs, registry
 from .ops import ALL, NAMESPACE, OpDef
 from .spec import Backend
 
@@ -224,10 +227,66 @@ def _out_entries(op: OpDef):
     return kernel, fake, autograd
 
 
+def _span(t) -> tuple:
+    """The bytes ``[lo, hi)`` that hold ``t``'s elements (``(0, 0)`` when it has none)."""
+    if t.numel() == 0:
+        return 0, 0
+    size = t.element_size()
+    lo = hi = t.data_ptr()
+    for n, stride in zip(t.shape, t.stride()):
+        if stride >= 0:
+            hi += (n - 1) * stride * size
+        else:
+            lo += (n - 1) * stride * size
+    return lo, hi + size
+
+
+def _apart(given: tuple, args: tuple) -> bool:
+    """Whether each given output's byte range meets neither another output's nor any tensor argument's
+    (inputs may share memory among themselves). A bound, not exact: a strided input interleaving an
+    output sends the call to the copy, which is correct."""
+    outs = [_span(t) for t in given]
+    spans = outs + [_span(t) for t in args if isinstance(t, torch.Tensor)]
+    return not any(lo < b_hi and b_lo < hi for i, (lo, hi) in enumerate(outs)
+                   for j, (b_lo, b_hi) in enumerate(spans) if j != i)
+
+
+#: per op, the CUDA calls of its ``out`` overload served by a copy of the default overload's result
+#: (outputs laid out otherwise than the kernel writes, meeting an input, or a backend without ``out``)
+out_copies: dict = {}
+
+
+def _cuda_out_entry(op: OpDef, slot: dispatch.OpSlot, copied):
+    """The ``out`` overload's CUDA kernel: the serving backend's kernel writes the given tensors when
+    it takes them (``KernelSpec.out``); else ``copied``, the default overload's result copied there."""
+    validate, names, where = op.validate, op.out_names, f"{op.name}.out"
+    out_copies[op.name] = 0
+
+    def cuda_out_entry(*args, **outs):
+        validate(*args)
+        given = tuple(outs[n] for n in names)
+        impl = slot.server(args) if _apart(given, args) else None
+        if impl is not None and impl.spec.out:
+            try:
+                impl.fn(*args, out=given)
+                return given[0] if len(given) == 1 else given
+            except outputs.Restage:
+                pass
+            except outputs.WrongOutput as e:
+                t = given[e.index]
+                check.fail(where, names[e.index], f"must be {e.dtype} of shape {e.shape} on {e.device}, "
+                           f"got {t.dtype} of shape {tuple(t.shape)} on {t.device}")
+        out_copies[op.name] += 1
+        return copied(*args, **outs)
+    return cuda_out_entry
+
+
 def _register_out(op: OpDef) -> None:
     LIBRARY.define(op.out_schema)
     kernel, fake, autograd = _out_entries(op)
     LIBRARY.impl(f"{op.name}.out", kernel, "CompositeExplicitAutograd")
+    if any(k.out for k in registry.BY_OP[op.name].values()):
+        LIBRARY.impl(f"{op.name}.out", _cuda_out_entry(op, dispatch.slot(op.name, op.data_arg), kernel), "CUDA")
     LIBRARY.impl(f"{op.name}.out", autograd, "Autograd", with_keyset=True)
     torch.library.register_fake(f"{op.qualname}.out", fake, lib=LIBRARY)
 

@@ -4,7 +4,8 @@ backend that lists the ops it implements. Standard library only (see ``spec.py``
 A kernel lives at ``<family package>.<module>:<op>``, the module named after its backend
 (``reference``, ``triton``, ``tilelang``, ``flashinfer``); with ``checks``, ``<op>_refuses`` in that
 module turns away the calls it cannot take (a size limit, an alignment); with ``host_calls``, ``<op>_host``
-returns the compiled host functions the C++ entry calls for that op, as its :class:`HostCall` says.
+returns the compiled host functions the C++ entry calls for that op, as its :class:`HostCall` says;
+the ops of ``out_ops`` take their ``out`` overload's tensors (``KernelSpec.out``).
 """
 
 from __future__ import annotations
@@ -30,17 +31,19 @@ HALF = ("float16", "bfloat16")
 
 def kernels(package: str, backend: Backend, ops: Tuple[str, ...], description: str, dtypes: Tuple[str, ...] = FLOATS,
             checks: bool = False, own_random_stream: bool = False,
-            host_calls: Optional[Mapping[str, HostCall]] = None) -> Tuple[KernelSpec, ...]:
+            host_calls: Optional[Mapping[str, HostCall]] = None, out_ops: Tuple[str, ...] = ()) -> Tuple[KernelSpec, ...]:
     """``backend``'s implementation of each of ``ops``, in ``package``'s module of that backend."""
     module = f"{package}.{MODULE[backend]}"
     host_calls = host_calls or {}
-    unknown = set(host_calls) - set(ops)
-    if unknown:
-        raise ValueError(f"{package}: host_calls for ops it does not implement with {backend.value}: {sorted(unknown)}")
+    for what, named in (("host_calls", host_calls), ("out_ops", out_ops)):
+        unknown = set(named) - set(ops)
+        if unknown:
+            raise ValueError(f"{package}: {what} for ops it does not implement with {backend.value}: {sorted(unknown)}")
     return tuple(KernelSpec(op, backend, f"{module}:{op}", CAPABILITY[backend], dtypes,
                             check=f"{module}:{op}_refuses" if checks else None, description=description,
                             own_random_stream=own_random_stream,
-                            host=f"{module}:{op}_host" if op in host_calls else None, host_call=host_calls.get(op))
+                            host=f"{module}:{op}_host" if op in host_calls else None, host_call=host_calls.get(op),
+                            out=op in out_ops)
                  for op in ops)
 
 

@@ -178,7 +178,9 @@ class KernelSpec:
     cannot take the call (size limit, alignment), or ``None``. ``host`` optionally names a ``"module:attr"``
     callable taking the op's arguments and returning ``((0, fn), (from_tokens, fn), ...)``: the compiled
     host functions for calls like these, each with the token count from which it serves (ascending, at
-    most four); ``host_call`` says how the C++ entry calls them.
+    most four); ``host_call`` says how the C++ entry calls them. ``out``: the function takes the op's
+    ``out`` overload's tensors as the keyword ``out`` (a tuple in the schema's order; ``None`` for the
+    default overload) and writes its results there itself, as :mod:`torch_kernels.outputs` says.
     """
 
     op: str
@@ -192,6 +194,7 @@ class KernelSpec:
     own_random_stream: bool = False
     host: Optional[str] = None
     host_call: Optional[HostCall] = None
+    out: bool = False
 
     def __post_init__(self) -> None:
         for t in (self.target, self.check, self.host):

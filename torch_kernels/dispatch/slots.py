@@ -84,6 +84,10 @@ class OpSlot:
         self.call = self._resolve_and_call
 
     def _resolve_and_call(self, *args: Any) -> Any:
+        self._resolve()
+        return self.call(*args)
+
+    def _resolve(self) -> None:
         with _lock:
             if self.call == self._resolve_and_call:
                 sel = selection()
@@ -99,7 +103,29 @@ class OpSlot:
                     self.call = self._single
                 else:
                     self.call = _chain_call(self.op, self.impls)
-        return self.call(*args)
+
+    def server(self, args: tuple) -> Optional[Implementation]:
+        """The implementation ``call(*args)`` would run, started (loaded, its first use traced and a
+        fallback said), without running it; ``None`` when no selected backend takes the call. What the
+        ``out`` entry asks, to hand the call's outputs to a backend that writes them itself."""
+        if self.call == self._resolve_and_call:
+            self._resolve()
+        impls = self.impls
+        if self.under_auto and impls:
+            table = tuned_table()
+            chosen = _auto_winner(table, self.op, args[self.data_arg]) if table is not None else None
+            if chosen is not None:
+                impls = [i for i in impls if i.spec.backend.value == chosen] + [i for i in impls if i.spec.backend.value != chosen]
+        refused = []
+        for impl in _through_first_unrestricted(impls):
+            why = impl.refuses(args)
+            if why is None:
+                if not impl.started:
+                    impl._started(args, f"op {self.op!r} served by {impl.spec.backend.value!r}: {'; '.join(refused)}"
+                                  if refused else None)
+                return impl
+            refused.append(f"{impl.spec.backend.value!r} refuses the call ({why})")
+        return None
 
     def sole_server(self, args: tuple) -> Optional[KernelSpec]:
         """The implementation that serves every call of this data dtype, as far as its first call has
@@ -160,11 +186,23 @@ def auto_function(op: str, data_arg: int = 0, on: Optional[Platform] = None) -> 
     return fn or _chain_call(op, impls)
 
 
+def _through_first_unrestricted(impls: List[Implementation]) -> List[Implementation]:
+    """``impls`` up to the first that refuses nothing: those after it are never reached."""
+    unrestricted = [n for n, i in enumerate(impls) if not i.spec.restricted]
+    return impls[:unrestricted[0] + 1] if unrestricted else impls
+
+
+def _auto_winner(table, op: str, x) -> Optional[str]:
+    from .. import tuning
+
+    chosen = tuning.winner(table, op, x)
+    return chosen[0] if chosen is not None else None
+
+
 def _chain_call(op: str, impls: List[Implementation]) -> Callable[..., Any]:
     """The per-call path through ``impls`` in order: the first that takes the call runs it. Backends
     after the first one that refuses nothing are never reached, and are dropped."""
-    unrestricted = [n for n, i in enumerate(impls) if not i.spec.restricted]
-    impls = impls[:unrestricted[0] + 1] if unrestricted else impls
+    impls = _through_first_unrestricted(impls)
     first = impls[0]
     if len(impls) == 1 and not first.spec.restricted:
         return lambda *args: first.run(*args)

@@ -19,6 +19,7 @@ import flashinfer.activation as fi_activation
 import torch
 from torch import Tensor
 
+from ... import outputs
 from ...backends import flashinfer_jit as _module
 
 #: The first release whose launcher narrows its loads to a width dividing d (earlier: d % 8 == 0).
@@ -47,24 +48,26 @@ def _refuses(input: Tensor) -> Optional[str]:
     return None
 
 
-def _act_and_mul(input: Tensor, act: str) -> Tensor:
+def _act_and_mul(input: Tensor, act: str, out=None) -> Tensor:
+    shape = (*input.shape[:-1], input.shape[-1] // 2)
+    y = None if out is None else outputs.given(out, 0, shape, input.dtype, input.device)
     if input.numel() == 0:  # zero rows: a grid of 0 blocks is a launch error
-        return torch.empty((*input.shape[:-1], input.shape[-1] // 2), dtype=input.dtype, device=input.device)
+        return torch.empty(shape, dtype=input.dtype, device=input.device) if y is None else y
     name = f"{act}_and_mul"
     _module.jit_module(name, fi_activation.gen_act_and_mul_module, fi_activation.get_act_and_mul_module, act)
-    return getattr(fi_activation, name)(input)
+    return getattr(fi_activation, name)(input, out=y)
 
 
-def silu_and_mul(input: Tensor) -> Tensor:
-    return _act_and_mul(input, "silu")
+def silu_and_mul(input: Tensor, *, out=None) -> Tensor:
+    return _act_and_mul(input, "silu", out)
 
 
-def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
-    return _act_and_mul(input, "gelu_tanh" if approximate == "tanh" else "gelu")
+def gelu_and_mul(input: Tensor, approximate: str = "none", *, out=None) -> Tensor:
+    return _act_and_mul(input, "gelu_tanh" if approximate == "tanh" else "gelu", out)
 
 
-def gelu_tanh_and_mul(input: Tensor) -> Tensor:
-    return _act_and_mul(input, "gelu_tanh")
+def gelu_tanh_and_mul(input: Tensor, *, out=None) -> Tensor:
+    return _act_and_mul(input, "gelu_tanh", out)
 
 
 def silu_and_mul_refuses(input: Tensor) -> Optional[str]:

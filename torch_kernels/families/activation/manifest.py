@@ -10,6 +10,8 @@ TRITON_QUANT_OPS = QUANT_OPS
 TILELANG_QUANT_OPS = QUANT_OPS
 # the C++ entry calls TileLang's act_and_mul(X, O); not gelu_and_mul: a string argument has no HostCall role
 _HOST_CALLS = {op: HostCall("r", "h", (0, -1)) for op in ("silu_and_mul", "gelu_tanh_and_mul")}
+# every op here is functional: each kernel writes its out overload's tensors itself (vLLM's silu_and_mul(out, x))
+_OUT = OPS + QUANT_OPS
 
 FAMILY = Family(
     __package__,
@@ -19,10 +21,12 @@ FAMILY = Family(
                 for op in QUANT_OPS),
     kernels=(
         *reference(__package__, OPS + QUANT_OPS),
-        *kernels(__package__, Backend.TRITON, OPS + TRITON_QUANT_OPS, "flat grid of 1024-element tiles, short rows packed several to a tile"),
+        *kernels(__package__, Backend.TRITON, OPS + TRITON_QUANT_OPS, "flat grid of 1024-element tiles, short rows packed several to a tile",
+                 out_ops=_OUT),
         *kernels(__package__, Backend.TILELANG, OPS + TILELANG_QUANT_OPS,
                  "flat grid of 1024-output tiles, 8 a thread in 16-byte vectors; every size and stride (misaligned rows via a copy)",
-                 host_calls=_HOST_CALLS),
-        *kernels(__package__, Backend.FLASHINFER, OPS, "flashinfer.activation.<act>_and_mul; contiguous rows", HALF, checks=True),
+                 host_calls=_HOST_CALLS, out_ops=_OUT),
+        *kernels(__package__, Backend.FLASHINFER, OPS, "flashinfer.activation.<act>_and_mul; contiguous rows", HALF, checks=True,
+                 out_ops=OPS),
     ),
 )

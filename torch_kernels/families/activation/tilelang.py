@@ -32,7 +32,7 @@ import tilelang.language as T
 import torch
 from torch import Tensor
 
-from ... import fp8 as _fp8_core
+from ... import fp8 as _fp8_core, outputs
 from ...backends import tilelang_fp8 as _fp8, tilelang_jit as _jit
 
 _NAME = "act_and_mul"
@@ -291,28 +291,31 @@ def gelu_tanh_and_mul_host(input: Tensor):
     return host_functions(input, "gelu_tanh")
 
 
-def act_and_mul(input: Tensor, act: str) -> Tensor:
+def act_and_mul(input: Tensor, act: str, out=None) -> Tensor:
     d = input.shape[-1] // 2
     x = input if input.dim() == 2 else input.reshape(-1, 2 * d)
-    out = x.new_empty((x.shape[0], d))  # contiguous; half the host time of torch.empty(shape, dtype=, device=)
+    if out is None:
+        y = x.new_empty((x.shape[0], d))  # contiguous; half the host time of torch.empty(shape, dtype=, device=)
+    else:
+        y = outputs.given(out, 0, (*input.shape[:-1], d), input.dtype, input.device).view(x.shape[0], d)
     if x.shape[0]:
         fn, vec = _function(d, x.dtype, act, x.shape[0], x.shape[0] in row_loop_tokens(d, x.dtype, act, x.device))
         if x.data_ptr() & 15 or x.stride(0) % vec:  # rare: a view at an odd offset; a fresh copy is aligned
             x = x.clone(memory_format=torch.contiguous_format)
-        fn(x, out)
-    return out if input.dim() == 2 else out.view(*input.shape[:-1], d)
+        fn(x, y)
+    return y if input.dim() == 2 else y.view(*input.shape[:-1], d)
 
 
-def silu_and_mul(input: Tensor) -> Tensor:
-    return act_and_mul(input, "silu")
+def silu_and_mul(input: Tensor, *, out=None) -> Tensor:
+    return act_and_mul(input, "silu", out)
 
 
-def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
-    return act_and_mul(input, "gelu_tanh" if approximate == "tanh" else "gelu")
+def gelu_and_mul(input: Tensor, approximate: str = "none", *, out=None) -> Tensor:
+    return act_and_mul(input, "gelu_tanh" if approximate == "tanh" else "gelu", out)
 
 
-def gelu_tanh_and_mul(input: Tensor) -> Tensor:
-    return act_and_mul(input, "gelu_tanh")
+def gelu_tanh_and_mul(input: Tensor, *, out=None) -> Tensor:
+    return act_and_mul(input, "gelu_tanh", out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -370,9 +373,9 @@ _quant_function = _jit.host_functions(_QUANT_NAME, _build_quant)  # (d, dtype, e
 
 
 def silu_and_mul_fp8_quant(input: Tensor, scale: Optional[Tensor] = None, group_size: int = -1,
-                           column_major_scales: bool = False, scale_ue8m0: bool = False):
+                           column_major_scales: bool = False, scale_ue8m0: bool = False, *, out=None):
     d = input.shape[-1] // 2
-    q, s = _fp8_core.empty_outputs(input, d, scale, group_size, column_major_scales)
+    q, s = _fp8_core.empty_outputs(input, d, scale, group_size, column_major_scales, out=out)
     x = input if input.dim() == 2 else input.reshape(-1, 2 * d)
     if x.shape[0] == 0:
         if scale is not None:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ... import fp8
+from ... import fp8, outputs
 from ...backends.rows import rows
 from ...backends.triton_fp8 import (GROUP_EPS, INTERPRETED, STATIC, TOKEN, abs_max, dynamic_scale, group_quantize,
                                     group_scales, mode, quantize, static_inverse)
@@ -185,23 +185,26 @@ def _launch_one(x, out, n_rows, n_cols, up_offset, act, config, wrap=None):
     )
 
 
-def act_and_mul(input: Tensor, act: str, wrap=None, config: Optional[TritonActivationConfig] = None) -> Tensor:
+def act_and_mul(input: Tensor, act: str, wrap=None, config: Optional[TritonActivationConfig] = None,
+                out=None) -> Tensor:
     d = int(input.shape[-1]) // 2
-    out = torch.empty((*input.shape[:-1], d), dtype=input.dtype, device=input.device)
-    launch(rows(input), out.view(-1, d), act, config or TritonActivationConfig.for_shape(d), wrap=wrap)
-    return out
+    shape = (*input.shape[:-1], d)
+    y = (torch.empty(shape, dtype=input.dtype, device=input.device) if out is None
+         else outputs.given(out, 0, shape, input.dtype, input.device))
+    launch(rows(input), y.view(-1, d), act, config or TritonActivationConfig.for_shape(d), wrap=wrap)
+    return y
 
 
-def silu_and_mul(input: Tensor, *, wrap=None, config=None) -> Tensor:
-    return act_and_mul(input, "silu", wrap, config)
+def silu_and_mul(input: Tensor, *, wrap=None, config=None, out=None) -> Tensor:
+    return act_and_mul(input, "silu", wrap, config, out)
 
 
-def gelu_and_mul(input: Tensor, approximate: str = "none", *, wrap=None, config=None) -> Tensor:
-    return act_and_mul(input, "gelu_tanh" if approximate == "tanh" else "gelu", wrap, config)
+def gelu_and_mul(input: Tensor, approximate: str = "none", *, wrap=None, config=None, out=None) -> Tensor:
+    return act_and_mul(input, "gelu_tanh" if approximate == "tanh" else "gelu", wrap, config, out)
 
 
-def gelu_tanh_and_mul(input: Tensor, *, wrap=None, config=None) -> Tensor:
-    return act_and_mul(input, "gelu_tanh", wrap, config)
+def gelu_tanh_and_mul(input: Tensor, *, wrap=None, config=None, out=None) -> Tensor:
+    return act_and_mul(input, "gelu_tanh", wrap, config, out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,11 +322,12 @@ def launch_quant(x: Tensor, q: Tensor, s: Tensor, act: str, scale: Optional[Tens
 
 
 def silu_and_mul_fp8_quant(input: Tensor, scale: Optional[Tensor] = None, group_size: int = -1,
-                           column_major_scales: bool = False, scale_ue8m0: bool = False, *, wrap=None, config=None):
+                           column_major_scales: bool = False, scale_ue8m0: bool = False, *, wrap=None, config=None,
+                           out=None):
     d = int(input.shape[-1]) // 2
-    q, s = fp8.empty_outputs(input, d, scale, group_size, column_major_scales)
+    q, s = fp8.empty_outputs(input, d, scale, group_size, column_major_scales, out=out)
     if scale is not None and (wrap is not None or q.numel() == 0):  # traced, the grid may be empty
-        s = scale.reshape(1).clone()
+        s = scale.reshape(1).clone() if out is None else s.copy_(scale.reshape(1))
     s_rows = s if scale is not None else s.view(-1) if group_size == fp8.PER_TOKEN else s.view(-1, s.shape[-1])
     launch_quant(rows(input), q.view(-1, d), s_rows, "silu", scale, group_size, scale_ue8m0,
                  config or TritonActivationConfig.for_quant(d, group_size), wrap=wrap)

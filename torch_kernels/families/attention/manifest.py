@@ -11,10 +11,10 @@ FAMILY = Family(
     ops=(OpInfo("merge_attn_states", OPAQUE, decompose_after_pointwise=True),),
     kernels=(
         *reference(__package__, OPS),
-        *kernels(__package__, Backend.TRITON, OPS, "whole heads of one token per program, fp32 merge"),
+        *kernels(__package__, Backend.TRITON, OPS, "whole heads of one token per program, fp32 merge", out_ops=OPS),
         *kernels(__package__, Backend.TILELANG, OPS,
                  "up to 16 values of one head a thread in 16-byte vectors, fp32 merge; every size and stride "
-                 "(misaligned partials value by value)"),
+                 "(misaligned partials value by value)", out_ops=OPS),
         *kernels(__package__, Backend.FLASHINFER, OPS,
                  "cascade.merge_state on base-2 LSE, empty partials restored; head size 64/128/256/512", HALF, checks=True),
     ),

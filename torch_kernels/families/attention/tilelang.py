@@ -24,6 +24,7 @@ import tilelang.language as T
 import torch
 from torch import Tensor
 
+from ... import outputs
 from ...backends import tilelang_jit as _jit
 
 _NAME = "merge_attn_states"
@@ -151,9 +152,13 @@ _function = _jit.host_functions(_NAME, _build)  # key of _build -> compiled host
 _functions = _function.cache
 
 
-def merge_attn_states(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor):
-    out = v_a.new_empty(v_a.shape)  # contiguous, v_a's dtype
-    out_lse = lse_a.new_empty(lse_a.shape)  # contiguous fp32
+def merge_attn_states(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor, *, out=None):
+    if out is None:
+        out, out_lse = v_a.new_empty(v_a.shape), lse_a.new_empty(lse_a.shape)  # contiguous, v_a's dtype; fp32
+    else:
+        given = out
+        out = outputs.given(given, 0, v_a.shape, v_a.dtype, v_a.device)
+        out_lse = outputs.given(given, 1, lse_a.shape, torch.float32, v_a.device)
     T_, H, D = v_a.shape
     if T_ == 0:
         return out, out_lse

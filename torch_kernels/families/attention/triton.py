@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ... import outputs
+
 # 2048 values a program, 16 a thread, 4 warps: 4139 GB/s at 8192x32x128 against 3895 at 8 a thread
 # (H200, bf16; docs/design/attention.md).
 _TILE = 2048
@@ -169,9 +171,13 @@ def _launch_one(v_a, lse_a, v_b, lse_b, out, out_lse, config, wrap=None):
 
 
 def merge_attn_states(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor, *, wrap=None,
-                      config: Optional[TritonMergeConfig] = None):
-    out = torch.empty(v_a.shape, dtype=v_a.dtype, device=v_a.device)
-    out_lse = torch.empty(lse_a.shape, dtype=torch.float32, device=v_a.device)
+                      config: Optional[TritonMergeConfig] = None, out=None):
+    if out is None:
+        v = torch.empty(v_a.shape, dtype=v_a.dtype, device=v_a.device)
+        lse = torch.empty(lse_a.shape, dtype=torch.float32, device=v_a.device)
+    else:
+        v = outputs.given(out, 0, v_a.shape, v_a.dtype, v_a.device)
+        lse = outputs.given(out, 1, lse_a.shape, torch.float32, v_a.device)
     config = config or TritonMergeConfig.for_shape(int(v_a.shape[1]), int(v_a.shape[2]))
-    launch(v_a, lse_a, v_b, lse_b, out, out_lse, config, wrap=wrap)
-    return out, out_lse
+    launch(v_a, lse_a, v_b, lse_b, v, lse, config, wrap=wrap)
+    return v, lse

@@ -33,6 +33,7 @@ import torch
 from flashinfer.utils import device_support_pdl
 from torch import Tensor
 
+from ... import outputs
 from ...backends.rows import rows_view
 from ...backends import flashinfer_jit as _module
 from .unit_weight import ones_like_row
@@ -73,14 +74,17 @@ def _refuses(input: Tensor, weight: Tensor, residual: Optional[Tensor] = None) -
     return None
 
 
-def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
-    out = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool, out=None) -> Tensor:
+    if out is None:
+        y = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+    else:
+        y = outputs.given(out, 0, input.shape, input.dtype, input.device)
     rows = rows_view(input)
     if rows.shape[0]:  # a grid of 0 blocks is a launch error
         kernels = _kernels()
         (kernels.gemma_rmsnorm if gemma else kernels.rmsnorm)(
-            out.view(rows.shape), rows, weight, eps, device_support_pdl(input.device))
-    return out
+            y.view(rows.shape), rows, weight, eps, device_support_pdl(input.device))
+    return y
 
 
 def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool) -> None:
@@ -91,13 +95,13 @@ def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemm
             x, res, weight, eps, device_support_pdl(input.device))
 
 
-def rmsnorm(input: Tensor, weight: Optional[Tensor], eps: float = 1e-6) -> Tensor:
+def rmsnorm(input: Tensor, weight: Optional[Tensor], eps: float = 1e-6, *, out=None) -> Tensor:
     # no weight: the kernels read one, so a weight of ones in the input's dtype (a product with 1 is exact)
-    return _norm(input, ones_like_row(input) if weight is None else weight, eps, gemma=False)
+    return _norm(input, ones_like_row(input) if weight is None else weight, eps, gemma=False, out=out)
 
 
-def gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
-    return _norm(input, weight, eps, gemma=True)
+def gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6, *, out=None) -> Tensor:
+    return _norm(input, weight, eps, gemma=True, out=out)
 
 
 def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float = 1e-6) -> None:

@@ -10,6 +10,8 @@ QUANT_OPS = ("rmsnorm_fp8_quant", "fused_add_rmsnorm_fp8_quant", "gemma_rmsnorm_
 TRITON_QUANT_OPS = QUANT_OPS
 TILELANG_QUANT_OPS = QUANT_OPS
 _IN_PLACE = ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm")
+# the ops whose out overload the kernels write themselves: the functional ones (vLLM's rms_norm(out, ...))
+_OUT = ("rmsnorm", "gemma_rmsnorm", "rmsnorm_fp8_quant", "gemma_rmsnorm_fp8_quant")
 # how the C++ entry calls TileLang's host functions: norm(X, W, O, eps); fused(X, R, W, eps), in place
 _HOST_CALLS = {op: HostCall("rrwf", "", (0, 1, 2, 3)) if op in _IN_PLACE else HostCall("rwf", "r", (0, 1, -1, 2))
                for op in OPS}
@@ -27,14 +29,15 @@ FAMILY = Family(
                 for op in QUANT_OPS),
     kernels=(
         *reference(__package__, OPS + QUANT_OPS),
-        *kernels(__package__, Backend.TRITON, OPS + TRITON_QUANT_OPS, "one program per row; rows wider than 16384 in two passes"),
+        *kernels(__package__, Backend.TRITON, OPS + TRITON_QUANT_OPS, "one program per row; rows wider than 16384 in two passes",
+                 out_ops=_OUT),
         *kernels(__package__, Backend.TILELANG, OPS + TILELANG_QUANT_OPS,
                  "row over a power of two of threads, 16 values each in 16-byte vectors, short rows several to a "
                  "block; rows wider than 16384 in two passes; every size and stride (misaligned rows via a copy)",
-                 host_calls=_HOST_CALLS),
+                 host_calls=_HOST_CALLS, out_ops=_OUT),
         *kernels(__package__, Backend.FLASHINFER, OPS,
                  "FlashInfer's CUDA norm kernels (get_norm_module); weight in the input's dtype, rows aligned to their loads",
-                 HALF, checks=True),
+                 HALF, checks=True, out_ops=("rmsnorm", "gemma_rmsnorm")),
     ),
     notes=("FlashInfer's rmsnorm_quant and fused_add_rmsnorm_quant are benchmark peers, not implementations of "
            "rmsnorm_fp8_quant and fused_add_rmsnorm_fp8_quant: they quantise the fp32 norm instead of the value "

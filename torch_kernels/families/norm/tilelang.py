@@ -33,7 +33,7 @@ import tilelang.language as T
 import torch
 from torch import Tensor
 
-from ... import fp8 as _fp8_core
+from ... import fp8 as _fp8_core, outputs
 from ...backends.rows import rows_view
 from ...backends import norm_rows as _rows, tilelang_fp8 as _fp8, tilelang_jit as _jit
 from .unit_weight import ones_like_row
@@ -649,16 +649,19 @@ def _aligned_copy(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
+def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool, out=None) -> Tensor:
     n = input.shape[-1]
     x = input if input.dim() == 2 else input.reshape(-1, n)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if out is None:
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    else:
+        y = outputs.given(out, 0, input.shape, input.dtype, input.device).view(x.shape)
     if x.shape[0]:
         fn, vec = _function(n, x.dtype, weight.dtype, False, gemma, x.shape[0])
         if (x.data_ptr() | weight.data_ptr()) & 15 or x.stride(0) % vec:  # rare: a view at an odd offset
             x, weight = _aligned_copy(x), _aligned_copy(weight)
-        fn(x, weight, out, eps)
-    return out if input.dim() == 2 else out.view(input.shape)
+        fn(x, weight, y, eps)
+    return y if input.dim() == 2 else y.view(input.shape)
 
 
 def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool) -> None:
@@ -678,13 +681,13 @@ def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemm
     fn(x, res, weight, eps)
 
 
-def rmsnorm(input: Tensor, weight: Optional[Tensor], eps: float = 1e-6) -> Tensor:
+def rmsnorm(input: Tensor, weight: Optional[Tensor], eps: float = 1e-6, *, out=None) -> Tensor:
     # no weight: the kernel of a weight of ones in the input's dtype (a product with 1 is exact)
-    return _norm(input, ones_like_row(input) if weight is None else weight, eps, gemma=False)
+    return _norm(input, ones_like_row(input) if weight is None else weight, eps, gemma=False, out=out)
 
 
-def gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
-    return _norm(input, weight, eps, gemma=True)
+def gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6, *, out=None) -> Tensor:
+    return _norm(input, weight, eps, gemma=True, out=out)
 
 
 def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float = 1e-6) -> None:
@@ -740,9 +743,9 @@ def _scales_arg(s: Tensor, epi: "_fp8.Epilogue", n: int) -> Tensor:
 
 
 def _norm_quant(input: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, scale: Optional[Tensor],
-                group_size: int, column_major: bool, ue8m0: bool, gemma: bool):
+                group_size: int, column_major: bool, ue8m0: bool, gemma: bool, out=None):
     n = input.shape[-1]
-    q, s = _fp8_core.empty_outputs(input, n, scale, group_size, column_major)
+    q, s = _fp8_core.empty_outputs(input, n, scale, group_size, column_major, out=out)
     tokens = input.numel() // n
     if tokens == 0:
         if scale is not None:
@@ -772,13 +775,16 @@ def _norm_quant(input: Tensor, residual: Optional[Tensor], weight: Tensor, eps: 
 
 
 def rmsnorm_fp8_quant(input: Tensor, weight: Tensor, eps: float = 1e-6, scale: Optional[Tensor] = None,
-                      group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False):
-    return _norm_quant(input, None, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, gemma=False)
+                      group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False, *, out=None):
+    return _norm_quant(input, None, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, gemma=False,
+                       out=out)
 
 
 def gemma_rmsnorm_fp8_quant(input: Tensor, weight: Tensor, eps: float = 1e-6, scale: Optional[Tensor] = None,
-                            group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False):
-    return _norm_quant(input, None, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, gemma=True)
+                            group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False, *,
+                            out=None):
+    return _norm_quant(input, None, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, gemma=True,
+                       out=out)
 
 
 def fused_add_rmsnorm_fp8_quant(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ... import fp8
+from ... import fp8, outputs
 from ...backends.norm_rows import TRITON_ONE_PASS_MAX, triton_num_warps
 from ...backends.rows import rows, rows_view
 from ...backends.triton_fp8 import (GROUP, GROUP_EPS, INTERPRETED, NONE, STATIC, TOKEN, abs_max, dynamic_scale,
@@ -228,10 +228,13 @@ def _launch(x: Tensor, res, out: Tensor, weight: Tensor, eps: float, gemma: bool
     )
 
 
-def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool, wrap, config) -> Tensor:
-    out = torch.empty(input.shape, dtype=input.dtype, device=input.device)
-    _launch(rows(input), None, rows(out), weight, eps, gemma, wrap, config)
-    return out
+def _norm(input: Tensor, weight: Tensor, eps: float, gemma: bool, wrap, config, out) -> Tensor:
+    if out is None:
+        y = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+    else:
+        y = outputs.given(out, 0, input.shape, input.dtype, input.device)
+    _launch(rows(input), None, rows(y), weight, eps, gemma, wrap, config)
+    return y
 
 
 def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool, wrap, config) -> None:
@@ -245,12 +248,12 @@ def _fused_add(input: Tensor, residual: Tensor, weight: Tensor, eps: float, gemm
     _launch(x, res, x, weight, eps, gemma, wrap, config)
 
 
-def rmsnorm(input: Tensor, weight: Optional[Tensor], eps: float = 1e-6, *, wrap=None, config=None) -> Tensor:
-    return _norm(input, ones_like_row(input) if weight is None else weight, eps, False, wrap, config)
+def rmsnorm(input: Tensor, weight: Optional[Tensor], eps: float = 1e-6, *, wrap=None, config=None, out=None) -> Tensor:
+    return _norm(input, ones_like_row(input) if weight is None else weight, eps, False, wrap, config, out)
 
 
-def gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6, *, wrap=None, config=None) -> Tensor:
-    return _norm(input, weight, eps, True, wrap, config)
+def gemma_rmsnorm(input: Tensor, weight: Tensor, eps: float = 1e-6, *, wrap=None, config=None, out=None) -> Tensor:
+    return _norm(input, weight, eps, True, wrap, config, out)
 
 
 def fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float = 1e-6, *, wrap=None,
@@ -269,20 +272,20 @@ def gemma_fused_add_rmsnorm(input: Tensor, residual: Tensor, weight: Tensor, eps
 # Triton kernels, bit for bit.
 
 
-def _quant_outputs(input: Tensor, scale, group_size: int, column_major: bool, wrap):
+def _quant_outputs(input: Tensor, scale, group_size: int, column_major: bool, wrap, out=None):
     """``q``, the scales, and both as the kernel's rows; a static scale copied when no program may."""
     N = int(input.shape[-1])
-    q, s = fp8.empty_outputs(input, N, scale, group_size, column_major)
+    q, s = fp8.empty_outputs(input, N, scale, group_size, column_major, out=out)
     if scale is not None:
         if wrap is not None or q.numel() == 0:  # traced, the token count (the grid) may be 0
-            s = scale.reshape(1).clone()
+            s = scale.reshape(1).clone() if out is None else s.copy_(scale.reshape(1))
         return q, s, q.view(-1, N), s
     return q, s, q.view(-1, N), s.view(-1, s.shape[-1])
 
 
 def _norm_quant(input: Tensor, weight: Tensor, eps: float, scale, group_size: int, column_major: bool, ue8m0: bool,
-                gemma: bool, wrap, config):
-    q, s, q_rows, s_rows = _quant_outputs(input, scale, group_size, column_major, wrap)
+                gemma: bool, wrap, config, out=None):
+    q, s, q_rows, s_rows = _quant_outputs(input, scale, group_size, column_major, wrap, out)
     _launch(rows(input), None, q_rows, weight, eps, gemma, wrap, config, mode(scale, group_size), s_rows, scale,
             max(group_size, 1), ue8m0)
     return q, s
@@ -304,14 +307,16 @@ def _fused_add_quant(input: Tensor, residual: Tensor, weight: Tensor, eps: float
 
 def rmsnorm_fp8_quant(input: Tensor, weight: Tensor, eps: float = 1e-6, scale: Optional[Tensor] = None,
                       group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False, *,
-                      wrap=None, config=None):
-    return _norm_quant(input, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, False, wrap, config)
+                      wrap=None, config=None, out=None):
+    return _norm_quant(input, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, False, wrap, config,
+                       out)
 
 
 def gemma_rmsnorm_fp8_quant(input: Tensor, weight: Tensor, eps: float = 1e-6, scale: Optional[Tensor] = None,
                             group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False, *,
-                            wrap=None, config=None):
-    return _norm_quant(input, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, True, wrap, config)
+                            wrap=None, config=None, out=None):
+    return _norm_quant(input, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, True, wrap, config,
+                       out)
 
 
 def fused_add_rmsnorm_fp8_quant(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,

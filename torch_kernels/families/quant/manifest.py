@@ -18,9 +18,10 @@ FAMILY = Family(
         *kernels(__package__, Backend.TRITON, TRITON_OPS,
                  "group quant a program per block of rows x groups; scaled quant 4096-value tiles, per token a "
                  "program per row block, per tensor an atomic amax then a quantising pass; hardware e4m3 cvt, "
-                 "emulated in the interpreter"),
+                 "emulated in the interpreter", out_ops=TRITON_OPS),
         *kernels(__package__, Backend.TILELANG, TILELANG_OPS,
                  "group quant 16 values a thread in 16-byte vectors, a group's lanes reduce by shfl.xor; scaled quant "
-                 "row kernels, per tensor an atomic max then a quantising pass; hardware e4m3 cvt; every size and stride"),
+                 "row kernels, per tensor an atomic max then a quantising pass; hardware e4m3 cvt; every size and stride",
+                 out_ops=TILELANG_OPS),
     ),
 )

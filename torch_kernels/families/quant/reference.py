@@ -12,10 +12,10 @@ from ... import fp8
 from ...fp8 import FP8, FP8_MAX, pow2_ceil  # noqa: F401  (the Triton and TileLang kernels take them from here)
 
 
-def empty_outputs(input: Tensor, group_size: int, column_major_scales: bool) -> Tuple[Tensor, Tensor]:
+def empty_outputs(input: Tensor, group_size: int, column_major_scales: bool, out=None) -> Tuple[Tensor, Tensor]:
     """``q (..., H)`` float8_e4m3fn contiguous, and the fp32 group scales ``(..., H/group_size)``
-    (layouts: :func:`torch_kernels.fp8.group_scales_empty`)."""
-    return fp8.empty_outputs(input, input.shape[-1], None, group_size, column_major_scales)
+    (layouts: :func:`torch_kernels.fp8.group_scales_empty`); ``out``: the out overload's, checked."""
+    return fp8.empty_outputs(input, input.shape[-1], None, group_size, column_major_scales, out=out)
 
 
 def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10,

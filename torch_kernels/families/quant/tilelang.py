@@ -163,8 +163,8 @@ _functions = _function.cache
 
 
 def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10,
-                              column_major_scales: bool = False, scale_ue8m0: bool = False):
-    q, s = empty_outputs(input, group_size, column_major_scales)
+                              column_major_scales: bool = False, scale_ue8m0: bool = False, *, out=None):
+    q, s = empty_outputs(input, group_size, column_major_scales, out)
     if input.dim() == 2:
         x, q2, s2 = input, q, s
     else:  # (T, H) rows: a view unless the leading dims do not collapse; (T, G) views of the outputs,
@@ -292,9 +292,9 @@ _absmax_function = _jit.host_functions(_ABSMAX, _build_absmax)  # (n, dtype) -> 
 
 
 def scaled_fp8_quant(input: Tensor, scale: Optional[Tensor] = None, per_token: bool = False,
-                     scale_ub: Optional[Tensor] = None):
+                     scale_ub: Optional[Tensor] = None, *, out=None):
     n = input.shape[-1]
-    q, s = _fp8_core.empty_outputs(input, n, scale, _fp8_core.PER_TOKEN, False, per_token)
+    q, s = _fp8_core.empty_outputs(input, n, scale, _fp8_core.PER_TOKEN, False, per_token, out)
     x = rows(input)
     if x.shape[0] == 0:
         if scale is not None:

@@ -140,8 +140,9 @@ def launch(x: Tensor, q: Tensor, s: Tensor, group_size: int, eps: float, scale_u
 
 
 def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10,
-                              column_major_scales: bool = False, scale_ue8m0: bool = False, *, wrap=None, config=None):
-    q, s = empty_outputs(input, group_size, column_major_scales)
+                              column_major_scales: bool = False, scale_ue8m0: bool = False, *, wrap=None, config=None,
+                              out=None):
+    q, s = empty_outputs(input, group_size, column_major_scales, out)
     H = int(input.shape[-1])
     x = input if input.dim() == 2 else input.reshape(-1, H)  # a view unless the leading dims do not collapse
     if wrap is None and x.shape[0] == 0:
@@ -300,9 +301,9 @@ def scaled_launch(x: Tensor, q: Tensor, s: Tensor, scale: Optional[Tensor], per_
 
 
 def scaled_fp8_quant(input: Tensor, scale: Optional[Tensor] = None, per_token: bool = False,
-                     scale_ub: Optional[Tensor] = None, *, wrap=None, config=None):
+                     scale_ub: Optional[Tensor] = None, *, wrap=None, config=None, out=None):
     H = int(input.shape[-1])
-    q, s = fp8.empty_outputs(input, H, scale, fp8.PER_TOKEN, False, per_token)
+    q, s = fp8.empty_outputs(input, H, scale, fp8.PER_TOKEN, False, per_token, out)
     # s: (1,) per tensor, (..., 1) per token, as (T,) rows (contiguous either way)
     scaled_launch(_as_rows(input), q.view(-1, H), s.view(-1), scale, per_token, scale_ub, config, wrap=wrap)
     return q, s
