@@ -2,11 +2,12 @@
 spec in the manifests has a ``host``, from that spec's ``HostCall``, and names no op itself.
 
 CPU: the HostCall is validated, the served set is read from the inventory, the sources name no op, the
-library builds and loads, its kernels sit on the served ops with the Python ones on the twins, gradients
-and errors go through it unchanged, and without it the Python kernels sit on the ops. GPU: the calls it
-serves match the reference (one-pass and streamed kernels, in place, on another stream, in a CUDA
-graph), the calls it does not serve (overlapping written arguments among them) reach the Python kernels,
-bad input still raises naming the op and the argument, and a new selection is asked again."""
+library builds and loads, its kernels sit on the served ops and their out overloads with the Python ones
+on the twins, gradients and errors go through it unchanged, and without it the Python kernels sit on the
+ops. GPU: the calls it serves match the reference (one-pass and streamed kernels, in place, on another
+stream, in a CUDA graph, into a given output), the calls it does not serve (overlapping written arguments
+among them) reach the Python kernels, bad input still raises naming the op and the argument, and a new
+selection is asked again."""
 
 import json
 import os
@@ -17,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from torch_kernels import dispatch, fast_path, manifest, registry
+from torch_kernels import dispatch, fast_path, library, manifest, registry
 from torch_kernels.library import mutated_args
 from torch_kernels.ops import ALL
 from torch_kernels.spec import Backend, HostCall, KernelSpec
@@ -40,6 +41,8 @@ def _written(op):
 
 
 IN_PLACE = [op for op in SERVED if _written(op)]
+#: the served ops with an out overload: the entry serves it too
+WITH_OUT = [op for op in SERVED if OP_DEFS[op].out_names]
 
 
 def _python(code, fails=False, **env):
@@ -54,7 +57,7 @@ _REGISTRATIONS = """
 import torch, torch_kernels
 from torch_kernels import fast_path, registry
 print(fast_path.status().split()[0])
-for op in registry.OPS:
+for op in registry.OPS + tuple(f"{op}.out" for op in registry.OPS):
     for ns in ("deepinfer", fast_path.TWIN_NAMESPACE):
         try:
             dump = torch._C._dispatch_dump(f"{ns}::{op}")
@@ -123,12 +126,14 @@ def test_built_library_carries_the_cuda_and_autograd_kernels_of_the_served_ops()
     fast_path.build()  # nothing to do when built (the README's test command builds it first)
     lines = _python(_REGISTRATIONS).splitlines()
     assert lines[0] == "loaded"
-    for op in SERVED:
+    assert WITH_OUT
+    for op in SERVED + [f"{op}.out" for op in WITH_OUT]:
         for key in ("CUDA", "Autograd[alias]"):
             assert f"deepinfer {op} {key} fast_path.cpp" in lines
             assert f"deepinfer_py {op} {key} library.py" in lines
     others = [op for op in registry.OPS if op not in fast_path.SERVED]
-    assert others and not any(f"deepinfer {op} CUDA fast_path.cpp" in lines for op in others)
+    assert others and not any(f"deepinfer {op} CUDA fast_path.cpp" in lines or f"deepinfer {op}.out CUDA fast_path.cpp"
+                              in lines for op in others)
 
 
 def test_build_failure_says_so_and_leaves_nothing(tmp_path):
@@ -344,10 +349,26 @@ for args, words in (((next(iter(fast_path.SERVED)), "r", "h", [0, -1]), "install
         raise AssertionError(f"{args}: no error")
 assert "fast_path.cpp" not in torch._C._dispatch_dump("deepinfer::toy")  # refused: nothing registered
 install("toy", "rwf", "", [2, 1, 0])
+for lib in (ops, twins):
+    lib.define("pair(Tensor input) -> Tensor")
+    lib.define("pair.out(Tensor input, *, Tensor(a!) out) -> Tensor(a!)")
+install_out = torch.ops.deepinfer_fast_path.install_out
+for name, words in (("pair", "install the op first"), ("toy", "returns no tensor"),
+                    (next(op for op, s in fast_path.SERVED.items() if s.host_call.output), "installed already")):
+    try:
+        install_out(name)
+    except RuntimeError as e:
+        assert words in str(e), (name, e)
+    else:
+        raise AssertionError(f"{name}: no error")
+install("pair", "r", "r", [0, -1])
+install_out("pair")
 print(torch._C._dispatch_dump("deepinfer::toy"))
+print(torch._C._dispatch_dump("deepinfer::pair.out").replace("CUDA:", "CUDA(out):").replace("Autograd[alias]:", "Autograd(out):"))
 """)
     kernels = {line.split(":")[0]: line for line in out.splitlines() if " registered at " in line}
-    assert "fast_path.cpp" in kernels["CUDA"] and "fast_path.cpp" in kernels["Autograd[alias]"], out
+    for key in ("CUDA", "Autograd[alias]", "CUDA(out)", "Autograd(out)"):
+        assert "fast_path.cpp" in kernels[key], out
 
 
 def test_publish_refuses_what_the_entry_cannot_serve():
@@ -603,6 +624,47 @@ def test_a_new_selection_is_asked_again(op, tilelang_entry, tmp_path):
     after = fast_path.counters()
     assert after["passed_on"] == before["passed_on"] + 3 and after["served"] == before["served"]
     assert trace.read_text().splitlines() == [f"{op}|{other.value}"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", WITH_OUT)
+def test_out_calls_are_served_into_the_given_output(op, tilelang_entry):
+    """Once a signature is published, by a default call or an out call (the twin offers it), out calls
+    whose output is contiguous, aligned and apart from the inputs are served in C++ into it; a strided
+    output, or one that is the input, goes on to Python, which copies the default overload's result
+    (that call served in C++) into it: the same bits in every case."""
+    f, dtype = getattr(torch.ops.deepinfer, op), torch.bfloat16
+    args = _args(op, (5, 1024), dtype)
+    want = f(*args)  # publishes
+    out = torch.randn_like(want)
+    before = fast_path.counters()
+    assert f.out(*args, out=out) is out and torch.equal(out, want)
+    after = fast_path.counters()
+    assert after["served"] == before["served"] + 1 and after["passed_on"] == before["passed_on"], after
+
+    strided = torch.randn(5, want.shape[-1] + 8, dtype=dtype, device="cuda")[:, :want.shape[-1]]
+    data = _call_of(op).data
+    cases = [(args, strided)]
+    if _call_of(op).output == "r":  # the output is the input: Python computes, then copies over it
+        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        cases.append((copies, copies[data]))
+    for call_args, given in cases:
+        before, copies = fast_path.counters(), library.out_copies[op]
+        assert f.out(*call_args, out=given) is given and torch.equal(given, want)
+        after = fast_path.counters()
+        assert after["passed_on"] == before["passed_on"] + 1 and after["served"] == before["served"] + 1, after
+        assert library.out_copies[op] == copies + 1
+
+    fresh = _args(op, (3, 2048), dtype)  # a new signature, first seen by an out call
+    want = f(*[a.clone() if isinstance(a, torch.Tensor) else a for a in fresh])
+    fast_path.clear()
+    out = torch.empty_like(want)
+    for served in (0, 1):
+        before = fast_path.counters()
+        f.out(*fresh, out=out)
+        after = fast_path.counters()
+        assert torch.equal(out, want) and after["served"] == before["served"] + served, after
+    assert after["signatures"] == 1
 
 
 @pytest.mark.gpu

@@ -16,6 +16,8 @@ the ops it serves: those with a TileLang :class:`~torch_kernels.spec.KernelSpec`
   in C++: allocation, torch's current stream handed to TVM-FFI, the host function called through
   TVM-FFI's C ABI (the one the ``host`` published for the call's token count). Every other call
   goes to the Python kernels as before;
+* :func:`install_out` does the same for the op's ``out`` overload, into the given tensor when it is
+  contiguous, aligned and apart from the arguments; the twin's ``out`` kernel offers what it wrote;
 * :func:`dispatch.configure <torch_kernels.dispatch.configure>` clears what was published, so a new
   selection is asked again; ``DEEPINFER_OPS_BACKEND=auto`` publishes nothing (it picks per shape).
 
@@ -275,6 +277,13 @@ def install(op: str) -> None:
     """Register ``op``'s CUDA and Autograd kernels in C++ (after ``deepinfer::<op>`` and its twin are defined)."""
     call = SERVED[op].host_call
     torch.ops.deepinfer_fast_path.install(op, call.roles, call.output, list(call.order))
+
+
+def install_out(op: str) -> None:
+    """Register the CUDA and Autograd kernels of ``op``'s ``out`` overload in C++ (after :func:`install`,
+    and after ``deepinfer::<op>.out`` and its twin are defined): served by the signatures published for
+    the op, its output the given tensor."""
+    torch.ops.deepinfer_fast_path.install_out(op)
 
 
 def offer(op: str, spec: Optional[KernelSpec], args: tuple) -> None:

@@ -256,9 +256,11 @@ def _apart(given: tuple, args: tuple) -> bool:
 out_copies: dict = {}
 
 
-def _cuda_out_entry(op: OpDef, slot: dispatch.OpSlot, copied):
+def _cuda_out_entry(op: OpDef, slot: dispatch.OpSlot, copied, offer: bool = False):
     """The ``out`` overload's CUDA kernel: the serving backend's kernel writes the given tensors when
-    it takes them (``KernelSpec.out``); else ``copied``, the default overload's result copied there."""
+    it takes them (``KernelSpec.out``); else ``copied``, the default overload's result copied there.
+    ``offer``: on the twin of an op the C++ entry serves, a written call's signature is offered to it,
+    as the default overload's twin offers its calls."""
     validate, names, where = op.validate, op.out_names, f"{op.name}.out"
     out_copies[op.name] = 0
 
@@ -269,6 +271,8 @@ def _cuda_out_entry(op: OpDef, slot: dispatch.OpSlot, copied):
         if impl is not None and impl.spec.out:
             try:
                 impl.fn(*args, out=given)
+                if offer:
+                    fast_path.offer(op.name, slot.sole_server(args), args)
                 return given[0] if len(given) == 1 else given
             except outputs.Restage:
                 pass
@@ -285,9 +289,17 @@ def _register_out(op: OpDef) -> None:
     LIBRARY.define(op.out_schema)
     kernel, fake, autograd = _out_entries(op)
     LIBRARY.impl(f"{op.name}.out", kernel, "CompositeExplicitAutograd")
-    if any(k.out for k in registry.BY_OP[op.name].values()):
-        LIBRARY.impl(f"{op.name}.out", _cuda_out_entry(op, dispatch.slot(op.name, op.data_arg), kernel), "CUDA")
-    LIBRARY.impl(f"{op.name}.out", autograd, "Autograd", with_keyset=True)
+    writes = any(k.out for k in registry.BY_OP[op.name].values())
+    slot = dispatch.slot(op.name, op.data_arg)
+    if TWINS is not None and fast_path.serves(op.name):  # as the default overload: C++ kernels, these on the twin
+        TWINS.define(op.out_schema)
+        TWINS.impl(f"{op.name}.out", _cuda_out_entry(op, slot, kernel, offer=True) if writes else kernel, "CUDA")
+        TWINS.impl(f"{op.name}.out", autograd, "Autograd", with_keyset=True)
+        fast_path.install_out(op.name)
+    else:
+        if writes:
+            LIBRARY.impl(f"{op.name}.out", _cuda_out_entry(op, slot, kernel), "CUDA")
+        LIBRARY.impl(f"{op.name}.out", autograd, "Autograd", with_keyset=True)
     torch.library.register_fake(f"{op.qualname}.out", fake, lib=LIBRARY)
 
     def rule(mode, overload, types, args, kwargs):  # compiled: the default overload's route, then the copy

@@ -8,11 +8,14 @@
 // It knows no op. ``install(op, roles, output, call)`` registers the op's kernels from its manifest's
 // HostCall: per schema argument a role (r rows like the data argument, w a vector of its width, f a float
 // >= 0), the output (none, r rows, h rows of half the width) and the host function's argument order
-// (-1 the output); the arguments the schema marks written are read from it. Per call:
+// (-1 the output); the arguments the schema marks written are read from it. ``install_out(op)`` then
+// registers the same on the op's ``out`` overload, whose last argument is the output. Per call:
 //   CUDA:     tensors given, contiguous, 16-byte aligned, shaped as their roles say, on the current
 //             device; floats >= 0; a token at least; written tensors apart from every other; and a
-//             published signature -> allocate the output, set TVM-FFI's stream to torch's current one,
-//             call the host function published for the call's token count; else -> the twin (CUDA key).
+//             published signature -> allocate the output (``out``: take the given one, which must be
+//             contiguous, aligned, of the output's shape and the data's dtype, on the device, and apart
+//             from every argument), set TVM-FFI's stream to torch's current one, call the host function
+//             published for the call's token count; else -> the twin (CUDA key).
 //   Autograd: no gradient asked -> below autograd; else the twin's Python Autograd kernel.
 // A published signature carries everything the op's validation looks at except the token count, so a
 // call that matches it and passes the tests above is one validation has already accepted.
@@ -47,10 +50,11 @@ constexpr int kMaxKernels = 4;  // host functions a signature, each from a token
 
 // One installed op: its HostCall, resolved against its schema once.
 struct OpState {
-  int index;
+  int index;  // of the op's published entries: an out overload shares its op's
   std::string name;  // for errors
   c10::OperatorHandle twin;
-  int num_args = 0, data = -1;
+  int num_args = 0, data = -1;  // the schema arguments before an out overload's output
+  bool given_output = false;  // the out overload: the output is the argument after them
   char roles[kMaxArgs] = {};
   char output = 0;  // 0 none, 'r' rows like the data argument, 'h' rows of half its width
   int num_tensors = 0, tensors[kMaxArgs] = {};  // the tensor arguments, in schema order (the entries' dtypes)
@@ -221,7 +225,7 @@ bool apart(const at::Tensor& a, const at::Tensor& b) {
 // otherwise. Plain: what validation checks beyond the signature, and what the launchers' plain case
 // needs (contiguous, 16-byte aligned starts, at least one token).
 bool serve(const OpState& s, torch::jit::Stack* stack) {
-  const auto args = torch::jit::last(*stack, s.num_args);
+  const auto args = torch::jit::last(*stack, s.num_args + (s.given_output ? 1 : 0));
   const at::Tensor* t[kMaxArgs];
   for (int k = 0; k < s.num_tensors; ++k) {
     const c10::IValue& v = args[s.tensors[k]];
@@ -253,11 +257,23 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
 
   const int64_t tokens = x.numel() / hidden;
   at::Tensor out;
-  int64_t out_width = hidden;
-  if (s.output == 'r') {
+  const int64_t out_width = s.output == 'h' ? hidden / 2 : hidden;  // a published width is even
+  if (s.given_output) {
+    const c10::IValue& v = args[s.num_args];
+    if (!given(v)) return false;
+    out = v.toTensor();
+    c10::DimVector sizes(x.sizes().begin(), x.sizes().end());
+    sizes.back() = out_width;
+    if (out.sizes() != c10::IntArrayRef(sizes) || out.scalar_type() != x.scalar_type() || out.device() != device ||
+        !out.is_contiguous() || !aligned(out)) {
+      return false;
+    }
+    for (int k = 0; k < s.num_tensors; ++k) {
+      if (!apart(out, *t[s.tensors[k]])) return false;
+    }
+  } else if (s.output == 'r') {
     out = at::empty_like(x);
-  } else if (s.output == 'h') {  // a published width is even: validation accepted it
-    out_width = hidden / 2;
+  } else if (s.output == 'h') {
     c10::DimVector sizes(x.sizes().begin(), x.sizes().end());
     sizes.back() = out_width;
     out = at::empty(sizes, x.options());
@@ -279,7 +295,7 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
   int k = e->num_kernels - 1;
   while (tokens < e->from[k]) --k;
   call(s, e->kernel[k], call_args, s.num_call, e->device);
-  torch::jit::drop(*stack, s.num_args);
+  torch::jit::drop(*stack, s.num_args + (s.given_output ? 1 : 0));
   if (s.output != 0) torch::jit::push(*stack, std::move(out));
   return true;
 }
@@ -301,7 +317,7 @@ struct AutogradKernel final : c10::OperatorKernel {
   explicit AutogradKernel(const OpState* s) : s(s) {}
   void operator()(const c10::OperatorHandle& handle, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
     if (c10::GradMode::is_enabled()) {
-      for (const c10::IValue& v : torch::jit::last(*stack, s->num_args)) {
+      for (const c10::IValue& v : torch::jit::last(*stack, s->num_args + (s->given_output ? 1 : 0))) {
         if (v.isTensor() && v.toTensor().requires_grad()) {
           s->twin.callBoxed(stack);
           return;
@@ -314,8 +330,8 @@ struct AutogradKernel final : c10::OperatorKernel {
   const OpState* s;
 };
 
-c10::OperatorHandle defined(const std::string& qualname) {
-  auto handle = c10::Dispatcher::singleton().findSchema({qualname, ""});
+c10::OperatorHandle defined(const std::string& qualname, const std::string& overload = "") {
+  auto handle = c10::Dispatcher::singleton().findSchema({qualname, overload});
   TORCH_CHECK(handle.has_value(), "deepinfer_fast_path::install: ", qualname, " is not defined (define the op and its twin first)");
   return *handle;
 }
@@ -375,12 +391,46 @@ void install(const std::string& name, const std::string& roles, const std::strin
   g_autograd_library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(held)));
 }
 
+const OpState* find_installed(const std::string& name) {
+  for (const auto& s : g_ops) {
+    if (s->name == name) return s.get();
+  }
+  return nullptr;
+}
+
 const OpState& installed(const std::string& name) {
   std::lock_guard<std::mutex> lock(g_install);
-  for (const auto& s : g_ops) {
-    if (s->name == name) return *s;
-  }
-  TORCH_CHECK(false, "deepinfer_fast_path::publish: argument 'op' must be an op installed here, got '", name, "'");
+  const OpState* s = find_installed(name);
+  TORCH_CHECK(s != nullptr, "deepinfer_fast_path::publish: argument 'op' must be an op installed here, got '", name, "'");
+  return *s;
+}
+
+// Registers the CUDA and Autograd kernels of `op`'s out overload (after `install(op, ...)`, and after
+// ``deepinfer::<op>.out`` and its twin are defined): the op's HostCall, its output taken from the
+// overload's last argument, served by the signatures published for the op.
+void install_out(const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_install);
+  const std::string where = "deepinfer_fast_path::install_out(" + name + "): ";
+  const OpState* op = find_installed(name);
+  TORCH_CHECK(op != nullptr, where, "install the op first");
+  TORCH_CHECK(op->output != 0, where, "an op that returns no tensor has no out overload");
+  TORCH_CHECK(find_installed(name + ".out") == nullptr, where, "installed already");
+  const c10::OperatorHandle out = defined("deepinfer::" + name, "out");
+  const c10::OperatorHandle twin = defined("deepinfer_py::" + name, "out");
+  const auto& arguments = out.schema().arguments();
+  TORCH_CHECK(static_cast<int>(arguments.size()) == op->num_args + 1 && twin.schema().arguments().size() == arguments.size() &&
+                  arguments.back().type()->kind() == c10::TypeKind::TensorType && arguments.back().alias_info() != nullptr &&
+                  arguments.back().alias_info()->isWrite(),
+              where, "the out overload must take the op's arguments then one written tensor, in it and its twin");
+  auto state = std::make_unique<OpState>(*op);
+  state->name = name + ".out";
+  state->twin = twin;
+  state->given_output = true;
+  const OpState* held = state.get();
+  g_ops.push_back(std::move(state));
+  g_cuda_library->impl((name + ".out").c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CudaKernel>(held)));
+  g_autograd_library->impl((name + ".out").c_str(),
+                           torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(held)));
 }
 
 void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes, int64_t hidden, int64_t device,
@@ -423,6 +473,7 @@ std::vector<int64_t> counters() {
 
 TORCH_LIBRARY(deepinfer_fast_path, m) {
   m.def("install(str op, str roles, str output, int[] call) -> ()", &install);
+  m.def("install_out(str op) -> ()", &install_out);
   m.def("publish(str op, ScalarType[] dtypes, int hidden, int device, int[] from, int[] kernels) -> ()", &publish);
   m.def("clear() -> ()", &clear);
   m.def("counters() -> int[]", &counters);  // [signatures published, calls served, calls passed on]
