@@ -1,7 +1,7 @@
 """Where the host time of one eager ``torch.ops.deepinfer.rmsnorm`` call goes (1x4096 bf16 on CUDA,
 TileLang selected), beside ``F.rms_norm`` in the same interleaved rounds (and silu_and_mul beside
 FlashInfer's): allocation, the launchers, the op through the C++ entry (``torch_kernels/fast_path.py``)
-and through the Python kernels (its twin ``deepinfer_py::rmsnorm``), with gradients enabled, under
+and through the Python kernels (its twin ``deepinfer_py::rmsnorm``), its out overload both ways, with gradients enabled, under
 ``no_grad`` and in inference mode; the in-place fused_add_rmsnorm and a decode step's rotary_embedding
 (their validation proves the written arguments apart in memory on every call).
 
@@ -53,6 +53,8 @@ def cases(x, w) -> dict:
         "torch.ops.deepinfer.rmsnorm": lambda: op(x, w, EPS),
         "torch_kernels.rmsnorm (wrapper)": lambda: torch_kernels.rmsnorm(x, w, EPS),
     }
+    y = torch.empty_like(x)  # vLLM's rms_norm(out, input, weight, eps): into a preallocated output
+    out["torch.ops.deepinfer.rmsnorm.out"] = lambda: torch.ops.deepinfer.rmsnorm.out(x, w, EPS, out=y)
     hidden, residual = torch.randn_like(x), torch.randn_like(x)
     out["torch.ops.deepinfer.fused_add_rmsnorm (1x4096)"] = (
         lambda: torch.ops.deepinfer.fused_add_rmsnorm.default(hidden, residual, w, EPS))
@@ -74,6 +76,8 @@ def cases(x, w) -> dict:
         # the Python kernels the C++ entry passes unserved calls to (under grad mode its Python
         # Autograd kernel goes down to the public op's CUDA kernel, which is the C++ entry)
         out["Python kernels (twin deepinfer_py::rmsnorm)"] = lambda: torch.ops.deepinfer_py.rmsnorm.default(x, w, EPS)
+        out["Python out kernel (twin deepinfer_py::rmsnorm.out)"] = (
+            lambda: torch.ops.deepinfer_py.rmsnorm.out(x, w, EPS, out=y))
     return out
 
 
