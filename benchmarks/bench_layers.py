@@ -21,8 +21,9 @@ replayed from a CUDA graph (eager and compiled; reduce-overhead replays graphs a
 the whole-layer issue are judged per layer and token count: ours compiled at most plain compiled, ours
 eager at most 1.2x plain compiled at 1 and 32 tokens, ours reduce-overhead at most plain's. ``--profile``
 adds, per call, our ops' host µs, the copies made outside them (Inductor's around in-place ops among
-them), the costliest other outermost aten ops and, on CUDA, the kernels launched. On the CPU only the wall
-clock is taken, which says nothing of a GPU, and no goal is judged.
+them), the costliest other outermost aten ops, on CUDA the kernels launched, and the calls the C++ entry
+served and passed on to Python (eager against compiled: whether compiled code reaches it). On the CPU
+only the wall clock is taken, which says nothing of a GPU, and no goal is judged.
 """
 
 import argparse
@@ -138,16 +139,21 @@ def _under(event, prefixes) -> bool:
 def profile_of(fn, calls: int = 5, cuda: bool = False) -> dict:
     """What separates the columns, per call of ``fn``: our ops called and each one's host µs (inclusive),
     the copies made outside our ops (Inductor's around in-place ops among them), the host µs of the
-    costliest other outermost aten ops, and on CUDA the kernels launched (copies and memsets included)."""
+    costliest other outermost aten ops, on CUDA the kernels launched (copies and memsets included), and
+    the calls the C++ entry served and passed on to Python (where it is loaded)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    from torch_kernels import fast_path
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    entry = fast_path.counters()
     with profile(activities=activities) as prof:
         for _ in range(calls):
             fn()
         if cuda:
             torch.cuda.synchronize()
+    entry = {k: (v - entry[k]) / calls for k, v in fast_path.counters().items() if k != "signatures"}
     events = prof.events()
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
     ours, top, copies = {}, {}, {}
@@ -165,6 +171,8 @@ def profile_of(fn, calls: int = 5, cuda: bool = False) -> dict:
            "outermost aten host us": dict(sorted(((k, round(v, 1)) for k, v in top.items()), key=lambda kv: -kv[1])[:5])}
     if cuda:
         out["kernels"] = sum(e.device_type == DeviceType.CUDA for e in events) / calls
+    if fast_path.loaded():
+        out["C++ entry"] = entry
     return out
 
 
@@ -243,7 +251,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", default=",".join(LAYERS))
     p.add_argument("--modes", default=None, help=f"comma-separated of {','.join(MODES)} (on the CPU no reduce-overhead)")
     p.add_argument("--profile", action="store_true", help="also profile each row: our ops' host µs, the copies "
-                   "made outside them, the costliest other ops, the kernels launched")
+                   "made outside them, the costliest other ops, the kernels launched, the C++ entry's calls")
     p.add_argument("--out", default=None, help="folder for layers.json, layers.md and layers.png")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
@@ -268,9 +276,10 @@ def main(argv=None) -> int:
     profiled = [{**{k: r[k] for k in ("layer", "tokens", "impl", "mode")}, **{k: _inline(v) for k, v in r["profile"].items()}}
                 for r in rows if "profile" in r]
     if profiled:
-        text += "\n## Per call: our ops (host µs), copies outside them, costliest other ops (host µs), kernels\n\n"
+        text += ("\n## Per call: our ops (host µs), copies outside them, costliest other ops (host µs), kernels, "
+                 "C++ entry calls\n\n")
         text += harness.markdown(profiled, ["layer", "tokens", "impl", "mode", "our ops", "copies",
-                                            "outermost aten host us", "kernels"]) + "\n"
+                                            "outermost aten host us", "kernels", "C++ entry"]) + "\n"
     if judged:
         text += "\n## Goals (wall µs)\n\n" + harness.markdown(judged, ["layer", "tokens", "goal", "ours / plain", "met"]) + "\n"
     print("\n" + text)
