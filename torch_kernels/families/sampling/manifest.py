@@ -44,10 +44,12 @@ FAMILY = Family(
         *reference(__package__, OPS),
         *kernels(__package__, Backend.TRITON, PROBS_OPS,
                  "one program per row: candidate buffer in one read (top_k <= 1024), else multi-pivot passes; "
-                 "bit-exact with the reference", ("float32", "float16", "bfloat16")),
+                 "bit-exact with the reference", ("float32", "float16", "bfloat16"),
+                 out_ops=("top_k_renorm_probs", "top_p_renorm_probs")),
         *kernels(__package__, Backend.TRITON, LOGITS_OPS,
                  "softmax: a program per slice of 4096 values, its max and sum online, then each slice written with "
-                 "the row's; top-k mask by a radix select over order keys, exact", ("float32", "float16", "bfloat16")),
+                 "the row's; top-k mask by a radix select over order keys, exact", ("float32", "float16", "bfloat16"),
+                 out_ops=LOGITS_OPS),
         *kernels(__package__, Backend.TRITON, ("min_p_sampling_from_probs",),
                  "each slice's max, then its kept mass, a program a slice; the draw in the slice that holds it; "
                  "bit-exact with the reference",

@@ -45,12 +45,13 @@ from .logits_in import (sampled_token_logprobs, sampling_from_logits, sampling_f
 from .speculative import chain_speculative_sampling  # noqa: F401  (its own module)
 
 
-def top_k_renorm_probs(probs: Tensor, maybe_top_k_arr: Optional[Tensor], top_k_val: int = 0) -> Tensor:
-    return _launch(probs, _either(maybe_top_k_arr, top_k_val), None, None, None, sample=False)
+def top_k_renorm_probs(probs: Tensor, maybe_top_k_arr: Optional[Tensor], top_k_val: int = 0, *, out=None) -> Tensor:
+    return _launch(probs, _either(maybe_top_k_arr, top_k_val), None, None, None, sample=False, out=out)
 
 
-def top_p_renorm_probs(probs: Tensor, maybe_top_p_arr: Optional[Tensor], top_p_val: float = 1.0) -> Tensor:
-    return _launch(probs, None, _either(maybe_top_p_arr, top_p_val), None, None, sample=False)
+def top_p_renorm_probs(probs: Tensor, maybe_top_p_arr: Optional[Tensor], top_p_val: float = 1.0, *,
+                       out=None) -> Tensor:
+    return _launch(probs, None, _either(maybe_top_p_arr, top_p_val), None, None, sample=False, out=out)
 
 
 def top_k_top_p_sampling_from_probs(probs: Tensor, maybe_top_k_arr: Optional[Tensor], maybe_top_p_arr: Optional[Tensor],

@@ -8,6 +8,7 @@ import torch
 import triton
 from torch import Tensor
 
+from .... import outputs
 from ..reference import fixed_point_bits
 from ._common import rng_tensors
 from .candidates import Logits, _slice_prepass, _stride
@@ -17,20 +18,20 @@ from .histogram import _hist_prepasses
 
 
 def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Config = DEFAULT, joint: bool = False,
-            logits: Optional[Logits] = None) -> Tensor:
+            logits: Optional[Logits] = None, out=None) -> Tensor:
     """The op's kernels on ``probs`` (``(B, V)``). With ``logits`` (a sampling call that :func:`splits`)
     ``probs`` is an unwritten fp32 tensor: the split prepass computes its values from the logits, and
-    only the rows it does not finish are written, for the filter kernel's other routes."""
+    only the rows it does not finish are written, for the filter kernel's other routes. ``out``: the out
+    overload's tensors (``outputs.given``)."""
     B, V = probs.shape
     config = fitted(config, B, V)
     if not isinstance(top_k, Tensor) and top_k is not None and not 0 < top_k < V:
         # a scalar top-k that keeps every row whole is none: top-p rows then take the histogram route,
         # not the full-pass searches (459 µs at 64 rows of 128256, p = 0.9; that route's kernels ~120)
         top_k = None
-    if sample:
-        out = torch.empty(B, dtype=torch.int32, device=probs.device)
-    else:
-        out = torch.empty((B, V), dtype=probs.dtype, device=probs.device)
+    shape, dtype = ((B,), torch.int32) if sample else ((B, V), probs.dtype)
+    out = (torch.empty(shape, dtype=dtype, device=probs.device) if out is None
+           else outputs.given(out, 0, shape, dtype, probs.device))
     if B == 0:
         return out
     # renormalising: the filter kernel leaves (threshold, 1/S) per row here, _renorm_write_kernel the row

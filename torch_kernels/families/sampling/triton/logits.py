@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .... import outputs
 from ..reference import fixed_point_bits
 from ._common import (_fixed, _kth_in_registers, _random_bits31, _slice_max_bits, _target, _value_bits, rng_tensors,
                       slice_of_target, slices_max_bits)
@@ -373,9 +374,10 @@ def _top_k_mask_copy_kernel(x_ptr, x_stride, state_ptr, counts_ptr, out_ptr, out
         tl.store(o_row + cols, tl.where(keep, raw, -float("inf")).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def softmax(logits: Tensor, maybe_temperature_arr=None, temperature_val: float = 1.0) -> Tensor:
+def softmax(logits: Tensor, maybe_temperature_arr=None, temperature_val: float = 1.0, *, out=None) -> Tensor:
     B, V = logits.shape
-    out = torch.empty((B, V), dtype=torch.float32, device=logits.device)
+    out = (torch.empty((B, V), dtype=torch.float32, device=logits.device) if out is None
+           else outputs.given(out, 0, (B, V), torch.float32, logits.device))
     if B:
         stats, S, block_s = slice_stats(logits, maybe_temperature_arr, temperature_val)
         has_t = maybe_temperature_arr is not None
@@ -390,9 +392,10 @@ def softmax(logits: Tensor, maybe_temperature_arr=None, temperature_val: float =
 _KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 
 
-def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0) -> Tensor:
+def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0, *, out=None) -> Tensor:
     B, V = logits.shape
-    out = torch.empty((B, V), dtype=logits.dtype, device=logits.device)
+    out = (torch.empty((B, V), dtype=logits.dtype, device=logits.device) if out is None
+           else outputs.given(out, 0, (B, V), logits.dtype, logits.device))
     if B == 0 or V == 0:
         return out
     has_k = maybe_top_k_arr is not None
