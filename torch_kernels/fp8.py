@@ -56,29 +56,23 @@ def empty_outputs(input: Tensor, hidden: int, scale: Optional[Tensor], group_siz
     dynamic with ``per_token`` False), ``(..., 1)`` per token, ``(..., hidden / group_size)`` per group;
     ``out``: the ``out`` overload's two tensors instead, checked to be those (``outputs.given``)."""
     lead = input.shape[:-1]
+    if scale is not None or (group_size == PER_TOKEN and not per_token):
+        s_shape, column_major = (1,), False
+    elif group_size == PER_TOKEN:
+        s_shape, column_major = (*lead, 1), False
+    else:
+        s_shape = (*lead, hidden // group_size)
     if out is not None:
-        return _given_outputs(out, input, lead, hidden, scale, group_size, column_major, per_token)
+        s_strides = None
+        if column_major:  # storage (groups, *lead) seen as (*lead, groups), as group_scales_empty lays it
+            storage = outputs.contiguous_strides((s_shape[-1], *lead))
+            s_strides = (*storage[1:], storage[0])
+        return (outputs.given(out, 0, (*lead, hidden), FP8, input.device),
+                outputs.given(out, 1, s_shape, torch.float32, input.device, s_strides))
     q = input.new_empty((*lead, hidden), dtype=FP8)
-    if scale is not None or (group_size == PER_TOKEN and not per_token):
-        return q, input.new_empty((1,), dtype=torch.float32)
-    if group_size == PER_TOKEN:
-        return q, input.new_empty((*lead, 1), dtype=torch.float32)
-    return q, group_scales_empty(lead, hidden // group_size, column_major, input)
-
-
-def _given_outputs(out, input: Tensor, lead, hidden: int, scale, group_size: int, column_major: bool,
-                   per_token: bool) -> Tuple[Tensor, Tensor]:
-    q = outputs.given(out, 0, (*lead, hidden), FP8, input.device)
-    if scale is not None or (group_size == PER_TOKEN and not per_token):
-        return q, outputs.given(out, 1, (1,), torch.float32, input.device)
-    if group_size == PER_TOKEN:
-        return q, outputs.given(out, 1, (*lead, 1), torch.float32, input.device)
-    groups = hidden // group_size
-    strides = None
-    if column_major:  # storage (groups, *lead) seen as (*lead, groups), as group_scales_empty lays it
-        storage = outputs.contiguous_strides((groups, *lead))
-        strides = (*storage[1:], storage[0])
-    return q, outputs.given(out, 1, (*lead, groups), torch.float32, input.device, strides)
+    if column_major:
+        return q, group_scales_empty(lead, s_shape[-1], True, input)
+    return q, input.new_empty(s_shape, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ class WrongOutput(ValueError):
 
 
 def contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
@@ -53,7 +54,7 @@ def given(out: Sequence[Tensor], index: int, shape: Sequence[int], dtype: torch.
     t = out[index]
     if t.dtype != dtype or t.device != device or tuple(t.shape) != tuple(shape):
         raise WrongOutput(index, tuple(shape), dtype, device)
-    want = contiguous_strides(shape) if strides is None else tuple(strides)
-    if t.data_ptr() % ALIGNMENT or any(s != w for s, w, n in zip(t.stride(), want, t.shape) if n > 1):
+    laid_out = t.is_contiguous() if strides is None else all(s == w for s, w, n in zip(t.stride(), strides, t.shape) if n > 1)
+    if t.data_ptr() % ALIGNMENT or not laid_out:
         raise Restage
     return t

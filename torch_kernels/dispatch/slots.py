@@ -111,21 +111,14 @@ class OpSlot:
         if self.call == self._resolve_and_call:
             self._resolve()
         impls = self.impls
-        if self.under_auto and impls:
-            table = tuned_table()
-            chosen = _auto_winner(table, self.op, args[self.data_arg]) if table is not None else None
-            if chosen is not None:
-                impls = [i for i in impls if i.spec.backend.value == chosen] + [i for i in impls if i.spec.backend.value != chosen]
-        refused = []
-        for impl in _through_first_unrestricted(impls):
-            why = impl.refuses(args)
-            if why is None:
-                if not impl.started:
-                    impl._started(args, f"op {self.op!r} served by {impl.spec.backend.value!r}: {'; '.join(refused)}"
-                                  if refused else None)
-                return impl
-            refused.append(f"{impl.spec.backend.value!r} refuses the call ({why})")
-        return None
+        table = tuned_table() if self.under_auto and impls else None
+        if table is not None:
+            from .. import tuning
+
+            chosen = tuning.winner(table, self.op, args[self.data_arg])
+            if chosen is not None:  # its chain: the bucket's winner first, then the platform default's order
+                impls = sorted(impls, key=lambda i: i.spec.backend.value != chosen[0])
+        return _taker(self.op, _through_first_unrestricted(impls), args)
 
     def sole_server(self, args: tuple) -> Optional[KernelSpec]:
         """The implementation that serves every call of this data dtype, as far as its first call has
@@ -192,11 +185,18 @@ def _through_first_unrestricted(impls: List[Implementation]) -> List[Implementat
     return impls[:unrestricted[0] + 1] if unrestricted else impls
 
 
-def _auto_winner(table, op: str, x) -> Optional[str]:
-    from .. import tuning
-
-    chosen = tuning.winner(table, op, x)
-    return chosen[0] if chosen is not None else None
+def _taker(op: str, impls: List[Implementation], args: tuple) -> Optional[Implementation]:
+    """The first of ``impls`` that takes the call, started (a fallback's first call says so, once, under
+    the lock), or ``None`` when none does."""
+    refused = []
+    for impl in impls:
+        why = impl.refuses(args)
+        if why is None:
+            if not impl.started:
+                impl._started(args, f"op {op!r} served by {impl.spec.backend.value!r}: {'; '.join(refused)}" if refused else None)
+            return impl
+        refused.append(f"{impl.spec.backend.value!r} refuses the call ({why})")
+    return None
 
 
 def _chain_call(op: str, impls: List[Implementation]) -> Callable[..., Any]:
@@ -208,14 +208,9 @@ def _chain_call(op: str, impls: List[Implementation]) -> Callable[..., Any]:
         return lambda *args: first.run(*args)
 
     def chained(*args: Any) -> Any:
-        refused = []
-        for impl in impls:
-            why = impl.refuses(args)
-            if why is None:
-                if not impl.started:  # a fallback's first call says so, once (under the lock)
-                    impl._started(args, f"op {op!r} served by {impl.spec.backend.value!r}: {'; '.join(refused)}" if refused else None)
-                return impl.run(*args)
-            refused.append(f"{impl.spec.backend.value!r} refuses the call ({why})")
+        impl = _taker(op, impls, args)
+        if impl is not None:
+            return impl.run(*args)
         reasons = "; ".join(f"{i.spec.backend.value}: {i.refuses(args)}" for i in impls)
         raise KernelUnavailableError(
             f"deepinfer::{op}: no selected backend takes this call ({reasons})"
