@@ -182,20 +182,31 @@ def _probs_in(sampling_from_probs, top_k_top_p_from_probs, softmax, args, op):
     return top_k_top_p_from_probs(softmax(x, t_arr, t_val), k_arr, p_arr, s, o, k_val, p_val)
 
 
+def _largest_at(probs, value):
+    """``probs`` with each row of a positive finite largest value scaled so that it is ``value``."""
+    m = torch.where(probs > 0, probs.nan_to_num(0.0, posinf=0.0), 0.0).amax(-1, keepdim=True)
+    return torch.where(m > 0, probs * (value / torch.where(m > 0, m, 1.0)), probs)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_sampling_from_probs_is_top_k_top_p_with_the_filters_off(device):
+def test_sampling_from_probs_is_top_k_top_p_with_the_filters_off_from_one(device):
+    """Rows whose largest value is at least 1 have their masses at its exponent in both samplers, so they
+    draw the same ids: from 1 at the scale fixed in advance (one read), from 2 on the walk of the row."""
     torch.manual_seed(25)
     cases = [_softmax(5, 1000, device), _softmax(4, 301, device, stride=384), _softmax(1, 1, device),
-             torch.softmax(torch.randint(0, 4, (2, 129), device=device).float(), -1)]
+             torch.softmax(torch.randint(0, 4, (2, 129), device=device).float(), -1), _softmax(2, 4096 + 700, device)]
     odd = _softmax(4, 200, device)
     odd[0, :6] = torch.tensor([math.nan, -0.5, -0.0, 0.0, 1e-30, 1e-40])
     odd[1], odd[2, 7] = 0.0, math.inf
     cases.append(odd)
+    if device == "cpu":
+        triton_here("sampling", device)
     fns = {name: fn for name, fn in implementations_on(FROM_PROBS, device)}
+    assert "triton" in fns or "triton-interpreted" in fns, fns
     probs_in = {name: fn for name, fn in implementations_on("top_k_top_p_sampling_from_probs", device)}
-    for probs in cases:
+    for probs in (_largest_at(c, v) for c in cases for v in (1.0, 1.75, 6.0)):
         B = probs.shape[0]
-        for top_k, top_p in ((0, 1.0), (-1, 2.0), (probs.shape[1], 1.0)):
+        for top_k, top_p in ((0, 1.0), (-1, 2.0)):
             k, p = torch.full((B,), top_k, device=device), torch.full((B,), top_p, device=device)
             for seed, offset in ((1234, 5), (-7, 2**40)):
                 s, o = _t(seed, device), _t(offset, device)
@@ -204,6 +215,21 @@ def test_sampling_from_probs_is_top_k_top_p_with_the_filters_off(device):
                     assert torch.equal(fn(probs, s, o).cpu(), want.cpu()), f"{name} {tuple(probs.shape)}"
                     if name in probs_in:
                         assert torch.equal(probs_in[name](probs, k, p, s, o).cpu(), want.cpu()), name
+
+
+def test_sampling_from_probs_masses_sit_at_one_below_it():
+    """Below 1 the masses are at 1.0's exponent, not the row's largest: a token of probability below
+    2^-(Q-1) has no mass."""
+    V = 1000
+    q_bits = reference.fixed_point_bits(V)
+    probs = torch.full((1, V), 2.0 ** -(q_bits - 1) / 2)  # all below one unit: no mass, token 0
+    probs[0, 500] = 2.0 ** -(q_bits - 1)  # one unit: every draw
+    for offset in range(16):
+        assert reference.sampling_from_probs(probs, _t(3, "cpu"), _t(offset, "cpu")).tolist() == [500]
+    # the other samplers scale at the row's largest: every token there has mass
+    drawn = {reference.top_k_top_p_sampling_from_probs(probs, None, None, _t(3, "cpu"), _t(o, "cpu")).item()
+             for o in range(16)}
+    assert drawn != {500}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -419,8 +445,6 @@ def test_scalar_and_per_row_forms_agree():
         for p in (0.8, torch.full((6,), 0.8)):
             for t in (0.9, torch.full((6,), 0.9), torch.full((6,), 0.9, dtype=torch.float64)):
                 assert torch.equal(torch_kernels.top_k_top_p_sampling_from_logits(logits, k, p, t, **s), want)
-    assert torch.equal(torch_kernels.top_k_top_p_sampling_from_logits(logits, 0, 1.0, None, **s),
-                       torch_kernels.sampling_from_logits(logits, **s)), "filters off, temperature 1"
     assert torch.equal(torch_kernels.sampling_from_logits(logits, **s),
                        torch_kernels.sampling_from_probs(torch_kernels.softmax(logits), **s))
 

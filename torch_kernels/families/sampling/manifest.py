@@ -62,10 +62,10 @@ FAMILY = Family(
                  "one program per row for the acceptance tests, then the residual or bonus row by slices (max, "
                  "mass) and the draw in one slice; bit-exact with the reference", ("float32",)),
         *kernels(__package__, Backend.TRITON, ("sampling_from_probs",),
-                 "the min-p kernels at min_p 0 (every value kept): slice maxima and masses, the draw in one slice; "
+                 "one read: each slice's max and mass at 1.0's scale, a program a slice; the draw in one slice; "
                  "bit-exact with the reference", ("float32", "float16", "bfloat16")),
         *kernels(__package__, Backend.TRITON, ("sampling_from_logits",),
-                 "softmax's slice statistics, each slice's kept mass, then one program per row drawing in the slice "
+                 "softmax's slice statistics, each slice's mass, then one program per row drawing in the slice "
                  "that holds it; probabilities recomputed in registers (none written); the ids of Triton softmax "
                  "then sampling_from_probs",
                  ("float32", "float16", "bfloat16")),

@@ -27,6 +27,13 @@ only the renormalised values differ, by rounding):
   always kept; each kept token ``i`` is drawn with probability ``q_i / M`` up to 2^-31. A row with no
   mass at all (all zero) returns 0. Per-row ``seed``/``offset`` tensors (``(B,)``, either, the other
   broadcast) key each row with its own and put 0 in the counter's row word: a row draws as it would alone.
+* **sampling_from_probs** (and ``sampling_from_logits``, its composition with ``softmax``) puts its
+  masses at the larger of the row's largest exponent and that of 1.0 (``ONE_EXPONENT``): a row of
+  probabilities (every value below 2) has its masses at a scale fixed in advance, ``q = floor(p * 2^(Q-1))``,
+  so a kernel reads the row once (a mass and the row's largest together), not twice. A value below
+  ``2^-(Q-1)`` then has no mass (``Q = 44`` at ``V = 128256``: below 1.1e-13; ``Q-1`` bits below the row's
+  largest before): each token's draw probability moves by at most that. It draws the ids
+  ``top_k_top_p_sampling_from_probs`` draws with the filters off for rows whose largest value lies in ``[1, 2)``.
 * **joint** (``filter_apply_order="joint"``, FlashInfer's other order): the top-p test compares
   ``G(i)`` with ``top_p * M`` over the whole row's mass ``M`` instead of ``M_k``, keeping the tokens that
   pass both filters on the original distribution (a superset of top-k-first's).
@@ -47,6 +54,10 @@ _U32 = 0xFFFFFFFF
 # Philox4x32-10 (Salmon et al., SC'11; the constants of Random123 and triton.language.random).
 PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
 PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+
+
+#: the exponent field of 1.0: ``sampling_from_probs``' masses are at no smaller exponent
+ONE_EXPONENT = 127
 
 
 def fixed_point_bits(vocab: int) -> int:
@@ -373,8 +384,10 @@ def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor, indices: Op
     B = probs.shape[0]
     if B == 0:
         return torch.empty(0, dtype=torch.int32, device=probs.device)
-    _, q, kept, mass = _filtered(probs, None, None)
-    return sample_kept(q, kept, mass, random_bits31(B, seed, offset, probs.device))
+    bits = value_bits(probs)
+    one = torch.tensor(ONE_EXPONENT << 23, dtype=torch.int32, device=probs.device)
+    q = fixed_point(bits, bits.amax(-1, keepdim=True).clamp(min=one), fixed_point_bits(probs.shape[1]))
+    return sample_kept(q, torch.ones_like(bits, dtype=torch.bool), q.sum(-1), random_bits31(B, seed, offset, probs.device))
 
 
 def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
