@@ -57,9 +57,12 @@ def _formula(draft, ids, target, seed, offset):
         t = torch.tensor([_read(float(x)) for x in target[b, stop]], dtype=torch.float64)
         dq = (torch.tensor([_read(float(x)) for x in draft[b, stop]], dtype=torch.float64) if stop < n
               else torch.zeros(V, dtype=torch.float64))
-        support = (t.float() - dq.float()) >= TINY  # the fp32 difference, subnormal results 0
+        r = (t.float() - dq.float()).double()  # the fp32 difference, subnormal results 0
+        # masses at 1.0's scale below 2: a residual below one unit of it has none
+        unit = 2.0 ** -(reference.fixed_point_bits(V) - 1) if r.max() < 2 else TINY
+        support = r >= unit
         if not support.any():
-            support = t > 0
+            support = t >= (2.0 ** -(reference.fixed_point_bits(V) - 1) if t.max() < 2 else TINY)
         rows.append((flags, support, stop))
     return rows
 
@@ -96,11 +99,26 @@ def _odd_inputs(device):
     return draft, ids, target
 
 
+def _scaled_inputs(device):
+    """Residuals off 1.0's scale: all below its unit (no mass there: the target row draws), and rows of
+    values of 2 or more (unnormalised: drawn at their own exponent), across slices."""
+    draft, ids, target = _inputs(4, 2, 5000, device)
+    ids[:2, 0] = 7
+    target[:2, 0, 7] = 0.0  # rejected at position 0
+    draft[0, 0] = 0.0
+    draft[0, 0, [7, 100, 200]] = torch.tensor([0.4, 0.3, 0.3], device=device)
+    target[0, 0] = 2.0 ** -45  # the residual: 2^-45 but at 7, 100 and 200 (the unit is 2^-43 at V = 5000)
+    target[0, 0, [7, 100, 200]] = torch.tensor([0.0, 0.25, 0.25], device=device)  # the target row: 100 or 200
+    target[1] = target[1] * 8.0  # residual and bonus rows with values of 2 or more
+    target[1, :, 4999] = 3.0
+    return draft, ids, target
+
+
 def test_reference_matches_independent_formula():
     torch.manual_seed(1)
     ref = registry.BY_OP[OP][Backend.TORCH].load()
     cases = [_inputs(8, 3, 17, "cpu", closeness=c) for c in (0.2, 1.0, 4.0)]
-    cases += [_inputs(5, 1, 1000, "cpu"), _inputs(3, 0, 9, "cpu"), _odd_inputs("cpu")]
+    cases += [_inputs(5, 1, 1000, "cpu"), _inputs(3, 0, 9, "cpu"), _odd_inputs("cpu"), _scaled_inputs("cpu")]
     for k, (draft, ids, target) in enumerate(cases):
         for seed, offset in ((3, 0), (-7, 2**33 + 1)):
             s, o = _seed(seed, "cpu"), _seed(offset + k, "cpu")
@@ -223,6 +241,7 @@ def _awkward_cases(device):
     draft, ids, target = _inputs(4, 3, 9000, device, closeness=0.5)  # three of the Triton kernels' slices
     target[1] = 0.5 * torch.cat([draft[1], draft[1, :1]])  # no residual mass: the target row draws
     cases.append((draft, ids, target, _seed(21, device), _seed(2, device)))
+    cases.append(_scaled_inputs(device) + (_seed(22, device), _seed(5, device)))
     if device == "cuda":
         for B in (1, 32, 256):
             draft, ids, target = _inputs(B, 4, 128256, device)

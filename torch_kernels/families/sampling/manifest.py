@@ -59,8 +59,8 @@ FAMILY = Family(
                  "top_k_renorm_probs + top_p_sampling_from_probs: same kept set, FlashInfer's random stream",
                  ("float32", "float16", "bfloat16"), checks=True, own_random_stream=True),
         *kernels(__package__, Backend.TRITON, SPECULATIVE_OPS,
-                 "one program per row for the acceptance tests, then the residual or bonus row by slices (max, "
-                 "mass) and the draw in one slice; bit-exact with the reference", ("float32",)),
+                 "one program per row for the acceptance tests, then the residual or bonus row by slices (max and "
+                 "mass in one read) and the draw in one slice; bit-exact with the reference", ("float32",)),
         *kernels(__package__, Backend.TRITON, ("sampling_from_probs",),
                  "one read: each slice's max and mass at 1.0's scale, a program a slice; the draw in one slice; "
                  "bit-exact with the reference", ("float32", "float16", "bfloat16")),

@@ -1127,8 +1127,9 @@ def chain_speculative_sampling(draft_probs: Tensor, draft_token_ids: Tensor, tar
     other ops use last counter word 0, so their draws never share a uniform with this one). Word 0's
     top 24 bits give ``u_i = w0 / 2^32`` rounded down to 24 bits, and the acceptance test is exact
     (fp64 of 24-bit products); word 1's top 31 bits give the residual or bonus draw at the position
-    where it happens: the family's inverse CDF over 64-bit fixed-point masses, in token order
-    (``top_k_top_p_sampling_from_probs``). Without ``seed`` and ``offset`` a seed is drawn on the
+    where it happens: the family's inverse CDF over 64-bit fixed-point masses, in token order, at the
+    scale of ``sampling_from_probs`` (1.0's for a row whose values are below 2: a residual below
+    ``2^-43`` at ``V = 128256`` has no mass). Without ``seed`` and ``offset`` a seed is drawn on the
     device with torch's generator (or ``generator``); a CUDA graph replays a fresh draw.
 
     FlashInfer's arguments: this wrapper takes FlashInfer's signature, in its order. The registered op

@@ -1,8 +1,9 @@
 """Triton ``chain_speculative_sampling``. The acceptance tests one draft position at a time (two loads
 and one Philox call each), one program a row; then the residual row ``max(p_j - q_j, 0)`` at the first
-rejection ``j`` (or the bonus row ``p_n``) by slices, a program a slice: each slice's largest pattern,
-then its fixed-point mass; then one program a row finds the slice that holds its draw and scans it (a
-residual without mass, only when the rows do not sum alike: the target row, walked whole). Bit-exact with
+rejection ``j`` (or the bonus row ``p_n``) by slices, a program a slice reading it once: each slice's
+largest pattern and its fixed-point mass at 1.0's exponent; then one program a row finds the slice that
+holds its draw and scans it (a residual without mass, only when the rows do not sum alike: the target
+row, and a residual with a value of 2 or more: that residual, each walked whole). Bit-exact with
 ``reference.chain_speculative_sampling`` (the same sanitised values, exact acceptance test, Philox
 counters and fixed-point draw: the masses are exact integers, summed in any order)."""
 
@@ -11,11 +12,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..reference import fixed_point_bits
+from ..reference import ONE_EXPONENT, fixed_point_bits
 from ._common import _fixed, _target, philox_w01, rng_row, rng_tensors, slice_of_target, slices_max_bits
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
 _SLICE = 4096  # values a program of the residual passes: one program a row took 225 µs at 1x4x128256 (H200)
+_ONE_EXPONENT = tl.constexpr(ONE_EXPONENT)
 _TINY = tl.constexpr(1.1754943508222875e-38)  # 2^-126, the smallest normal fp32 (reference.FLT_TINY)
 
 
@@ -77,39 +79,36 @@ def _residual_rows(d_ptr, d_s0, d_s1, t_ptr, t_s0, t_s1, emit_ptr, row, N, V):
 
 @triton.jit
 def _residual_slice_kernel(d_ptr, d_s0, d_s1, t_ptr, t_s0, t_s1, emit_ptr, mx_ptr, mass_ptr, N, V, S, q_bits,
-                           MASS: tl.constexpr, BLOCK_S: tl.constexpr, SLICE: tl.constexpr, CHUNK: tl.constexpr):
-    """Slice ``j`` of row ``row``'s residual: its largest pattern (``mx[row, j]``), or with ``MASS`` its
-    fixed-point mass at the exponent of the row's largest (``mass[row, j]``)."""
+                           SLICE: tl.constexpr, CHUNK: tl.constexpr):
+    """Slice ``j`` of row ``row``'s residual, read once: its largest pattern (``mx[row, j]``) and its
+    fixed-point mass at the exponent of 1.0 (``mass[row, j]``)."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     t_row, d_row, d_len, _ = _residual_rows(d_ptr, d_s0, d_s1, t_ptr, t_s0, t_s1, emit_ptr, row, N, V)
     lo = j * SLICE
     hi = tl.minimum(lo + SLICE, V)
     offs = tl.arange(0, CHUNK)
-    if MASS:
-        e_max = tl.maximum(slices_max_bits(mx_ptr, row, S, BLOCK_S) >> 23, 1)
-        mass = tl.zeros((), tl.int64)
-        for start in range(lo, hi, CHUNK):
-            cols = start + offs
-            mass += tl.sum(_fixed(_residual_bits(t_row, d_row, cols, cols < hi, d_len), e_max, q_bits), axis=0)
-        tl.store(mass_ptr + row * S + j, mass)
-    else:
-        mx = tl.full((), -1, tl.int32)
-        for start in range(lo, hi, CHUNK):
-            cols = start + offs
-            mx = tl.maximum(mx, tl.max(_residual_bits(t_row, d_row, cols, cols < hi, d_len), axis=0))
-        tl.store(mx_ptr + row * S + j, mx)
+    mx = tl.full((), -1, tl.int32)
+    mass = tl.zeros((), tl.int64)
+    for start in range(lo, hi, CHUNK):
+        cols = start + offs
+        b = _residual_bits(t_row, d_row, cols, cols < hi, d_len)
+        mx = tl.maximum(mx, tl.max(b, axis=0))
+        mass += tl.sum(_fixed(b, _ONE_EXPONENT, q_bits), axis=0)
+    tl.store(mx_ptr + row * S + j, mx)
+    tl.store(mass_ptr + row * S + j, mass)
 
 
 @triton.jit
 def _row_mass(t_row, d_row, d_len, V, q_bits, CHUNK: tl.constexpr):
-    """``(exponent field of the largest residual, its fixed-point mass)`` over the whole row, one program."""
+    """``(the larger of the largest residual's exponent field and 1.0's, the fixed-point mass there)`` over
+    the whole row, one program."""
     offs = tl.arange(0, CHUNK)
     mx = tl.full((), -1, tl.int32)
     for start in range(0, V, CHUNK):
         cols = start + offs
         mx = tl.maximum(mx, tl.max(_residual_bits(t_row, d_row, cols, cols < V, d_len), axis=0))
-    e_max = tl.maximum(mx >> 23, 1)
+    e_max = tl.maximum(mx >> 23, _ONE_EXPONENT)
     mass = tl.zeros((), tl.int64)
     for start in range(0, V, CHUNK):
         cols = start + offs
@@ -123,8 +122,8 @@ def _chain_draw_kernel(d_ptr, d_s0, d_s1, ids_ptr, i_s0, i_s1, t_ptr, t_s0, t_s1
                        SLICE: tl.constexpr, CHUNK: tl.constexpr):
     """Row ``row``'s token at its first rejection (or the bonus position): the target from the residual's
     slice masses and the scan in the one slice that holds it; where the residual has no mass (only when
-    the rows do not sum alike) the target row draws instead, walked whole by this program. Then the
-    row's output ids."""
+    the rows do not sum alike) the target row draws instead, and a residual with a value of 2 or more
+    draws at its own exponent, each walked whole by this program. Then the row's output ids."""
     row = tl.program_id(0).to(tl.int64)
     seed, offset, c0 = rng_row(seed_ptr, offset_ptr, row, PER_ROW_RNG)
     t_row, d_row, d_len, pos = _residual_rows(d_ptr, d_s0, d_s1, t_ptr, t_s0, t_s1, emit_ptr, row, N, V)
@@ -134,14 +133,15 @@ def _chain_draw_kernel(d_ptr, d_s0, d_s1, ids_ptr, i_s0, i_s1, t_ptr, t_s0, t_s1
     live = jj < S
     masses = tl.load(mass_ptr + row * S + jj, mask=live, other=0)
     mass = tl.sum(masses, axis=0)
-    if mass > 0:
-        e_max = tl.maximum(slices_max_bits(mx_ptr, row, S, BLOCK_S) >> 23, 1)
+    e_max = tl.maximum(slices_max_bits(mx_ptr, row, S, BLOCK_S) >> 23, _ONE_EXPONENT)
+    at_one = e_max == _ONE_EXPONENT
+    if at_one & (mass > 0):
         target = _target(r31, mass)
         js, base = slice_of_target(masses, jj, S, target)
         lo = js * SLICE
         hi = tl.minimum(lo + SLICE, V)
     else:
-        d_len = d_len * 0
+        d_len = tl.where(at_one, 0, d_len)  # no mass at 1.0's scale: the target row
         e_max, mass = _row_mass(t_row, d_row, d_len, V, q_bits, CHUNK)
         target = _target(r31, mass)
         base = tl.zeros((), tl.int64)
@@ -181,9 +181,8 @@ def chain_speculative_sampling(draft_probs: Tensor, draft_token_ids: Tensor, tar
         mx = torch.empty((B, S), dtype=torch.int32, device=dev)
         mass = torch.empty((B, S), dtype=torch.int64, device=dev)
         q_bits, block_s = fixed_point_bits(V), triton.next_power_of_2(S)
-        for with_mass in (False, True):  # every slice's largest, then every slice's mass at the row's exponent
-            _residual_slice_kernel[(B, S)](*d, *t, emitted, mx, mass, n, V, S, q_bits, MASS=with_mass,
-                                           BLOCK_S=block_s, SLICE=_SLICE, CHUNK=_CHUNK, num_warps=4)
+        _residual_slice_kernel[(B, S)](*d, *t, emitted, mx, mass, n, V, S, q_bits, SLICE=_SLICE, CHUNK=_CHUNK,
+                                       num_warps=4)
         _chain_draw_kernel[(B,)](*d, *ids, *t, seed, offset, out, emitted, mx, mass, n, V, S, q_bits,
                                  PER_ROW_RNG=per_row, BLOCK_S=block_s, SLICE=_SLICE, CHUNK=_CHUNK, num_warps=4)
     return out, accepted, emitted
