@@ -381,6 +381,7 @@ def _min_p_cases(device):
     yield _softmax(3, 257, device, scale=1.0), [0.05, 0.9, 0.3]
     yield _odd_probs(4, 200, device), [0.2, 0.2, 0.5, 0.75]
     yield _odd_probs(4, 9000, device), [0.0, 0.2, 0.0, 1e-3]  # three slices of the Triton kernels' 4096
+    yield _softmax(3, 9005, device), [0.1, 0.3, 0.02]  # peaked: slices wholly below the threshold, others not
     yield _softmax(1, 1, device), [0.5]
     yield _softmax(0, 64, device), []
 

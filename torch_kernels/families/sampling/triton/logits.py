@@ -476,7 +476,10 @@ def _min_p_slice_kernel(p_ptr, p_stride, mp_ptr, mp_val, idx_ptr, mx_ptr, mass_p
         thr, e_max = _min_p_cut(slices_max_bits(mx_ptr, row, S, BLOCK_S), min_p)
         offs = tl.arange(0, CHUNK)
         mass = tl.zeros((), tl.int64)
-        for start in range(lo, hi, CHUNK):
+        # a slice whose largest is below the threshold keeps nothing: not read again (softmax(randn * 3)
+        # rows at min_p 0.1: 46% of the slices are read again at V = 128256, 76% at 32000)
+        end = tl.where(tl.load(mx_ptr + row * S + j) >= thr, hi, lo)
+        for start in range(lo, end, CHUNK):
             cols = start + offs
             b = _value_bits(p_row, cols, cols < hi)
             mass += tl.sum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
