@@ -1411,10 +1411,10 @@ def sampling_from_probs(probs: Tensor, seed=None, offset=None, indices: Optional
     device and backend. The masses sit at the scale of 1.0 for a row whose values are all below 2 (so a
     kernel reads the row once): a token of probability below ``2^-43`` (at ``V = 128256``) is never
     drawn; a row with a larger value is scaled at its largest, as the other samplers scale every row
-    (a row whose largest value lies in ``[1, 2)`` draws the ids of ``top_k_top_p_sampling_from_probs``
-    with ``top_k = 0`` and ``top_p = 1`` on the same ``(seed, offset)``). Without ``seed`` and ``offset`` a seed
-    is drawn on the device with torch's generator (``torch.manual_seed`` makes it reproducible; a CUDA
-    graph replays a fresh draw).
+    (a row whose largest value is at least 1 draws the ids of ``top_k_top_p_sampling_from_probs`` with
+    ``top_k = 0`` and ``top_p = 1`` on the same ``(seed, offset)``). Without ``seed`` and ``offset`` a
+    seed is drawn on the device with torch's generator (``torch.manual_seed`` makes it reproducible; a
+    CUDA graph replays a fresh draw).
 
     Args:
         probs: ``(B, V)`` float32, last dimension contiguous (rows may be strided); need not be normalised.

@@ -27,14 +27,14 @@ only the renormalised values differ, by rounding):
   always kept; each kept token ``i`` is drawn with probability ``q_i / M`` up to 2^-31. A row with no
   mass at all (all zero) returns 0. Per-row ``seed``/``offset`` tensors (``(B,)``, either, the other
   broadcast) key each row with its own and put 0 in the counter's row word: a row draws as it would alone.
-* **sampling_from_probs** (and ``sampling_from_logits``, its composition with ``softmax``, and the
-  residual or bonus draw of ``chain_speculative_sampling``) puts its
-  masses at the larger of the row's largest exponent and that of 1.0 (``ONE_EXPONENT``): a row of
-  probabilities (every value below 2) has its masses at a scale fixed in advance, ``q = floor(p * 2^(Q-1))``,
-  so a kernel reads the row once (a mass and the row's largest together), not twice. A value below
-  ``2^-(Q-1)`` then has no mass (``Q = 44`` at ``V = 128256``: below 1.1e-13; ``Q-1`` bits below the row's
-  largest before): each token's draw probability moves by at most that. It draws the ids
-  ``top_k_top_p_sampling_from_probs`` draws with the filters off for rows whose largest value is at least 1.
+* **sampling_from_probs** (with ``sampling_from_logits``, its composition with ``softmax``, and the
+  residual or bonus draw of ``chain_speculative_sampling``) puts its masses at the larger of the row's
+  largest exponent and that of 1.0 (``ONE_EXPONENT``): a row of probabilities (every value below 2)
+  has them at a scale fixed in advance, ``q = floor(p * 2^(Q-1))``, so a kernel reads the row once (a
+  mass and the row's largest together), not twice. A value below ``2^-(Q-1)`` then has no mass
+  (``Q = 44`` at ``V = 128256``: below 1.1e-13), where the other ops' threshold sits ``Q-1`` binades
+  below the row's largest: each token's draw probability moves by at most that. A row whose largest
+  value is at least 1 draws the ids ``top_k_top_p_sampling_from_probs`` draws with the filters off.
 * **joint** (``filter_apply_order="joint"``, FlashInfer's other order): the top-p test compares
   ``G(i)`` with ``top_p * M`` over the whole row's mass ``M`` instead of ``M_k``, keeping the tokens that
   pass both filters on the original distribution (a superset of top-k-first's).
@@ -388,7 +388,8 @@ def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor, indices: Op
         return torch.empty(0, dtype=torch.int32, device=probs.device)
     bits = value_bits(probs)
     q = fixed_point(bits, bits.amax(-1, keepdim=True).clamp(min=ONE_EXPONENT << 23), fixed_point_bits(probs.shape[1]))
-    return sample_kept(q, torch.ones_like(bits, dtype=torch.bool), q.sum(-1), random_bits31(B, seed, offset, probs.device))
+    every = torch.ones_like(bits, dtype=torch.bool)
+    return sample_kept(q, every, q.sum(-1), random_bits31(B, seed, offset, probs.device))
 
 
 def sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
