@@ -85,6 +85,11 @@ def fixed_point(bits: Tensor, max_bits: Tensor, q_bits: int) -> Tensor:
     return torch.where(b > 0, torch.where(shift >= 0, left, right), 0)
 
 
+def fixed_point_from_one(bits: Tensor, q_bits: int) -> Tensor:
+    """:func:`fixed_point` at the larger of the row's largest exponent and 1.0's (``ONE_EXPONENT``)."""
+    return fixed_point(bits, bits.amax(-1, keepdim=True).clamp(min=ONE_EXPONENT << 23), q_bits)
+
+
 def _mulhilo(a: int, b: Tensor):
     """``(hi, lo)`` 32-bit halves of ``a * b`` for a 32-bit constant ``a`` and int64 ``b`` holding
     unsigned 32-bit values; in 16-bit pieces so nothing overflows int64."""
@@ -337,7 +342,7 @@ def _residual_fixed(t: Tensor, d: Tensor, q_bits: int):
     larger of its largest exponent and 1.0's, as ``sampling_from_probs``' masses."""
     r = t - d
     bits = torch.where(r >= FLT_TINY, r, 0.0).view(torch.int32)
-    q = fixed_point(bits, bits.amax(-1, keepdim=True).clamp(min=ONE_EXPONENT << 23), q_bits)
+    q = fixed_point_from_one(bits, q_bits)
     return q, q.sum(-1)
 
 
@@ -387,7 +392,7 @@ def sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor, indices: Op
     if B == 0:
         return torch.empty(0, dtype=torch.int32, device=probs.device)
     bits = value_bits(probs)
-    q = fixed_point(bits, bits.amax(-1, keepdim=True).clamp(min=ONE_EXPONENT << 23), fixed_point_bits(probs.shape[1]))
+    q = fixed_point_from_one(bits, fixed_point_bits(probs.shape[1]))
     every = torch.ones_like(bits, dtype=torch.bool)
     return sample_kept(q, every, q.sum(-1), random_bits31(B, seed, offset, probs.device))
 

@@ -5,6 +5,11 @@ patterns into the row's buffer."""
 import triton
 import triton.language as tl
 
+from ..reference import ONE_EXPONENT as _ONE
+
+#: the exponent field of 1.0, at or above which ``sampling_from_probs``' masses sit
+ONE_EXPONENT = tl.constexpr(_ONE)
+
 
 @triton.jit
 def row_value(arg, stride, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
@@ -77,6 +82,13 @@ def _fixed(bits, e_max, q_bits):
     left = m << tl.maximum(shift, 0).to(tl.int64)
     right = m >> tl.minimum(tl.maximum(-shift, 0), 31).to(tl.int64)
     return tl.where(bits > 0, tl.where(shift >= 0, left, right), 0)
+
+
+@triton.jit
+def exponent_from_one(mx):
+    """The exponent field ``sampling_from_probs``' masses sit at for a row whose largest pattern is ``mx``:
+    the larger of its and 1.0's (``reference.ONE_EXPONENT``)."""
+    return tl.maximum(mx >> 23, ONE_EXPONENT)
 
 
 @triton.jit

@@ -22,15 +22,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..reference import ONE_EXPONENT, fixed_point_bits
-from ._common import _fixed, _random_bits31, _target, _value_bits, rng_tensors, slice_of_target, slices_max_bits
+from ..reference import fixed_point_bits
+from ._common import (ONE_EXPONENT, _fixed, _random_bits31, _target, _value_bits, exponent_from_one, rng_tensors,
+                      slice_of_target, slices_max_bits)
 from .candidates import Logits
 from .config import DEFAULT, Config
 from .launch import _either, _launch, splits
 from .logits import (_CHUNK, _SLICE, inverse_temperature, prob_bits,
                      row_inverse_temperature, row_stats, slice_stats, softmax)
-
-_ONE_EXPONENT = tl.constexpr(ONE_EXPONENT)
 
 
 @triton.jit
@@ -78,7 +77,7 @@ def _slice_mass_kernel(x_ptr, x_stride, idx_ptr, t_val, stats_ptr, S, mx_ptr, ma
         cols = start + offs
         b = _draw_bits(x_row, cols, cols < hi, inv, m, inv_s, LOGITS)
         mx = tl.maximum(mx, tl.max(b, axis=0))
-        mass += tl.sum(_fixed(b, _ONE_EXPONENT, q_bits), axis=0)
+        mass += tl.sum(_fixed(b, ONE_EXPONENT, q_bits), axis=0)
     tl.store(mx_ptr + row * S + j, mx)
     tl.store(mass_ptr + row * S + j, mass)
 
@@ -95,22 +94,14 @@ def _draw_kernel(x_ptr, x_stride, idx_ptr, t_val, stats_ptr, S, mx_ptr, mass_ptr
     x_row, inv, m, inv_s = _draw_row(x_ptr, x_stride, idx_ptr, t_val, stats_ptr, S, row, LOGITS, HAS_IDX, BLOCK_S)
     offs = tl.arange(0, CHUNK)
     jj = tl.arange(0, BLOCK_S)
-    e_max = tl.maximum(slices_max_bits(mx_ptr, row, S, BLOCK_S) >> 23, _ONE_EXPONENT)
+    e_max = exponent_from_one(slices_max_bits(mx_ptr, row, S, BLOCK_S))
     r31 = _random_bits31(seed_ptr, offset_ptr, row, PER_ROW_RNG)
-    token = tl.full((), 2147483647, tl.int32)
-    if e_max == _ONE_EXPONENT:
+    if e_max == ONE_EXPONENT:
         masses = tl.load(mass_ptr + row * S + jj, mask=jj < S, other=0)
         target = _target(r31, tl.sum(masses, axis=0))
         js, base = slice_of_target(masses, jj, S, target)
-        lo = js * SLICE
+        lo = js * SLICE  # no slice holds it (no mass): past V, no pass
         hi = tl.minimum(lo + SLICE, V)
-        for start in range(lo, hi, CHUNK):  # no slice holds it (no mass): no pass
-            if token == 2147483647:
-                cols = start + offs
-                cum = base + tl.cumsum(_fixed(_draw_bits(x_row, cols, cols < hi, inv, m, inv_s, LOGITS), e_max,
-                                              q_bits), axis=0)
-                token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
-                base = tl.max(cum, axis=0)
     else:
         mass = tl.zeros((), tl.int64)
         for start in range(0, V, CHUNK):
@@ -118,13 +109,16 @@ def _draw_kernel(x_ptr, x_stride, idx_ptr, t_val, stats_ptr, S, mx_ptr, mass_ptr
             mass += tl.sum(_fixed(_draw_bits(x_row, cols, cols < V, inv, m, inv_s, LOGITS), e_max, q_bits), axis=0)
         target = _target(r31, mass)
         base = tl.zeros((), tl.int64)
-        for start in range(0, V, CHUNK):
-            if token == 2147483647:
-                cols = start + offs
-                cum = base + tl.cumsum(_fixed(_draw_bits(x_row, cols, cols < V, inv, m, inv_s, LOGITS), e_max,
-                                              q_bits), axis=0)
-                token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
-                base = tl.max(cum, axis=0)
+        lo = tl.zeros((), tl.int32)
+        hi = lo + V
+    token = tl.full((), 2147483647, tl.int32)
+    for start in range(lo, hi, CHUNK):
+        if token == 2147483647:
+            cols = start + offs
+            cum = base + tl.cumsum(_fixed(_draw_bits(x_row, cols, cols < hi, inv, m, inv_s, LOGITS), e_max, q_bits),
+                                   axis=0)
+            token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
+            base = tl.max(cum, axis=0)
     tl.store(out_ptr + row, tl.where(token == 2147483647, 0, token))  # no mass: 0, as the reference
 
 

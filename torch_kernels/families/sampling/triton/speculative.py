@@ -12,12 +12,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..reference import ONE_EXPONENT, fixed_point_bits
-from ._common import _fixed, _target, philox_w01, rng_row, rng_tensors, slice_of_target, slices_max_bits
+from ..reference import fixed_point_bits
+from ._common import (ONE_EXPONENT, _fixed, _target, exponent_from_one, philox_w01, rng_row, rng_tensors,
+                      slice_of_target, slices_max_bits)
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
 _SLICE = 4096  # values a program of the residual passes: one program a row took 225 µs at 1x4x128256 (H200)
-_ONE_EXPONENT = tl.constexpr(ONE_EXPONENT)
 _TINY = tl.constexpr(1.1754943508222875e-38)  # 2^-126, the smallest normal fp32 (reference.FLT_TINY)
 
 
@@ -94,7 +94,7 @@ def _residual_slice_kernel(d_ptr, d_s0, d_s1, t_ptr, t_s0, t_s1, emit_ptr, mx_pt
         cols = start + offs
         b = _residual_bits(t_row, d_row, cols, cols < hi, d_len)
         mx = tl.maximum(mx, tl.max(b, axis=0))
-        mass += tl.sum(_fixed(b, _ONE_EXPONENT, q_bits), axis=0)
+        mass += tl.sum(_fixed(b, ONE_EXPONENT, q_bits), axis=0)
     tl.store(mx_ptr + row * S + j, mx)
     tl.store(mass_ptr + row * S + j, mass)
 
@@ -108,7 +108,7 @@ def _row_mass(t_row, d_row, d_len, V, q_bits, CHUNK: tl.constexpr):
     for start in range(0, V, CHUNK):
         cols = start + offs
         mx = tl.maximum(mx, tl.max(_residual_bits(t_row, d_row, cols, cols < V, d_len), axis=0))
-    e_max = tl.maximum(mx >> 23, _ONE_EXPONENT)
+    e_max = exponent_from_one(mx)
     mass = tl.zeros((), tl.int64)
     for start in range(0, V, CHUNK):
         cols = start + offs
@@ -133,8 +133,8 @@ def _chain_draw_kernel(d_ptr, d_s0, d_s1, ids_ptr, i_s0, i_s1, t_ptr, t_s0, t_s1
     live = jj < S
     masses = tl.load(mass_ptr + row * S + jj, mask=live, other=0)
     mass = tl.sum(masses, axis=0)
-    e_max = tl.maximum(slices_max_bits(mx_ptr, row, S, BLOCK_S) >> 23, _ONE_EXPONENT)
-    at_one = e_max == _ONE_EXPONENT
+    e_max = exponent_from_one(slices_max_bits(mx_ptr, row, S, BLOCK_S))
+    at_one = e_max == ONE_EXPONENT
     if at_one & (mass > 0):
         target = _target(r31, mass)
         js, base = slice_of_target(masses, jj, S, target)
