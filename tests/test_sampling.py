@@ -20,9 +20,13 @@ from torch_kernels.testing import assert_close
 from conftest import DEVICES, arg_names, assert_bad_inputs_raise, chi_square_critical, family_ops, implementations_on
 
 SAMPLING = "top_k_top_p_sampling_from_probs"
+# left at their defaults here; tests/test_sampling_ops.py takes them
+_DEFAULTED = {"filter_apply_order", "indices"}
 # the probability filters; the logits ops and min-p are tested in tests/test_sampling_ops.py
-OPS = [op for op in family_ops("sampling") if set(arg_names(op)) <= {"probs", "maybe_top_k_arr", "top_k_val", "maybe_top_p_arr",
-                                                                   "top_p_val", "seed", "offset"}]
+OPS = [op for op in family_ops("sampling")
+       if set(arg_names(op)) - _DEFAULTED <= {"probs", "maybe_top_k_arr", "top_k_val", "maybe_top_p_arr", "top_p_val",
+                                              "seed", "offset"} and {"maybe_top_k_arr", "maybe_top_p_arr"} & set(arg_names(op))]
+assert SAMPLING in OPS, "the sampler's schema grew: say here which of its arguments these tests leave at the default"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -30,7 +34,7 @@ def _params(op):
     """The op's per-call arguments by what they are: its schema's ``maybe_top_k_arr`` / ``maybe_top_p_arr``
     as ``top_k`` / ``top_p`` (a per-row tensor here; the scalar forms have their own test), no ``*_val``."""
     return [{"maybe_top_k_arr": "top_k", "maybe_top_p_arr": "top_p"}.get(n, n) for n in arg_names(op)
-            if not n.endswith("_val")]
+            if not n.endswith("_val") and n not in _DEFAULTED]
 FLT_MAX = torch.finfo(torch.float32).max
 
 
