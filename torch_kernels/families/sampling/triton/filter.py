@@ -96,6 +96,7 @@ def _filter_kernel(
     SLICES: tl.constexpr,  # slices a row of the prepass (SPLIT)
     hist_max_ptr,  # HIST: (B, HIST_SLICES) int32 slice maxima (_hist_prepass_kernel)
     bracket_ptr,  # HIST: (B, 8) int64 top-p brackets (_hist_bracket_kernel)
+    draw_ptr,  # HIST and SAMPLE: (B, 3) int64 out: (thr, e_max, target) of a histogram-route row, e_max 0 for others
     HIST: tl.constexpr,  # the histogram kernels ran: rows whose top-k keeps all take the histogram route
     HIST_SLICES: tl.constexpr,  # slices a row of the histogram kernels (HIST)
     K_ARR: tl.constexpr = True,  # top_k a (B,) tensor, else an int for every row
@@ -128,18 +129,21 @@ def _filter_kernel(
     if HIST:
         if HAS_K:
             if k == V:  # top-k keeps the whole row: the histogram route
-                thr, mass, token, e_max = _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr,
-                                                    bracket_ptr, r31, row, SAMPLE, CAP, CHUNK_G,
-                                                    NP_MASS, HIST_SLICES)
+                thr, mass, e_max = _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr,
+                                             bracket_ptr, r31, row, SAMPLE, CAP, CHUNK_G, NP_MASS, HIST_SLICES,
+                                             draw_ptr)
+                token = tl.full([], 0, tl.int32)  # the draw kernels' (draw_ptr)
             else:
                 thr, mass, token, e_max = _top_k_row(row_ptr, V, k, q_bits, limit_scale, joint_mass, buf_bits,
                                                      buf_idx, offs, slots, stats_ptr, r31, row, HAS_P, SAMPLE,
                                                      CAP, CHUNK, K_SMALL, CHUNK_G, NP_COUNT, NP_MASS, NP_FLOAT,
                                                      FITS, SPLIT, SLICES)
+                if SAMPLE:
+                    tl.store(draw_ptr + row * 3 + 1, tl.zeros((), tl.int64))  # drawn here: no draw
         else:
-            thr, mass, token, e_max = _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr,
-                                                bracket_ptr, r31, row, SAMPLE, CAP, CHUNK_G,
-                                                NP_MASS, HIST_SLICES)
+            thr, mass, e_max = _hist_row(row_ptr, V, q_bits, limit_scale, buf_bits, slots, hist_max_ptr,
+                                         bracket_ptr, r31, row, SAMPLE, CAP, CHUNK_G, NP_MASS, HIST_SLICES, draw_ptr)
+            token = tl.full([], 0, tl.int32)  # the draw kernels' (draw_ptr)
     else:
         thr, mass, token, e_max = _top_k_row(row_ptr, V, k, q_bits, limit_scale, joint_mass, buf_bits, buf_idx, offs,
                                              slots, stats_ptr, r31, row, HAS_P, SAMPLE, CAP, CHUNK,

@@ -14,7 +14,7 @@ from ._common import rng_tensors
 from .candidates import Logits, _slice_prepass, _stride
 from .config import DEFAULT, Config, fitted, k_split
 from .filter import _filter_kernel, _renorm_write_kernel, _row_mass_kernel
-from .histogram import _hist_prepasses
+from .histogram import _hist_prepasses, _kept_draw_kernel, _kept_mass_kernel
 
 
 def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Config = DEFAULT, joint: bool = False,
@@ -56,6 +56,8 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
         joint_mass = torch.empty(B, dtype=torch.int64, device=probs.device)
         _row_mass_kernel[(B,)](probs, probs.stride(0), joint_mass, V, fixed_point_bits(V), CHUNK=config.chunk_g,
                                num_warps=config.num_warps)
+    # histogram-route sampling: the filter kernel leaves each row's draw to the two kernels below
+    draw = torch.empty((B, 3), dtype=torch.int64, device=probs.device) if hist and sample else dummy
     per_row_rng = False
     if sample:
         seed, offset, per_row_rng = rng_tensors(seed, offset, B)
@@ -72,10 +74,18 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
         CAP=cap, CHUNK=config.chunk, K_SMALL=config.k_small, CHUNK_G=config.chunk_g,
         NP_COUNT=config.np_count, NP_MASS=config.np_mass, NP_FLOAT=config.np_float, FITS=V <= cap,
         SPLIT=split, SLICES=config.slices if split else 1,
-        hist_max_ptr=hist_max, bracket_ptr=bracket, HIST=hist, HIST_SLICES=config.hist_slices if hist else 1,
+        hist_max_ptr=hist_max, bracket_ptr=bracket, draw_ptr=draw, HIST=hist,
+        HIST_SLICES=config.hist_slices if hist else 1,
         joint_mass_ptr=joint_mass, JOINT=joint, PER_ROW_RNG=per_row_rng,
         num_warps=config.num_warps,
     )
+    if hist and sample:
+        slices = config.hist_slices
+        slice_len, mass = triton.cdiv(V, slices), torch.empty((B, slices), dtype=torch.int64, device=probs.device)
+        _kept_mass_kernel[(B, slices)](probs, probs.stride(0), hist_max, draw, mass, V, slice_len, fixed_point_bits(V),
+                                       SLICES=slices, CHUNK=config.chunk_g, num_warps=4)
+        _kept_draw_kernel[(B,)](probs, probs.stride(0), draw, mass, out, V, slice_len, fixed_point_bits(V),
+                                SLICES=slices, CHUNK=config.chunk_g, num_warps=8)
     if not sample:
         block = config.write_block
         _renorm_write_kernel[(B, triton.cdiv(V, block))](probs, probs.stride(0), row_out, out, out.stride(0), V,
