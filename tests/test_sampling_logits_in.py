@@ -194,7 +194,8 @@ def test_sampling_from_probs_is_top_k_top_p_with_the_filters_off_from_one(device
     draw the same ids: from 1 at the scale fixed in advance (one read), from 2 on the walk of the row."""
     torch.manual_seed(25)
     cases = [_softmax(5, 1000, device), _softmax(4, 301, device, stride=384), _softmax(1, 1, device),
-             torch.softmax(torch.randint(0, 4, (2, 129), device=device).float(), -1), _softmax(2, 4096 + 700, device)]
+             torch.softmax(torch.randint(0, 4, (2, 129), device=device).float(), -1), _softmax(2, 4096 + 700, device),
+             1.0 + 0.9 * torch.rand(2, 9000, device=device)]  # flat: a slice's masses sum past 2^52
     odd = _softmax(4, 200, device)
     odd[0, :6] = torch.tensor([math.nan, -0.5, -0.0, 0.0, 1e-30, 1e-40])
     odd[1], odd[2, 7] = 0.0, math.inf
@@ -215,6 +216,33 @@ def test_sampling_from_probs_is_top_k_top_p_with_the_filters_off_from_one(device
                     assert torch.equal(fn(probs, s, o).cpu(), want.cpu()), f"{name} {tuple(probs.shape)}"
                     if name in probs_in:
                         assert torch.equal(probs_in[name](probs, k, p, s, o).cpu(), want.cpu()), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slice_masses_are_exact_past_fp64_integers(device):
+    """The slice passes sum fixed-point masses in fp64, exact below 2^52; a slice past it sums again in
+    int64. Large values alternate with values below 2^-20 (masses with low bits set: ~2^53.9 a slice),
+    where an fp64 sum is off; the slices' masses equal the int64 sums."""
+    triton_here("sampling", device)
+    from torch_kernels.families.sampling.triton import logits_in
+
+    torch.manual_seed(26)
+    B, V = 2, 9000
+    probs = 0.9 + 0.09 * torch.rand(B, V, device=device)
+    probs[:, 1::2] = torch.rand(B, V // 2, device=device) * 2.0 ** -21
+    S, q_bits = -(-V // logits_in._SLICE), reference.fixed_point_bits(V)
+    mx = torch.empty((B, S), dtype=torch.int32, device=device)
+    mass = torch.empty((B, S), dtype=torch.int64, device=device)
+    logits_in._slice_mass_kernel[(B, S)](probs, probs.stride(0), mx, 1.0, mx, S, mx, mass, V, q_bits, LOGITS=False,
+                                         HAS_IDX=False, BLOCK_S=4, SLICE=logits_in._SLICE, CHUNK=logits_in.MASS_CHUNK)
+    bits = reference.value_bits(probs.cpu())
+    q = reference.fixed_point(bits, torch.full((B, 1), reference.ONE_EXPONENT << 23), q_bits)
+    pad = torch.nn.functional.pad(q, (0, S * logits_in._SLICE - V)).view(B, S, -1)
+    want = pad.sum(-1)
+    assert torch.equal(mass.cpu(), want), (mass.cpu() - want).tolist()
+    assert torch.equal(mx.cpu(), bits.view(B, 1, -1).expand(B, S, -1).new_tensor(
+        [[int(bits[r, j * logits_in._SLICE:(j + 1) * logits_in._SLICE].max()) for j in range(S)] for r in range(B)]))
+    assert not torch.equal(pad.double().sum(-1).long(), want), "the fp64 sum is exact here: no fallback tested"
 
 
 def test_sampling_from_probs_masses_sit_at_one_below_it():

@@ -382,6 +382,7 @@ def _min_p_cases(device):
     yield _odd_probs(4, 200, device), [0.2, 0.2, 0.5, 0.75]
     yield _odd_probs(4, 9000, device), [0.0, 0.2, 0.0, 1e-3]  # three slices of the Triton kernels' 4096
     yield _softmax(3, 9005, device), [0.1, 0.3, 0.02]  # peaked: slices wholly below the threshold, others not
+    yield 1.0 + 0.9 * torch.rand(2, 9000, device=device), [0.0, 0.6]  # flat: a slice's masses sum past 2^52
     yield _softmax(1, 1, device), [0.5]
     yield _softmax(0, 64, device), []
 

@@ -242,6 +242,9 @@ def _awkward_cases(device):
     target[1] = 0.5 * torch.cat([draft[1], draft[1, :1]])  # no residual mass: the target row draws
     cases.append((draft, ids, target, _seed(21, device), _seed(2, device)))
     cases.append(_scaled_inputs(device) + (_seed(22, device), _seed(5, device)))
+    draft, ids, target = _inputs(2, 2, 9000, device)
+    target = 1.0 + 0.9 * torch.rand_like(target)  # every draft accepted; a flat bonus row sums past 2^52 a slice
+    cases.append((draft, ids, target, _seed(23, device), _seed(6, device)))
     if device == "cuda":
         for B in (1, 32, 256):
             draft, ids, target = _inputs(B, 4, 128256, device)

@@ -39,7 +39,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import _fixed, _target, _top_p_in_registers, _top_p_pred, _value_bits, row_value, slice_of_target
+from ._common import (_fixed, _target, _top_p_in_registers, _top_p_pred, _value_bits, kept_slice_mass, row_value,
+                      slice_of_target)
 from .candidates import _stride
 from .config import Config
 from .pivots import _exact_top_p
@@ -360,18 +361,10 @@ def _kept_mass_kernel(probs_ptr, probs_row_stride, hist_max_ptr, draw_ptr, mass_
     e_max = tl.load(draw_ptr + row * 3 + 1).to(tl.int32)
     mass = tl.zeros((), tl.int64)
     if e_max > 0:
-        thr = tl.load(draw_ptr + row * 3).to(tl.int32)
-        row_ptr = probs_ptr + row * probs_row_stride
         lo = j * L
-        hi = tl.minimum(lo + L, V)
-        end = tl.where(tl.load(hist_max_ptr + row * SLICES + j) >= thr, hi, lo)  # nothing kept: not read
-        offs = tl.arange(0, CHUNK)
-        acc = tl.zeros((CHUNK,), tl.int64)
-        for start in range(lo, end, CHUNK):
-            cols = start + offs
-            b = _value_bits(row_ptr, cols, cols < hi)
-            acc += tl.where(b >= thr, _fixed(b, e_max, q_bits), 0)
-        mass = tl.sum(acc, axis=0)
+        mass = kept_slice_mass(probs_ptr + row * probs_row_stride, lo, tl.minimum(lo + L, V),
+                               tl.load(hist_max_ptr + row * SLICES + j), tl.load(draw_ptr + row * 3).to(tl.int32),
+                               e_max, q_bits, CHUNK)
     tl.store(mass_ptr + row * SLICES + j, mass)
 
 

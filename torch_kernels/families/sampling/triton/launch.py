@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .... import outputs
 from ..reference import fixed_point_bits
-from ._common import rng_tensors
+from ._common import MASS_CHUNK, rng_tensors
 from .candidates import Logits, _slice_prepass, _stride
 from .config import DEFAULT, Config, fitted, k_split
 from .filter import _filter_kernel, _renorm_write_kernel, _row_mass_kernel
@@ -83,7 +83,7 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
         slices = config.hist_slices
         slice_len, mass = triton.cdiv(V, slices), torch.empty((B, slices), dtype=torch.int64, device=probs.device)
         _kept_mass_kernel[(B, slices)](probs, probs.stride(0), hist_max, draw, mass, V, slice_len, fixed_point_bits(V),
-                                       SLICES=slices, CHUNK=config.chunk_g, num_warps=4)
+                                       SLICES=slices, CHUNK=MASS_CHUNK, num_warps=4)
         _kept_draw_kernel[(B,)](probs, probs.stride(0), draw, mass, out, V, slice_len, fixed_point_bits(V),
                                 SLICES=slices, CHUNK=config.chunk_g, num_warps=8)
     if not sample:

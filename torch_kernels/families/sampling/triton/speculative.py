@@ -13,8 +13,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import (ONE_EXPONENT, _fixed, _target, exponent_from_one, philox_w01, rng_row, rng_tensors,
-                      slice_of_target, slices_max_bits)
+from ._common import (F64_EXACT, MASS_CHUNK, ONE_EXPONENT, _fixed, _fixed_f64, _target, exponent_from_one, philox_w01,
+                      rng_row, rng_tensors, slice_of_target, slices_max_bits)
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
 _SLICE = 4096  # values a program of the residual passes: one program a row took 225 µs at 1x4x128256 (H200)
@@ -88,13 +88,22 @@ def _residual_slice_kernel(d_ptr, d_s0, d_s1, t_ptr, t_s0, t_s1, emit_ptr, mx_pt
     lo = j * SLICE
     hi = tl.minimum(lo + SLICE, V)
     offs = tl.arange(0, CHUNK)
-    mx = tl.full((), -1, tl.int32)
-    mass = tl.zeros((), tl.int64)
+    acc_mx = tl.full((CHUNK,), -1, tl.int32)
+    acc = tl.zeros((CHUNK,), tl.float64)
     for start in range(lo, hi, CHUNK):
         cols = start + offs
         b = _residual_bits(t_row, d_row, cols, cols < hi, d_len)
-        mx = tl.maximum(mx, tl.max(b, axis=0))
-        mass += tl.sum(_fixed(b, ONE_EXPONENT, q_bits), axis=0)
+        acc_mx = tl.maximum(acc_mx, b)
+        acc += _fixed_f64(b, ONE_EXPONENT, q_bits)
+    mx = tl.max(acc_mx, axis=0)
+    total = tl.sum(acc, axis=0)
+    mass = total.to(tl.int64)
+    if (total >= F64_EXACT) & (mx < 0x40000000):  # maybe inexact, and used (no value of 2 or more)
+        acc64 = tl.zeros((CHUNK,), tl.int64)
+        for start in range(lo, hi, CHUNK):
+            cols = start + offs
+            acc64 += _fixed(_residual_bits(t_row, d_row, cols, cols < hi, d_len), ONE_EXPONENT, q_bits)
+        mass = tl.sum(acc64, axis=0)
     tl.store(mx_ptr + row * S + j, mx)
     tl.store(mass_ptr + row * S + j, mass)
 
@@ -181,7 +190,7 @@ def chain_speculative_sampling(draft_probs: Tensor, draft_token_ids: Tensor, tar
         mx = torch.empty((B, S), dtype=torch.int32, device=dev)
         mass = torch.empty((B, S), dtype=torch.int64, device=dev)
         q_bits, block_s = fixed_point_bits(V), triton.next_power_of_2(S)
-        _residual_slice_kernel[(B, S)](*d, *t, emitted, mx, mass, n, V, S, q_bits, SLICE=_SLICE, CHUNK=_CHUNK,
+        _residual_slice_kernel[(B, S)](*d, *t, emitted, mx, mass, n, V, S, q_bits, SLICE=_SLICE, CHUNK=MASS_CHUNK,
                                        num_warps=4)
         _chain_draw_kernel[(B,)](*d, *ids, *t, seed, offset, out, emitted, mx, mass, n, V, S, q_bits,
                                  PER_ROW_RNG=per_row, BLOCK_S=block_s, SLICE=_SLICE, CHUNK=_CHUNK, num_warps=4)
