@@ -126,6 +126,23 @@ def kept_slice_mass(row_ptr, lo, hi, slice_max, thr, e_max, q_bits, CHUNK: tl.co
 
 
 @triton.jit
+def kept_slice_draw(row_ptr, lo, hi, thr, e_max, q_bits, base, target, CHUNK: tl.constexpr):
+    """The first column of ``[lo, hi)`` where the cumulative fixed-point mass (at ``e_max``) of the
+    patterns ``>= thr``, from ``base``, exceeds ``target``; 0 where none does (a row without mass: the
+    reference's token). The scan stops reading at the chunk that holds it."""
+    token = tl.full((), 2147483647, tl.int32)
+    offs = tl.arange(0, CHUNK)
+    for start in range(lo, hi, CHUNK):
+        if token == 2147483647:
+            cols = start + offs
+            b = _value_bits(row_ptr, cols, cols < hi)
+            cum = base + tl.cumsum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
+            token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
+            base = tl.max(cum, axis=0)
+    return tl.where(token == 2147483647, 0, token)
+
+
+@triton.jit
 def exponent_from_one(mx):
     """The exponent field ``sampling_from_probs``' masses sit at for a row whose largest pattern is ``mx``:
     the larger of its and 1.0's (``reference.ONE_EXPONENT``)."""

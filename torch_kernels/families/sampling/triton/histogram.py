@@ -39,8 +39,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import (_fixed, _target, _top_p_in_registers, _top_p_pred, _value_bits, kept_slice_mass, row_value,
-                      slice_of_target)
+from ._common import (_fixed, _target, _top_p_in_registers, _top_p_pred, _value_bits, kept_slice_draw, kept_slice_mass,
+                      row_value, slice_of_target)
 from .candidates import _stride
 from .config import Config
 from .pivots import _exact_top_p
@@ -382,17 +382,9 @@ def _kept_draw_kernel(probs_ptr, probs_row_stride, draw_ptr, mass_ptr, out_ptr, 
         row_ptr = probs_ptr + row * probs_row_stride
         jj = tl.arange(0, SLICES)
         js, base = slice_of_target(tl.load(mass_ptr + row * SLICES + jj), jj, SLICES, target)
-        token = tl.full((), 2147483647, tl.int32)
-        offs = tl.arange(0, CHUNK)
-        hi = tl.minimum(js * L + L, V)
-        for start in range(js * L, hi, CHUNK):  # no slice holds it (no mass): no pass
-            if token == 2147483647:
-                cols = start + offs
-                b = _value_bits(row_ptr, cols, cols < hi)
-                cum = base + tl.cumsum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
-                token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
-                base = tl.max(cum, axis=0)
-        tl.store(out_ptr + row, tl.where(token == 2147483647, 0, token))
+        # no slice holds it (no mass): js = SLICES, no pass
+        tl.store(out_ptr + row, kept_slice_draw(row_ptr, js * L, tl.minimum(js * L + L, V), thr, e_max, q_bits, base,
+                                                target, CHUNK))
 
 
 def _hist_prepasses(probs: Tensor, top_k, top_p, buf_bits: Tensor, config: Config):

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from .... import outputs
 from ..reference import fixed_point_bits
-from ._common import (MASS_CHUNK, _fixed, _kth_in_registers, _random_bits31, _slice_max_bits, _target, _value_bits,
-                      kept_slice_mass, rng_tensors, slice_of_target, slices_max_bits)
+from ._common import (MASS_CHUNK, _kth_in_registers, _random_bits31, _slice_max_bits, _target, _value_bits,
+                      kept_slice_draw, kept_slice_mass, rng_tensors, slice_of_target, slices_max_bits)
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
 
@@ -496,17 +496,9 @@ def _min_p_kernel(p_ptr, p_stride, mp_ptr, mp_val, seed_ptr, offset_ptr, out_ptr
     masses = tl.load(mass_ptr + row * S + jj, mask=live, other=0)
     target = _target(_random_bits31(seed_ptr, offset_ptr, row, PER_ROW_RNG), tl.sum(masses, axis=0))
     js, base = slice_of_target(masses, jj, S, target)
-    token = tl.full((), 2147483647, tl.int32)
-    offs = tl.arange(0, CHUNK)
-    hi = tl.minimum(js * SLICE + SLICE, V)
-    for start in range(js * SLICE, hi, CHUNK):  # no slice holds it (no mass): no pass
-        if token == 2147483647:
-            cols = start + offs
-            b = _value_bits(p_row, cols, cols < hi)
-            cum = base + tl.cumsum(tl.where(b >= thr, _fixed(b, e_max, q_bits), 0), axis=0)
-            token = tl.min(tl.where(cum > target, cols, 2147483647), axis=0)
-            base = tl.max(cum, axis=0)
-    tl.store(out_ptr + row, tl.where(token == 2147483647, 0, token))  # no mass: 0, as the reference
+    # no slice holds it (no mass): js = S, no pass
+    tl.store(out_ptr + row, kept_slice_draw(p_row, js * SLICE, tl.minimum(js * SLICE + SLICE, V), thr, e_max, q_bits,
+                                            base, target, CHUNK))
 
 
 def min_p_sampling_from_probs(probs: Tensor, maybe_min_p_arr, min_p_val: float, seed: Tensor, offset: Tensor,
