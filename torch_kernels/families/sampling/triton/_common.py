@@ -102,6 +102,14 @@ def _fixed_f64(bits, e_max, q_bits):
 
 
 @triton.jit
+def f64_mass(acc):
+    """``(the int64 sum of the fp64 integer masses acc, whether it may be inexact)``: exact below 2^52
+    (``F64_EXACT``); past it the caller sums again in int64."""
+    total = tl.sum(acc, axis=0)
+    return total.to(tl.int64), total >= F64_EXACT
+
+
+@triton.jit
 def kept_slice_mass(row_ptr, lo, hi, slice_max, thr, e_max, q_bits, CHUNK: tl.constexpr):
     """The int64 fixed-point mass (at ``e_max``, the row's largest exponent field) of the patterns
     ``>= thr`` in columns ``[lo, hi)`` of a row whose values there reach ``slice_max`` at most: 0
@@ -113,9 +121,8 @@ def kept_slice_mass(row_ptr, lo, hi, slice_max, thr, e_max, q_bits, CHUNK: tl.co
         cols = start + offs
         b = _value_bits(row_ptr, cols, cols < hi)
         acc += tl.where(b >= thr, _fixed_f64(b, e_max, q_bits), 0.0)
-    total = tl.sum(acc, axis=0)
-    mass = total.to(tl.int64)
-    if total >= F64_EXACT:
+    mass, inexact = f64_mass(acc)
+    if inexact:
         acc64 = tl.zeros((CHUNK,), tl.int64)
         for start in range(lo, end, CHUNK):
             cols = start + offs

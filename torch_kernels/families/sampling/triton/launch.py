@@ -24,6 +24,7 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
     only the rows it does not finish are written, for the filter kernel's other routes. ``out``: the out
     overload's tensors (``outputs.given``)."""
     B, V = probs.shape
+    q_bits = fixed_point_bits(V)
     config = fitted(config, B, V)
     if not isinstance(top_k, Tensor) and top_k is not None and not 0 < top_k < V:
         # a scalar top-k that keeps every row whole is none: top-p rows then take the histogram route,
@@ -54,7 +55,7 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
     joint_mass = dummy
     if joint:
         joint_mass = torch.empty(B, dtype=torch.int64, device=probs.device)
-        _row_mass_kernel[(B,)](probs, probs.stride(0), joint_mass, V, fixed_point_bits(V), CHUNK=config.chunk_g,
+        _row_mass_kernel[(B,)](probs, probs.stride(0), joint_mass, V, q_bits, CHUNK=config.chunk_g,
                                num_warps=config.num_warps)
     # histogram-route sampling: the filter kernel leaves each row's draw to the two kernels below
     draw = torch.empty((B, 3), dtype=torch.int64, device=probs.device) if hist and sample else dummy
@@ -68,7 +69,7 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
         seed if seed is not None else dummy, offset if offset is not None else dummy,
         row_out,
         buf_bits, buf_idx, stats,
-        V, fixed_point_bits(V),
+        V, q_bits,
         HAS_K=top_k is not None, HAS_P=top_p is not None, SAMPLE=sample,
         K_ARR=isinstance(top_k, Tensor), P_ARR=isinstance(top_p, Tensor),
         CAP=cap, CHUNK=config.chunk, K_SMALL=config.k_small, CHUNK_G=config.chunk_g,
@@ -82,9 +83,9 @@ def _launch(probs: Tensor, top_k, top_p, seed, offset, sample: bool, config: Con
     if hist and sample:
         slices = config.hist_slices
         slice_len, mass = triton.cdiv(V, slices), torch.empty((B, slices), dtype=torch.int64, device=probs.device)
-        _kept_mass_kernel[(B, slices)](probs, probs.stride(0), hist_max, draw, mass, V, slice_len, fixed_point_bits(V),
+        _kept_mass_kernel[(B, slices)](probs, probs.stride(0), hist_max, draw, mass, V, slice_len, q_bits,
                                        SLICES=slices, CHUNK=MASS_CHUNK, num_warps=4)
-        _kept_draw_kernel[(B,)](probs, probs.stride(0), draw, mass, out, V, slice_len, fixed_point_bits(V),
+        _kept_draw_kernel[(B,)](probs, probs.stride(0), draw, mass, out, V, slice_len, q_bits,
                                 SLICES=slices, CHUNK=config.chunk_g, num_warps=8)
     if not sample:
         block = config.write_block

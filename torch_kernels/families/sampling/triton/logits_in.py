@@ -23,8 +23,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import (F64_EXACT, MASS_CHUNK, ONE_EXPONENT, _fixed, _fixed_f64, _random_bits31, _target, _value_bits,
-                      exponent_from_one, rng_tensors, slice_of_target, slices_max_bits)
+from ._common import (MASS_CHUNK, ONE_EXPONENT, _fixed, _fixed_f64, _random_bits31, _target, _value_bits,
+                      exponent_from_one, f64_mass, rng_tensors, slice_of_target, slices_max_bits)
 from .candidates import Logits
 from .config import DEFAULT, Config
 from .launch import _either, _launch, splits
@@ -79,9 +79,8 @@ def _slice_mass_kernel(x_ptr, x_stride, idx_ptr, t_val, stats_ptr, S, mx_ptr, ma
         acc_mx = tl.maximum(acc_mx, b)
         acc += _fixed_f64(b, ONE_EXPONENT, q_bits)
     mx = tl.max(acc_mx, axis=0)
-    total = tl.sum(acc, axis=0)
-    mass = total.to(tl.int64)
-    if (total >= F64_EXACT) & (mx < 0x40000000):  # maybe inexact, and used (no value of 2 or more)
+    mass, inexact = f64_mass(acc)
+    if inexact & (mx < 0x40000000):  # and used: no value of 2 or more
         acc64 = tl.zeros((CHUNK,), tl.int64)
         for start in range(lo, hi, CHUNK):
             cols = start + offs

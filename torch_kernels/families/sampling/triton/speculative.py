@@ -13,8 +13,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import fixed_point_bits
-from ._common import (F64_EXACT, MASS_CHUNK, ONE_EXPONENT, _fixed, _fixed_f64, _target, exponent_from_one, philox_w01,
-                      rng_row, rng_tensors, slice_of_target, slices_max_bits)
+from ._common import (MASS_CHUNK, ONE_EXPONENT, _fixed, _fixed_f64, _target, exponent_from_one, f64_mass,
+                      philox_w01, rng_row, rng_tensors, slice_of_target, slices_max_bits)
 
 _CHUNK = 2048  # values a step: 16 a thread at 4 warps
 _SLICE = 4096  # values a program of the residual passes: one program a row took 225 µs at 1x4x128256 (H200)
@@ -96,9 +96,8 @@ def _residual_slice_kernel(d_ptr, d_s0, d_s1, t_ptr, t_s0, t_s1, emit_ptr, mx_pt
         acc_mx = tl.maximum(acc_mx, b)
         acc += _fixed_f64(b, ONE_EXPONENT, q_bits)
     mx = tl.max(acc_mx, axis=0)
-    total = tl.sum(acc, axis=0)
-    mass = total.to(tl.int64)
-    if (total >= F64_EXACT) & (mx < 0x40000000):  # maybe inexact, and used (no value of 2 or more)
+    mass, inexact = f64_mass(acc)
+    if inexact & (mx < 0x40000000):  # and used: no value of 2 or more
         acc64 = tl.zeros((CHUNK,), tl.int64)
         for start in range(lo, hi, CHUNK):
             cols = start + offs
