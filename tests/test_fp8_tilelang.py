@@ -20,6 +20,7 @@ exactly in every mode; the fused ops' static mode within one e4m3 step of the re
 infinities; a bad static scale gives NaN q; the registered ops reach TileLang; CUDA-graph replay.
 """
 
+import itertools
 import json
 import os
 import re
@@ -110,7 +111,7 @@ def scaled_reference(x, scale=None, per_token=False, scale_ub=None):
 
 # --- tilings and slots, on the CPU ------------------------------------------------------------------
 
-HIDDEN = [1, 2, 5, 8, 24, 96, 100, 128, 257, 384, 1000, 4096, 5120, 7168, 14336, 16384, 65536, 131072]
+HIDDEN = [1, 2, 5, 8, 24, 96, 100, 128, 257, 384, 1000, 4096, 5120, 7168, 14336, 16384, 18432, 65536, 131072]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
@@ -120,10 +121,11 @@ def test_row_plans_cover_every_value_once(dtype):
     for n in HIDDEN:
         modes = [Epilogue("static"), Epilogue("token")] + [Epilogue("group", g) for g in (1, 8, 64, 128, 4096, n & -n)
                                                            if n % g == 0]
-        for epi in modes:
-            p = tfp8.plan(n, dtype, epi)
+        for epi, warp_lanes in itertools.product(modes, (0, 512, 1024)):
+            p = tfp8.plan(n, dtype, epi, warp_lanes=warp_lanes)
             t = p.tile
-            assert t.lanes & (t.lanes - 1) == 0 and t.threads <= 1024 and n % t.vec == 0, (n, epi, p)
+            whole_warps = epi.mode == "token" and t.rows == 1 and t.lanes % 32 == 0 and t.nv * t.lanes * t.vec == n
+            assert (t.lanes & (t.lanes - 1) == 0 or whole_warps) and t.threads <= 1024 and n % t.vec == 0, (n, epi, p)
             assert t.nv * t.vec * _jit.ELEMENT_BYTES[dtype] <= tfp8.MAX_THREAD_BYTES or t.nv == 1, (n, epi, p)
             cols = sorted(c0 + (k * t.lanes + lane) * t.vec + v for c0 in range(0, p.col_tiles * p.segment, t.width)
                           for k in range(t.nv) for lane in range(t.lanes) for v in range(t.vec))
@@ -146,10 +148,17 @@ def test_row_plans_cover_every_value_once(dtype):
 
 
 def test_plans_of_the_benchmark_shapes():
-    """Per token the row is tiled exactly: 7168 bf16 on 128 threads of 7 vectors, 14336 on 256 of 7; a
-    row of 65536 bf16 in one pass (1024 threads of 8 vectors), of fp32 in two."""
-    assert tfp8.plan(7168, "bfloat16", Epilogue("token")) == tfp8.Plan(tfp8.Tile(8, 128, 7), 1)
-    assert tfp8.plan(14336, "bfloat16", Epilogue("token")) == tfp8.Plan(tfp8.Tile(8, 256, 7), 1)
+    """Per token the row is tiled exactly: 7168 bf16 on 128 threads of 7 vectors (silu_and_mul's: 448 of
+    2), 14336 on 256 of 7 (whole warps of 2 would take 896 threads); a row of 65536 bf16 in one pass
+    (1024 threads of 8 vectors), of fp32 in two."""
+    token = Epilogue("token")
+    assert tfp8.plan(7168, "bfloat16", token) == tfp8.Plan(tfp8.Tile(8, 128, 7), 1)
+    assert tfp8.plan(7168, "bfloat16", token, warp_lanes=512) == tfp8.Plan(tfp8.Tile(8, 448, 2), 1)
+    assert act.ActivationQuantConfig().plan(7168, "bfloat16", token) == tfp8.Plan(tfp8.Tile(8, 448, 2), 1)
+    assert act.ActivationQuantConfig().plan(5120, "bfloat16", token) == tfp8.Plan(tfp8.Tile(8, 320, 2), 1)
+    assert tfp8.plan(14336, "bfloat16", token) == tfp8.Plan(tfp8.Tile(8, 256, 7), 1)
+    assert act.ActivationQuantConfig().plan(14336, "bfloat16", token) == tfp8.Plan(tfp8.Tile(8, 256, 7), 1)
+    assert tfp8.plan(8192, "bfloat16", token, warp_lanes=512) == tfp8.Plan(tfp8.Tile(8, 512, 2), 1)
     assert tfp8.plan(65536, "bfloat16", Epilogue("token")) == tfp8.Plan(tfp8.Tile(8, 1024, 8), 1)
     assert tfp8.plan(65536, "float32", Epilogue("token")) == tfp8.Plan(tfp8.Tile(4, 1024, 8), 1, 2)
     assert tfp8.plan(4096, "bfloat16", Epilogue("static")) == tfp8.Plan(tfp8.Tile(8, 128, 2), 2)
@@ -178,7 +187,7 @@ def test_eps_bits():
 
 FP8_FAMILIES = {"quant": quant, "norm": norm, "activation": act}
 #: beside each family's first key, compiled in the default run
-DEFAULT_FP8_KEYS = {("norm", 1), ("norm", 10), ("quant", 5), ("quant", 6)}
+DEFAULT_FP8_KEYS = {("norm", 1), ("norm", 10), ("quant", 5), ("quant", 6), ("activation", 1)}
 
 
 def _fp8_kernel_cases(default: bool):

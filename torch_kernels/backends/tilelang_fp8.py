@@ -170,7 +170,7 @@ class Tile:
     vectors)."""
 
     vec: int
-    lanes: int  # a power of two
+    lanes: int  # a power of two, or whole warps where a block holds one row
     nv: int
     rows: int = 1
 
@@ -379,13 +379,16 @@ def _pow2_at_most(x: int) -> int:
     return 1 << max(x, 1).bit_length() - 1
 
 
-def plan(n: int, dtype: str, epi: Epilogue, vectors: int = 2, block_threads: int = BLOCK_THREADS) -> Plan:
+def plan(n: int, dtype: str, epi: Epilogue, vectors: int = 2, block_threads: int = BLOCK_THREADS,
+         warp_lanes: int = 0) -> Plan:
     """The tiling of a row kernel over rows of ``n`` values of ``dtype`` under ``epi``, about ``vectors``
     vectors a thread. Values without a row-wide scale tile the row in spans of ``block_threads`` threads
     (short rows several to a block; a group wider than a span takes more lanes, then more vectors, then
     two passes); a per-token scale takes the whole row in one block, tiled exactly where a power of two
     of threads allows (7168 bf16: 128 threads of 7 vectors, not 512 over 8192 columns), in two passes
-    where a thread would hold more than :data:`MAX_THREAD_BYTES` at 1024 threads."""
+    where a thread would hold more than :data:`MAX_THREAD_BYTES` at 1024 threads; or, where a power of two
+    of threads would hold more than ``vectors`` vectors a thread, in whole warps of ``vectors`` that tile
+    it exactly, up to ``warp_lanes`` threads (7168 bf16 at 512: 448 threads of 2)."""
     vec = _jit.vector_width(n, dtype)
     nvec = n // vec
     max_nv = max(1, MAX_THREAD_BYTES // (vec * _jit.ELEMENT_BYTES[dtype]))
@@ -397,6 +400,8 @@ def plan(n: int, dtype: str, epi: Epilogue, vectors: int = 2, block_threads: int
         if nvec % exact == 0:
             lanes = exact
         nv, chunks = -(-nvec // lanes), 1
+        if nv > vectors and nvec % (32 * vectors) == 0 and block_threads <= nvec // vectors <= warp_lanes:
+            return Plan(Tile(vec, nvec // vectors, vectors), 1)
         if nv > max_nv:  # two passes over spans of at most max_nv vectors a thread
             chunks = -(-nv // max_nv)
             nv = -(-nv // chunks)
