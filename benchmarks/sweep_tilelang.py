@@ -2,7 +2,8 @@
 FlashInfer's API in the same run: where the launch configurations of ``families/norm/tilelang.py``
 (``NormConfig``), ``families/attention/tilelang.py`` (``MergeConfig``), ``families/rope/tilelang.py``
 (``RopeConfig``), ``families/activation/tilelang.py`` (``ActivationConfig``) and their early trigger
-(``_jit.LaunchConfig``) come from; ``--only tanh`` measures the error of the activations' tanh.approx form.
+(``_jit.LaunchConfig``) come from, and of the FP8 row kernels' tilings (``backends/tilelang_fp8.py``:
+``--only fp8norm,fp8rms,fp8rows``); ``--only tanh`` measures the error of the activations' tanh.approx form.
 
     python benchmarks/sweep_tilelang.py --out results/sweep.json
 
@@ -57,11 +58,27 @@ MERGE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"early_trigger"
 ROPE_TOKENS = (1, 256, 512, 4096)
 ROPE_VARIANTS = {"tilelang": {}, "tilelang, no early trigger": {"early_trigger": False},
                  "tilelang, always early trigger": {"no_trigger_bytes": (0, 0)}}
-FP8_NORM_SHAPES = ((4096, 4096), (8192, 7168), (16384, 7168), (16384, 8192))  # (tokens, hidden)
-# label -> the config fields of fused_add_rmsnorm_fp8_quant's kernel it replaces ("streamed": the
+FP8_NORM_SHAPES = ((4096, 4096), (4096, 7168), (16384, 7168), (16384, 8192))  # (tokens, hidden)
+# label -> the config fields of fused_add_rmsnorm(_fp8_quant)'s kernels it replaces ("streamed": the
 # many-token kernel at every token count, False: the one-pass kernel); docs/design/fp8.md.
 FP8_NORM_VARIANTS = {"tilelang": {}, "tilelang, no min blocks": {"epilogue_min_blocks": 1},
-                     "tilelang, one pass": {"streamed": False}, "tilelang, streamed": {"streamed": True}}
+                     "tilelang, one pass": {"streamed": False}, "tilelang, streamed": {"streamed": True},
+                     "tilelang, streamed 448 threads": {"streamed": True, "streamed_threads": 448}}
+# rmsnorm_fp8_quant beside rmsnorm under the same NormConfig (they share it: the fused op must return the
+# unfused pair's bits), label -> the fields it replaces ("streamed": that kernel at every token count).
+FP8_RMS_SHAPES = ((4096, 4096), (16384, 4096), (4096, 7168), (16384, 7168), (4096, 8192))
+FP8_RMS_VARIANTS = {"tilelang": {}, "tilelang, one pass": {"streamed": False}, "tilelang, streamed": {"streamed": True},
+                    "tilelang, streamed 512 threads": {"streamed": True, "streamed_threads": 512},
+                    "tilelang, 8 a thread": {"elements_per_thread": 8},
+                    "tilelang, 32 a thread": {"elements_per_thread": 32},
+                    "tilelang, no early trigger": {"early_trigger": False}}
+# silu_and_mul_fp8_quant and scaled_fp8_quant per token: label -> the tiling of tilelang_fp8.plan (a power
+# of two of threads, or whole warps of ``vectors`` up to ``warp_lanes`` threads); a label whose tiling is
+# another's at a width is timed once.
+FP8_ROW_SHAPES = tuple((t, d) for d in (4096, 5120, 7168, 8192, 14336, 18432) for t in (1, 32, 512, 4096, 16384))
+FP8_ROW_VARIANTS = {"tilelang, power of two": {"warp_lanes": 0}, "tilelang, warps of 2": {"warp_lanes": 1024},
+                    "tilelang, warps of 1": {"warp_lanes": 1024, "vectors": 1},
+                    "tilelang, warps of 4": {"warp_lanes": 1024, "vectors": 4}}
 ACT_SHAPES = tuple((t, d) for d in (4096, 7168, 8192) for t in (1, 32, 512, 1024, 2048, 4096, 16384))  # (tokens, d)
 ACT_KINDS = ("silu", "gelu_tanh")
 # label -> config fields (else the launcher's, ActivationConfig.for_shape): the tanh forms, blocks and
@@ -145,57 +162,150 @@ def norm_rows(ceiling: float) -> list:
     return rows
 
 
-def fp8_norm_rows(ceiling: float) -> list:
-    """fused_add_rmsnorm_fp8_quant (static and per-token scales) under each of FP8_NORM_VARIANTS, each
-    checked bit for bit against TileLang's unfused pair, beside FlashInfer's ``fused_add_rmsnorm_quant``."""
+def _fp8_norm_sweep(ceiling: float, fused: bool, shapes, variants: dict) -> list:
+    """The norm (``fused_add_rmsnorm`` with ``fused``, else ``rmsnorm``) and its FP8 op (static and
+    per-token scales) under each of ``variants`` (label -> the NormConfig fields it replaces;
+    ``"streamed"``: that kernel at every token count), the FP8 op checked bit for bit against the
+    variant's own norm followed by TileLang's scaled_fp8_quant (they share a config: the fused op must
+    return the unfused pair's bits); FlashInfer's static-scale op beside them."""
     import flashinfer.norm
 
     from torch_kernels.backends import tilelang_fp8 as tl_fp8
     from torch_kernels.families.quant import tilelang as tl_quant
 
-    epilogues = {"static": tl_fp8.Epilogue("static"), "token": tl_fp8.Epilogue("token")}
+    plain = "fused_add_rmsnorm" if fused else "rmsnorm"
+    epilogues = {plain: None, "static": tl_fp8.Epilogue("static"), "token": tl_fp8.Epilogue("token")}
 
-    def prim(n, mode, label, tokens):
-        fields = dict(FP8_NORM_VARIANTS[label])
-        base = tl_norm.NormConfig.for_shape(n, "bfloat16", True)
-        streamed = fields.pop("streamed", tokens >= base.streamed_from and tl_norm._streams(n, "bfloat16", "bfloat16", base))
-        return tl_norm._build(n, "bfloat16", "bfloat16", True, False, streamed, epilogues[mode],
-                              config=dataclasses.replace(base, **fields))
-    keys = {(tokens, n, mode, label) for tokens, n in FP8_NORM_SHAPES for mode in epilogues for label in FP8_NORM_VARIANTS}
-    fns = _compile_all({key: prim(key[1], key[2], key[3], key[0]) for key in keys})
+    def prim(tokens, n, mode, label):
+        fields = {k: v for k, v in variants[label].items() if k != "streamed"}
+        conf = dataclasses.replace(tl_norm.NormConfig.for_shape(n, "bfloat16", fused), **fields)
+        streamed = variants[label].get("streamed", tokens >= conf.streamed_from)
+        streamed = streamed and tl_norm._streams(n, "bfloat16", "bfloat16", conf)
+        return tl_norm._build(n, "bfloat16", "bfloat16", fused, False, streamed, epilogues[mode], config=conf)
+    keys = {(tokens, n, mode, label) for tokens, n in shapes for mode in epilogues for label in variants}
+    fns = _compile_all({key: prim(*key) for key in keys})
 
     rows = []
-    for (tokens, n), mode in itertools.product(FP8_NORM_SHAPES, epilogues):
-        op = f"fused_add_rmsnorm_fp8_quant ({mode})"
+    for (tokens, n), mode in itertools.product(shapes, epilogues):
+        op = plain if mode == plain else f"{plain}_fp8_quant ({mode})"
         x = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
         r = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
         w = 1 + 0.1 * torch.randn(n, device="cuda", dtype=torch.bfloat16)
         scale = torch.tensor([0.02], device="cuda") if mode == "static" else None
-        want_r, y = r.clone(), x.clone()
-        tl_norm.fused_add_rmsnorm(y, want_r, w, EPS)
-        want_q, want_s = tl_quant.scaled_fp8_quant(y, scale, scale is None)
-        nbytes = tokens * n * (2 + 2 + 2 + 1) + (tokens * 4 if scale is None else 0) + n * 2
+        io = (3 if fused else 1) * 2 + (2 if mode == plain else 1)  # bytes an element: read, residual, output
+        nbytes = tokens * n * io + (tokens * 4 if mode == "token" else 0) + n * 2
         calls = {}
-        for label in FP8_NORM_VARIANTS:
-            fn = fns[(tokens, n, mode, label)]
-            if isinstance(fn, str):
-                rows.append({"op": op, "shape": f"{tokens}x{n}", "impl": label, "status": fn})
+        for label in variants:
+            fn, norm = fns[(tokens, n, mode, label)], fns[(tokens, n, plain, label)]
+            if isinstance(fn, str) or isinstance(norm, str):
+                rows.append({"op": op, "shape": f"{tokens}x{n}", "impl": label, "status": fn if isinstance(fn, str) else norm})
                 continue
-            rr, q = r.clone(), torch.empty(tokens, n, device="cuda", dtype=torch.float8_e4m3fn)
+            y, want_r = (x.clone(), r.clone()) if fused else (torch.empty_like(x), None)
+            if fused:
+                norm(y, want_r, w, EPS)
+                ref_y, ref_r = x.clone(), r.clone()
+                ref_norm.fused_add_rmsnorm(ref_y, ref_r, w, EPS)
+                torch.testing.assert_close(y, ref_y, atol=2e-2, rtol=2e-2)
+                torch.testing.assert_close(want_r, ref_r, atol=2e-2, rtol=2e-2)
+            else:
+                norm(x, w, y, EPS)
+                torch.testing.assert_close(y, ref_norm.rmsnorm(x, w, EPS), atol=2e-2, rtol=2e-2)
+            if mode == plain:
+                if fused:
+                    xx, rr = x.clone(), r.clone()
+                    calls[label] = lambda fn=fn, xx=xx, rr=rr: fn(xx, rr, w, EPS)  # noqa: E731
+                else:
+                    out = torch.empty_like(x)
+                    calls[label] = lambda fn=fn, out=out: fn(x, w, out, EPS)  # noqa: E731
+                continue
+            want_q, want_s = tl_quant.scaled_fp8_quant(y, scale, scale is None)
+            q = torch.empty(tokens, n, device="cuda", dtype=torch.float8_e4m3fn)
             s = torch.empty(1 if scale is not None else tokens, device="cuda")
             extra = (scale,) if scale is not None else ()
-            call = lambda fn=fn, rr=rr, q=q, s=s, extra=extra: fn(x, rr, w, q, s, *extra, EPS)  # noqa: E731
+            rr = r.clone()
+            call = ((lambda fn=fn, q=q, s=s, rr=rr, extra=extra: fn(x, rr, w, q, s, *extra, EPS)) if fused else  # noqa: E731
+                    (lambda fn=fn, q=q, s=s, extra=extra: fn(x, w, q, s, *extra, EPS)))  # noqa: E731
             call()
-            same = (torch.equal(rr, want_r) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-                    and torch.equal(s, want_s.view(-1)))
-            if not same:
+            same = torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s.view(-1))
+            if not same or (fused and not torch.equal(rr, want_r)):
                 rows.append({"op": op, "shape": f"{tokens}x{n}", "impl": label, "status": "differs from the unfused pair"})
                 continue
             calls[label] = call
-        if scale is not None:
-            rr, q = r.clone(), torch.empty(tokens, n, device="cuda", dtype=torch.float8_e4m3fn)
-            calls["flashinfer api"] = lambda rr=rr, q=q: flashinfer.norm.fused_add_rmsnorm_quant(q, x, rr, w, scale, EPS)
+        if mode == "static":
+            q = torch.empty(tokens, n, device="cuda", dtype=torch.float8_e4m3fn)
+            if fused:
+                rr = r.clone()
+                calls["flashinfer api"] = lambda rr=rr, q=q: flashinfer.norm.fused_add_rmsnorm_quant(q, x, rr, w, scale, EPS)
+            else:
+                calls["flashinfer api"] = lambda q=q: flashinfer.norm.rmsnorm_quant(q, x, w, scale, EPS)
         rows += harness.bandwidth_rows(op, f"{tokens}x{n}", calls, nbytes, ceiling, ROUNDS)
+    return rows
+
+
+def fp8_norm_rows(ceiling: float) -> list:
+    return _fp8_norm_sweep(ceiling, True, FP8_NORM_SHAPES, FP8_NORM_VARIANTS)
+
+
+def fp8_rms_rows(ceiling: float) -> list:
+    return _fp8_norm_sweep(ceiling, False, FP8_RMS_SHAPES, FP8_RMS_VARIANTS)
+
+
+def fp8_row_rows(ceiling: float) -> list:
+    """silu_and_mul_fp8_quant and scaled_fp8_quant per token under each of FP8_ROW_VARIANTS, checked bit
+    for bit against TileLang's silu_and_mul followed by its scaled_fp8_quant (its shipped plan)."""
+    from torch_kernels.backends import tilelang_fp8 as tl_fp8
+    from torch_kernels.families.quant import tilelang as tl_quant
+
+    token = tl_fp8.Epilogue("token")
+
+    def config(op, label):
+        fields = dict(FP8_ROW_VARIANTS[label])
+        if op == "silu":
+            return tl_act.ActivationQuantConfig(token_vectors=fields.pop("vectors", 2), **fields)
+        return tl_quant.ScaledConfig(**fields)
+
+    def prim(d, op, label):
+        if op == "silu":
+            return tl_act._build_quant(d, "bfloat16", token, config(op, label))
+        return tl_quant._build_scaled(d, "bfloat16", token, config(op, label))
+    keys = {(d, op, label) for d in {d for _, d in FP8_ROW_SHAPES} for op in ("silu", "scaled") for label in FP8_ROW_VARIANTS}
+    plans = {key: config(key[1], key[2]).plan(key[0], "bfloat16", token) if key[1] == "silu"
+             else tl_quant._scaled_plan(key[0], "bfloat16", token, config(key[1], key[2])) for key in keys}
+    # a variant whose plan is another's compiles once, under the first label
+    first = {}
+    for key in sorted(keys):
+        first.setdefault((key[0], key[1], plans[key]), key)
+    fns = _compile_all({key: prim(*key) for key in set(first.values())})
+
+    rows = []
+    for (tokens, d), op in itertools.product(FP8_ROW_SHAPES, ("silu", "scaled")):
+        name = "silu_and_mul_fp8_quant (token)" if op == "silu" else "scaled_fp8_quant (token)"
+        cols = 2 * d if op == "silu" else d
+        x = torch.randn(tokens, cols, device="cuda", dtype=torch.bfloat16)
+        y = tl_act.silu_and_mul(x) if op == "silu" else x
+        want_q, want_s = tl_quant.scaled_fp8_quant(y, None, True)
+        nbytes = tokens * (cols * 2 + d + 4)
+        calls, seen = {}, set()
+        for label in FP8_ROW_VARIANTS:
+            key = first[(d, op, plans[(d, op, label)])]
+            tile = plans[key].tile
+            impl = f"{label} ({tile.lanes}x{tile.nv})"
+            if key in seen:
+                continue
+            seen.add(key)
+            fn = fns[key]
+            if isinstance(fn, str):
+                rows.append({"op": name, "shape": f"{tokens}x{d}", "impl": impl, "status": fn})
+                continue
+            q = torch.empty(tokens, d, device="cuda", dtype=torch.float8_e4m3fn)
+            s = torch.empty(tokens, device="cuda")
+            call = lambda fn=fn, q=q, s=s: fn(x, q, s)  # noqa: E731
+            call()
+            if not (torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s.view(-1))):
+                rows.append({"op": name, "shape": f"{tokens}x{d}", "impl": impl, "status": "differs from the unfused pair"})
+                continue
+            calls[impl] = call
+        rows += harness.bandwidth_rows(name, f"{tokens}x{d}", calls, nbytes, ceiling, ROUNDS)
     return rows
 
 
@@ -364,14 +474,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--only", default="norm,fp8norm,merge,rope,act,tanh",
-                        help="comma list of norm, fp8norm, merge, rope, act, midact, tanh")
+                        help="comma list of norm, fp8norm, fp8rms, fp8rows, merge, rope, act, midact, tanh")
     parser.add_argument("--cold-l2", action="store_true", help="midact: flush L2 before every timed call")
     args = parser.parse_args()
     torch.manual_seed(0)
     ceiling = harness.copy_ceiling_gbps()
     flush = harness.l2_flush() if args.cold_l2 else None
     rows = []
-    for name, sweep in (("merge", merge_rows), ("norm", norm_rows), ("fp8norm", fp8_norm_rows), ("rope", rope_rows), ("act", act_rows),
+    for name, sweep in (("merge", merge_rows), ("norm", norm_rows), ("fp8norm", fp8_norm_rows), ("fp8rms", fp8_rms_rows),
+                        ("fp8rows", fp8_row_rows), ("rope", rope_rows), ("act", act_rows),
                         ("midact", lambda c: mid_act_rows(c, flush)), ("tanh", tanh_rows)):
         if name in args.only.split(","):
             try:
