@@ -224,6 +224,7 @@ ENV_ERRORS = [
     ({"DEEPINFER_OPS_COMPILE_ROUTE": "rms_norm=opaque"}, "DEEPINFER_OPS_COMPILE_ROUTE names unknown op 'rms_norm'"),
     ({"DEEPINFER_OPS_COMPILE_ROUTE": "top_k_top_p_sampling_from_probs=decompose"},
      "DEEPINFER_OPS_COMPILE_ROUTE: op 'top_k_top_p_sampling_from_probs' cannot take route 'decompose'"),
+    ({"DEEPINFER_OPS_CHECK_INDICES": "maybe"}, "DEEPINFER_OPS_CHECK_INDICES must be 1 or 0 (or unset for each op's default)"),
 ]
 
 
@@ -257,6 +258,7 @@ CONFIGURE_ERRORS = [
     ({"compile_route": "fastest"}, "configure(compile_route=...) names unknown route 'fastest'"),
     ({"compile_route": "rms_norm=opaque"}, "configure(compile_route=...) names unknown op 'rms_norm'"),
     ({"compile_route": 5}, "configure(compile_route=...) must be a string ('route' or 'op=route,...')"),
+    ({"check_indices": 1}, "configure(check_indices=...) must be True, False or None (each op's default), got 1"),
     ({"bakend": "triton"}, "configure() takes no argument 'bakend'; it takes: backend, fallback, strict"),
 ]
 
@@ -307,6 +309,8 @@ def test_selection_from_env_parses_every_variable():
                             "DEEPINFER_TRACE_KERNELS": "/tmp/t", "DEEPINFER_TRACE_KERNEL_ARGS": "yes"})
     assert s == Selection(Backend.TRITON, frozenset({"rmsnorm", "gemma_rmsnorm"}), False, True, "/tmp/t", True)
     assert Selection.from_env({}) == Selection()
+    for word, asked in (("1", True), (" On ", True), ("0", False), ("off", False), ("", None)):
+        assert Selection.from_env({"DEEPINFER_OPS_CHECK_INDICES": word}).check_indices is asked
 
 
 # --- tracing --------------------------------------------------------------------------------------

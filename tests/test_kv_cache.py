@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torch_kernels
-from torch_kernels import fp8 as _fp8
+from torch_kernels import dispatch, fp8 as _fp8
 from torch_kernels.families.kv_cache import ops as kv_ops
 
 from conftest import assert_bad_inputs_raise, bits, implementations_on, triton_here
@@ -299,6 +299,24 @@ def test_slot_check_is_off_by_default():
     args[4] = torch.tensor([0, 1000, 5, 5], dtype=torch.int64)
     if not kv_ops.CHECK_SLOTS:
         torch.ops.deepinfer.reshape_and_cache_flash(*args)
+
+
+def test_configure_check_indices_decides_over_check_slots(monkeypatch):
+    """``configure(check_indices=True)`` checks the slots whatever ``CHECK_SLOTS`` says, ``False`` never,
+    ``None`` as ``CHECK_SLOTS`` says."""
+    args = list(kv_ops.cache_args(4, 2, 64, 3, 4, 0, 0, "nhd", False, "cpu", torch.float32))
+    args[4] = torch.tensor([0, 12, -1, 3], dtype=torch.int64)
+    previous = dispatch.configure(check_indices=True)
+    try:
+        for slots_flag in (False, True):
+            monkeypatch.setattr(kv_ops, "CHECK_SLOTS", slots_flag)
+            assert_bad_inputs_raise(OP, [("slots", tuple(args), ValueError, "slot_mapping")])
+        dispatch.configure(check_indices=False)
+        torch.ops.deepinfer.reshape_and_cache_flash(*args)  # slot 12, past the cache, is skipped unchecked
+        dispatch.configure(check_indices=None)
+        assert_bad_inputs_raise(OP, [("slots", tuple(args), ValueError, "slot_mapping")])
+    finally:
+        dispatch.configure(previous)
 
 
 def test_wrapper_is_the_op():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_kernels
-from torch_kernels import registry
+from torch_kernels import dispatch, registry
 from torch_kernels.families.rope import ops as rope
 from torch_kernels.spec import Backend
 from torch_kernels.testing import assert_close, clone_keep_strides
@@ -307,6 +307,28 @@ def test_rotary_embedding_check_positions_can_be_switched_off(monkeypatch):
     got, _ = _copy(bad)
     torch.ops.deepinfer.rotary_embedding.default(*got)
     _assert_nan_at_bad_tokens(got, bad, [1])
+
+
+def test_configure_check_indices_decides_over_check_positions(monkeypatch):
+    """``configure(check_indices=...)`` (``DEEPINFER_OPS_CHECK_INDICES``) switches the check off or on
+    whatever ``CHECK_POSITIONS`` says; ``None`` gives the decision back to it."""
+    args = _args((3, 4, 2, 128, 64, False, "2d"), "cpu", torch.float32)
+    bad = (args[0].clone(),) + args[1:]
+    bad[0][1] = 37
+    monkeypatch.setattr(rope, "CHECK_POSITIONS", True)
+    previous = dispatch.configure(check_indices=False)
+    try:
+        got, _ = _copy(bad)
+        torch.ops.deepinfer.rotary_embedding.default(*got)
+        _assert_nan_at_bad_tokens(got, bad, [1])
+        monkeypatch.setattr(rope, "CHECK_POSITIONS", False)
+        for asked in (True, None):
+            dispatch.configure(check_indices=asked)
+            monkeypatch.setattr(rope, "CHECK_POSITIONS", True if asked is None else False)
+            with pytest.raises(ValueError, match=rf"^deepinfer::{OP}: argument 'positions' must lie in \[0, 37\)"):
+                torch.ops.deepinfer.rotary_embedding.default(*_copy(bad)[0])
+    finally:
+        dispatch.configure(previous)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,21 @@ from torch import Tensor
 
 FLOATING = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
+# configure(check_indices=), pushed down by selection: True or False for every op that checks an index
+# argument (positions, slots) on the data, None for each op's default
+_index_checks = [None]
+
+
+def ask_index_checks(asked: Optional[bool]) -> None:
+    """Selection's ``check_indices`` (``dispatch.configure`` sets it on every configure)."""
+    _index_checks[0] = asked
+
+
+def index_checks_asked() -> Optional[bool]:
+    """Whether eager calls are asked to check index arguments on the data: True, False, or None (each
+    op's default)."""
+    return _index_checks[0]
+
 
 def _message(op: str, arg: str, message: str) -> str:
     return f"deepinfer::{op}: argument '{arg}' {message}"

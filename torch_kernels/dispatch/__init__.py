@@ -37,7 +37,7 @@ the current selection and platform), ``trace`` (the trace file), ``planning`` (:
 (:func:`configure`, :func:`set_platform`).
 """
 
-from .settings import (AUTO, ENV_BACKEND, ENV_COMPILE_ROUTE, ENV_FALLBACK, ENV_OF, ENV_STRICT, ENV_TRACE,
+from .settings import (AUTO, ENV_BACKEND, ENV_CHECK_INDICES, ENV_COMPILE_ROUTE, ENV_FALLBACK, ENV_OF, ENV_STRICT, ENV_TRACE,
                        ENV_TRACE_ARGS, ENV_VERBOSE, KernelUnavailableError, Selection, parse_compile_route,
                        platform, selection)
 from .trace import append_line
@@ -48,7 +48,7 @@ from .slots import (Implementation, OpSlot, ReferenceSlot, auto_function, on_new
 from .control import configure, set_platform
 
 __all__ = [
-    "AUTO", "ENV_BACKEND", "ENV_COMPILE_ROUTE", "ENV_FALLBACK", "ENV_OF", "ENV_STRICT", "ENV_TRACE",
+    "AUTO", "ENV_BACKEND", "ENV_CHECK_INDICES", "ENV_COMPILE_ROUTE", "ENV_FALLBACK", "ENV_OF", "ENV_STRICT", "ENV_TRACE",
     "ENV_TRACE_ARGS", "ENV_VERBOSE", "Implementation", "KernelUnavailableError", "OpSlot", "ReferenceSlot", "Selection",
     "append_line", "auto_function", "compile_route", "configure", "note_compile_route", "on_new_selection", "parse_compile_route",
     "plan", "platform", "reference_slot", "selection", "set_platform", "slot", "tuned_table",

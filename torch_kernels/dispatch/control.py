@@ -8,7 +8,7 @@ import functools
 import os
 from typing import Any, Dict, Optional
 
-from .. import registry, reporting
+from .. import checks, registry, reporting
 from ..spec import Backend, Platform
 from . import settings
 from .compile_routes import _route_notices, _tag_compile_caches
@@ -44,6 +44,7 @@ def configure(selection: Optional[Selection] = None, **changes: Any) -> Selectio
     with _lock:
         previous, settings._selection = settings._selection, new
         reporting.update(new.verbose, functools.partial(append_line, new.trace_path) if new.trace_path else None)
+        checks.ask_index_checks(new.check_indices)
         _reset()
         _traced.clear()
         _route_notices.clear()
@@ -95,6 +96,9 @@ def _parsed_changes(changes: Dict[str, Any]) -> Dict[str, Any]:
         out["trace_path"] = os.fspath(value) if value else None
         if isinstance(out["trace_path"], bytes):
             out["trace_path"] = os.fsdecode(out["trace_path"])
+    if "check_indices" in out and not (out["check_indices"] is None or isinstance(out["check_indices"], bool)):
+        raise ValueError(f"configure(check_indices=...) must be True, False or None (each op's default), "
+                         f"got {out['check_indices']!r}")
     if "compile_route" in out:
         try:
             out["compile_route"] = parse_compile_route(out["compile_route"])

@@ -19,6 +19,7 @@ ENV_VERBOSE = "DEEPINFER_OPS_VERBOSE"
 ENV_TRACE = "DEEPINFER_TRACE_KERNELS"
 ENV_TRACE_ARGS = "DEEPINFER_TRACE_KERNEL_ARGS"
 ENV_COMPILE_ROUTE = "DEEPINFER_OPS_COMPILE_ROUTE"
+ENV_CHECK_INDICES = "DEEPINFER_OPS_CHECK_INDICES"
 
 _FALSE = ("", "0", "false", "no", "off")
 AUTO = "auto"
@@ -35,7 +36,7 @@ class KernelUnavailableError(AttributeError):
 #: the variable that sets each field of :class:`Selection`
 ENV_OF = {"backend": ENV_BACKEND, "auto": ENV_BACKEND, "fallback": ENV_FALLBACK, "strict": ENV_STRICT,
           "verbose": ENV_VERBOSE, "trace_path": ENV_TRACE, "trace_args": ENV_TRACE_ARGS,
-          "compile_route": ENV_COMPILE_ROUTE}
+          "compile_route": ENV_COMPILE_ROUTE, "check_indices": ENV_CHECK_INDICES}
 #: what ``pip install`` takes for each backend's framework, where it is not the import name
 _PIP_NAME = {"flashinfer": "flashinfer-python"}
 
@@ -53,6 +54,10 @@ class Selection:
     # forced compiled routes: sorted (op, route) pairs, op "*" for every op; () keeps COMPILE_ROUTE
     compile_route: Tuple[Tuple[str, str], ...] = ()
     auto: bool = False  # DEEPINFER_OPS_BACKEND=auto: per call, the measured winner (tuning.py)
+    # eager calls check index arguments (rope's positions, the KV cache's slots) against their tables on
+    # the data: True on every device (a device sync on a GPU, never inside a CUDA graph capture), False
+    # never, None each op's default (rope: positions on the CPU; the KV cache: DEEPINFER_CHECK_KV_SLOTS)
+    check_indices: Optional[bool] = None
     # the fields read from the environment (errors name their variable), the others set by configure()
     env_fields: FrozenSet[str] = dataclasses.field(default=frozenset(), compare=False, repr=False)
 
@@ -73,6 +78,7 @@ class Selection:
             trace_path=environ.get(ENV_TRACE) or None,
             trace_args=environ.get(ENV_TRACE_ARGS, "").strip().lower() not in _FALSE,
             compile_route=parse_compile_route(environ.get(ENV_COMPILE_ROUTE, "")),
+            check_indices=parse_check_indices(environ.get(ENV_CHECK_INDICES, "")),
             env_fields=frozenset(ENV_OF),
         )
 
@@ -154,6 +160,18 @@ def platform() -> Platform:
     if _platform is None:
         _platform = Platform.detect()
     return _platform
+
+
+def parse_check_indices(text: str) -> Optional[bool]:
+    """``DEEPINFER_OPS_CHECK_INDICES``: unset or empty for each op's default, else a boolean word."""
+    word = text.strip().lower()
+    if not word:
+        return None
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{ENV_CHECK_INDICES} must be 1 or 0 (or unset for each op's default), got {text!r}")
 
 
 def parse_compile_route(spec: Any) -> Tuple[Tuple[str, str], ...]:

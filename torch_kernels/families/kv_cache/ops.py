@@ -30,7 +30,8 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 #: Check the slots on the data in eager calls (see the module docstring): one reduction and a read back
-#: per call, a device sync on CUDA. Default from ``DEEPINFER_CHECK_KV_SLOTS=1``.
+#: per call, a device sync on CUDA. Default from ``DEEPINFER_CHECK_KV_SLOTS=1``; ``configure(check_indices=)``
+#: (``DEEPINFER_OPS_CHECK_INDICES``), where set, decides instead.
 CHECK_SLOTS = os.environ.get("DEEPINFER_CHECK_KV_SLOTS", "").strip() == "1"
 
 
@@ -40,9 +41,12 @@ def _is_data(t: Tensor) -> bool:
 
 
 def indices_checked(t: Tensor) -> bool:
-    """Whether the eager data checks run for a call with index tensor ``t``: :data:`CHECK_SLOTS`, data
-    (not traced) and not inside a CUDA graph capture (a read back would break it)."""
-    return CHECK_SLOTS and _is_data(t) and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    """Whether the eager data checks run for a call with index tensor ``t``: asked for (the selection's
+    ``check_indices``, else :data:`CHECK_SLOTS`), data (not traced) and not inside a CUDA graph capture
+    (a read back would break it)."""
+    asked = check.index_checks_asked()
+    return ((CHECK_SLOTS if asked is None else asked) and _is_data(t)
+            and not (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def check_slots(op: str, slot_mapping: Tensor, num_slots: int) -> None:
@@ -273,8 +277,8 @@ def reshape_and_cache_flash(key: Tensor, value: Tensor, key_cache: Tensor, value
         value_cache: the shape and dtype of ``key_cache``. Written in place.
         slot_mapping: ``(T,)`` int64. -1 (padding) skips the token; so does any slot outside the cache
             (no write, on every backend). A slot named by several tokens gets, element by element,
-            one of their values. ``DEEPINFER_CHECK_KV_SLOTS=1`` (or
-            ``torch_kernels.families.kv_cache.ops.CHECK_SLOTS = True``) makes eager calls check the
+            one of their values. ``torch_kernels.configure(check_indices=True)``
+            (``DEEPINFER_OPS_CHECK_INDICES=1``, or ``DEEPINFER_CHECK_KV_SLOTS=1``) makes eager calls check the
             slots on the data and raise for one below -1, past the cache or repeated (a device sync on
             CUDA; skipped in a CUDA graph capture).
         kv_cache_dtype: ``"auto"``, ``"fp8"`` or ``"fp8_e4m3"``.

@@ -25,8 +25,9 @@ OP = "rotary_embedding"
 _POSITION_DTYPES = (torch.int32, torch.int64)
 
 #: Check ``0 <= positions < max_position`` on the data in eager calls: ``None`` (default) for positions
-#: on the CPU, ``True`` on every device, ``False`` never. On CUDA the check syncs the device, 6 µs of
-#: the device's time a call at 32 tokens, so it is off there unless asked for (never inside a CUDA
+#: on the CPU, ``True`` on every device, ``False`` never; ``configure(check_indices=)``
+#: (``DEEPINFER_OPS_CHECK_INDICES``), where set, decides instead. On CUDA the check syncs the device, 6 µs
+#: of the device's time a call at 32 tokens, so it is off there unless asked for (never inside a CUDA
 #: graph capture, which a read back would break).
 CHECK_POSITIONS = None
 
@@ -77,9 +78,12 @@ def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head
 
 def positions_checked(positions: Tensor) -> bool:
     """Whether the eager entry checks these positions on the data (:data:`CHECK_POSITIONS`)."""
-    if CHECK_POSITIONS is None:
+    asked = check.index_checks_asked()
+    if asked is None:
+        asked = CHECK_POSITIONS
+    if asked is None:
         return positions.device.type == "cpu"
-    return CHECK_POSITIONS and not (positions.is_cuda and torch.cuda.is_current_stream_capturing())
+    return asked and not (positions.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _check_positions_in_cache(positions: Tensor, max_position: int, num_tokens: int, OP: str = OP) -> None:
@@ -215,9 +219,10 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], he
 
     Args:
         positions: ``(T,)`` (or ``(B, S)``) int32 or int64, each in ``[0, max_position)``: checked in
-            eager calls on the CPU (``torch_kernels.families.rope.ops.CHECK_POSITIONS``: on CUDA the
-            check syncs the device); where unchecked (on CUDA, under ``torch.compile``), a token
-            outside the cache gets NaN in its rotated dims, on every backend and route.
+            eager calls on the CPU (on every device with ``torch_kernels.configure(check_indices=True)``
+            or ``DEEPINFER_OPS_CHECK_INDICES=1``: on CUDA the check syncs the device); where unchecked
+            (on CUDA, under ``torch.compile``), a token outside the cache gets NaN in its rotated dims,
+            on every backend and route.
         query: ``(T, Hq * head_size)`` or ``(T, Hq, head_size)``, fp16/bf16/fp32/fp64, last dimension
             contiguous (rows and heads may be strided, e.g. slices of a fused qkv tensor). Rotated in place.
         key: ``(T, Hk * head_size)`` or ``(T, Hk, head_size)`` with the dtype of ``query``, or ``None``.
@@ -419,7 +424,7 @@ def qk_rmsnorm_rope(positions: Tensor, query: Tensor, key: Optional[Tensor], q_w
 
     Args:
         positions: ``(T,)`` (or ``(B, S)``) int32 or int64 in ``[0, max_position)``, checked as
-            ``rotary_embedding`` checks them (``CHECK_POSITIONS``).
+            ``rotary_embedding`` checks them (``configure(check_indices=)``).
         query: ``(T, Hq * head_size)`` or ``(T, Hq, head_size)``, fp16/bf16/fp32/fp64, last dimension
             contiguous (rows and heads may be strided: slices of a fused qkv tensor). Normalised and
             rotated in place.
