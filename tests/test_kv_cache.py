@@ -297,7 +297,7 @@ def test_slot_check_is_off_by_default():
     assert kv_ops.CHECK_SLOTS == (os.environ.get("DEEPINFER_CHECK_KV_SLOTS", "").strip() == "1")
     args = list(kv_ops.cache_args(4, 2, 64, 3, 4, 0, 0, "nhd", False, "cpu", torch.float32))
     args[4] = torch.tensor([0, 1000, 5, 5], dtype=torch.int64)
-    if not kv_ops.CHECK_SLOTS:
+    if not kv_ops.indices_checked(args[4]):  # DEEPINFER_OPS_CHECK_INDICES=1 checks them too
         torch.ops.deepinfer.reshape_and_cache_flash(*args)
 
 
@@ -537,8 +537,8 @@ def test_rope_positions_outside_the_cache_give_nan_by_default():
         args[0] = torch.tensor([3, 37, -1, 0])  # 37 rows in the cache
         args = _clone_rope(args)
         q_want, caches_want = expected_rope(*_clone_rope(args))
-        if kv_ops.CHECK_SLOTS:
-            pytest.skip("DEEPINFER_CHECK_KV_SLOTS=1: positions are checked")
+        if kv_ops.indices_checked(args[0]):
+            pytest.skip("DEEPINFER_CHECK_KV_SLOTS=1 or DEEPINFER_OPS_CHECK_INDICES=1: positions are checked")
         fn(*args)
         _assert_same(args[1], q_want, f"{name} query")
         assert_caches(args[7:9], caches_want, name)

@@ -22,10 +22,12 @@ def ask_index_checks(asked: Optional[bool]) -> None:
     _index_checks[0] = asked
 
 
-def index_checks_asked() -> Optional[bool]:
-    """Whether eager calls are asked to check index arguments on the data: True, False, or None (each
-    op's default)."""
-    return _index_checks[0]
+def index_check_runs(t: Tensor, default: bool) -> bool:
+    """Whether an eager call checks index tensor ``t`` against its table on the data: as
+    ``configure(check_indices=)`` asks, else as the op's ``default`` says; never inside a CUDA graph
+    capture (the read back would break it)."""
+    asked = _index_checks[0]
+    return (default if asked is None else asked) and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _message(op: str, arg: str, message: str) -> str:

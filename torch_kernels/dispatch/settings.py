@@ -169,7 +169,7 @@ def parse_check_indices(text: str) -> Optional[bool]:
         return None
     if word in ("1", "true", "yes", "on"):
         return True
-    if word in ("0", "false", "no", "off"):
+    if word in _FALSE:
         return False
     raise ValueError(f"{ENV_CHECK_INDICES} must be 1 or 0 (or unset for each op's default), got {text!r}")
 

@@ -44,9 +44,7 @@ def indices_checked(t: Tensor) -> bool:
     """Whether the eager data checks run for a call with index tensor ``t``: asked for (the selection's
     ``check_indices``, else :data:`CHECK_SLOTS`), data (not traced) and not inside a CUDA graph capture
     (a read back would break it)."""
-    asked = check.index_checks_asked()
-    return ((CHECK_SLOTS if asked is None else asked) and _is_data(t)
-            and not (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+    return _is_data(t) and check.index_check_runs(t, CHECK_SLOTS)
 
 
 def check_slots(op: str, slot_mapping: Tensor, num_slots: int) -> None:

@@ -78,12 +78,8 @@ def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head
 
 def positions_checked(positions: Tensor) -> bool:
     """Whether the eager entry checks these positions on the data (:data:`CHECK_POSITIONS`)."""
-    asked = check.index_checks_asked()
-    if asked is None:
-        asked = CHECK_POSITIONS
-    if asked is None:
-        return positions.device.type == "cpu"
-    return asked and not (positions.is_cuda and torch.cuda.is_current_stream_capturing())
+    default = positions.device.type == "cpu" if CHECK_POSITIONS is None else CHECK_POSITIONS
+    return check.index_check_runs(positions, default)
 
 
 def _check_positions_in_cache(positions: Tensor, max_position: int, num_tokens: int, OP: str = OP) -> None:
