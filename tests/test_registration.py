@@ -68,7 +68,9 @@ deepinfer::all_reduce_fused_add_rmsnorm_fp8_quant(Tensor input, Tensor(a!) resid
 deepinfer::rmsnorm.out(Tensor input, Tensor? weight, float eps=9.9999999999999995e-07, *, Tensor(a!) out) -> Tensor(a!)
 deepinfer::gemma_rmsnorm.out(Tensor input, Tensor weight, float eps=9.9999999999999995e-07, *, Tensor(a!) out) -> Tensor(a!)
 deepinfer::rmsnorm_fp8_quant.out(Tensor input, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False, *, Tensor(a!) out0, Tensor(b!) out1) -> (Tensor(a!), Tensor(b!))
+deepinfer::fused_add_rmsnorm_fp8_quant.out(Tensor input, Tensor(a!) residual, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False, *, Tensor(b!) out0, Tensor(c!) out1) -> (Tensor(b!), Tensor(c!))
 deepinfer::gemma_rmsnorm_fp8_quant.out(Tensor input, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False, *, Tensor(a!) out0, Tensor(b!) out1) -> (Tensor(a!), Tensor(b!))
+deepinfer::gemma_fused_add_rmsnorm_fp8_quant.out(Tensor input, Tensor(a!) residual, Tensor weight, float eps=9.9999999999999995e-07, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False, *, Tensor(b!) out0, Tensor(c!) out1) -> (Tensor(b!), Tensor(c!))
 deepinfer::silu_and_mul.out(Tensor input, *, Tensor(a!) out) -> Tensor(a!)
 deepinfer::gelu_and_mul.out(Tensor input, str approximate="none", *, Tensor(a!) out) -> Tensor(a!)
 deepinfer::gelu_tanh_and_mul.out(Tensor input, *, Tensor(a!) out) -> Tensor(a!)
@@ -88,7 +90,8 @@ deepinfer::chain_speculative_sampling.out(Tensor draft_probs, Tensor draft_token
 deepinfer::sampling_from_probs.out(Tensor probs, Tensor seed, Tensor offset, Tensor? indices=None, *, Tensor(a!) out) -> Tensor(a!)
 deepinfer::sampling_from_logits.out(Tensor logits, Tensor seed, Tensor offset, *, Tensor(a!) out) -> Tensor(a!)
 deepinfer::top_k_top_p_sampling_from_logits.out(Tensor logits, Tensor? maybe_top_k_arr, int top_k_val, Tensor? maybe_top_p_arr, float top_p_val, Tensor? maybe_temperature_arr, float temperature_val, Tensor seed, Tensor offset, str filter_apply_order="top_k_first", *, Tensor(a!) out) -> Tensor(a!)
-deepinfer::sampled_token_logprobs.out(Tensor logits, Tensor token_ids, Tensor? maybe_temperature_arr=None, float temperature_val=1., *, Tensor(a!) out0, Tensor(b!) out1) -> (Tensor(a!), Tensor(b!))""")
+deepinfer::sampled_token_logprobs.out(Tensor logits, Tensor token_ids, Tensor? maybe_temperature_arr=None, float temperature_val=1., *, Tensor(a!) out0, Tensor(b!) out1) -> (Tensor(a!), Tensor(b!))
+deepinfer::all_reduce_fused_add_rmsnorm_fp8_quant.out(Tensor input, Tensor(a!) residual, Tensor weight, float eps, str group_name, Tensor? scale=None, int group_size=-1, bool column_major_scales=False, bool scale_ue8m0=False, *, Tensor(b!) out0, Tensor(c!) out1) -> (Tensor(b!), Tensor(c!))""")
 
 
 OUT_OPS = [op.name for op in ops.ALL if op.out_names]
@@ -117,15 +120,21 @@ def test_out_overload_writes_what_the_default_returns(op, device):
     for bit (the same random stream for the samplers)."""
     overload = getattr(torch.ops.deepinfer, op).out
     for args in ops.BY_NAME[op].samples(device, torch.float32):
-        outs = _outs(op, args)
+        outs = _outs(op, _copies(args))
+        default_args, out_args = _copies(args), _copies(args)  # each call writes the arguments it writes
         torch.manual_seed(0)
-        want = _overload(op)(*args)
+        want = _overload(op)(*default_args)
         torch.manual_seed(0)
-        got = overload(*args, **outs)
+        got = overload(*out_args, **outs)
         got, want = ((got,), (want,)) if isinstance(want, torch.Tensor) else (got, want)
         assert all(g is o for g, o in zip(got, outs.values()))
-        for g, w in zip(got, want):
-            assert g.dtype == w.dtype and torch.equal(bits(g), bits(w)), op
+        for g, w in zip((*got, *out_args), (*want, *default_args)):  # the written arguments too
+            if isinstance(w, torch.Tensor):
+                assert g.dtype == w.dtype and torch.equal(bits(g), bits(w)), op
+
+
+def _copies(args: tuple) -> tuple:
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -141,22 +150,37 @@ def test_opcheck_out_overload(op, device):
         torch.library.opcheck(getattr(torch.ops.deepinfer, op).out, args, outs, test_utils=utils)
 
 
-@pytest.mark.parametrize("op", ["silu_and_mul", "topk_softmax", "chain_speculative_sampling"])
+@pytest.mark.parametrize("op", ["silu_and_mul", "topk_softmax", "chain_speculative_sampling", "fused_add_rmsnorm_fp8_quant"])
 def test_out_overload_refuses_outputs_of_another_shape_dtype_or_kind(op):
-    """A wrong output is refused naming the op's out overload and the argument, before anything is written."""
+    """A wrong output is refused naming the op's out overload and the argument, before anything is
+    written: neither another output nor an argument the op writes (the fused add's residual)."""
     args = next(iter(ops.BY_NAME[op].samples("cpu", torch.float32)))
     overload = getattr(torch.ops.deepinfer, op).out
     for name in ops.BY_NAME[op].out_names:
         for bad in ("shape", "dtype", "kind"):
-            outs = _outs(op, args)
+            outs, call_args = _outs(op, _copies(args)), _copies(args)
             before = {n: t.clone() for n, t in outs.items()}
             t = outs[name]
             outs[name] = (torch.empty(*t.shape, 3, dtype=t.dtype) if bad == "shape" else
                           t.to(torch.float64 if t.dtype != torch.float64 else torch.float32) if bad == "dtype" else 1.0)
             # a non-tensor: the dispatcher's own refusal, naming the op's overload and the argument too
             with pytest.raises((ValueError, TypeError, RuntimeError), match=rf"deepinfer::{op}[.(].*argument '{name}'"):
-                overload(*args, **outs)
+                overload(*call_args, **outs)
             assert all(torch.equal(outs[n], before[n]) for n in outs if n != name), "written before the error"
+            assert all(not isinstance(a, torch.Tensor) or torch.equal(bits(a), bits(b)) for a, b in zip(call_args, args))
+
+
+def test_out_overload_refuses_an_output_on_the_written_residual():
+    """An output sharing memory with the residual the op updates would be clobbered by, or clobber, the
+    new residual: refused naming both, the residual unchanged."""
+    x, residual, weight = torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
+    before = residual.clone()
+    op = torch.ops.deepinfer.fused_add_rmsnorm_fp8_quant.out
+    q = torch.empty(4, 64, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"fused_add_rmsnorm_fp8_quant.out: argument 'out1' must not share memory "
+                                         r"with the written argument 'residual'"):
+        op(x, residual, weight, 1e-6, out0=q, out1=residual[:, :1])
+    assert torch.equal(residual, before)
 
 
 def test_out_overload_refuses_autograd():

@@ -8,12 +8,13 @@ Per op:
 * fake (``Meta`` and fake tensors): the op definition's fake function, so ``torch.compile`` traces
   the op as one node with dynamic shapes.
 * ``Autograd``: the op's backward formula, or a clear error for the in-place ops.
-* ``out`` overload (functional ops, aten's convention, :attr:`OpDef.out_schema`): the results in the
-  given tensors, which it returns. On CUDA, where the serving backend writes them itself
-  (``KernelSpec.out``, :mod:`~torch_kernels.outputs`) and they are contiguous, aligned and apart from
-  the inputs, its kernel writes there; otherwise, and on every other device, the default overload's
-  result is copied into them, checked first (shape, dtype, device). Compiled: that copy into the
-  graph's tensors.
+* ``out`` overload (every op that returns tensors, aten's convention, :attr:`OpDef.out_schema`): the
+  results in the given tensors, which it returns (an op that also writes an argument, as the fused-add
+  FP8 norms their residual, still writes it, its outputs checked first). On CUDA, where the serving
+  backend writes them itself (``KernelSpec.out``, :mod:`~torch_kernels.outputs`) and they are
+  contiguous, aligned and apart from the inputs, its kernel writes there; otherwise, and on every
+  other device, the default overload's result is copied into them, checked first (shape, dtype,
+  device). Compiled: that copy into the graph's tensors.
 * a ``FunctionalTensorMode`` rule: the op's compiled route (``registry.COMPILE_ROUTE``,
   ``dispatch.compile_route``). ``torch.compile`` functionalises its graph under that mode (in
   AOTAutograd, below Dynamo's one node per op), so the rule decides what Inductor receives: the
@@ -207,7 +208,18 @@ def _out_entries(op: OpDef):
     def returned(outs):
         return outs[names[0]] if len(names) == 1 else tuple(outs[n] for n in names)
 
+    written = [i for i, a in enumerate(default._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
     def kernel(*args, **outs):
+        # the call writes an argument: the outputs are checked before it runs, and kept off it (traced,
+        # the fake function has checked them and nothing is written before the graph runs)
+        if written and not _traced(args):
+            checked(op.fake(*args), outs)
+            for name in names:
+                for i in written:
+                    if i < len(args) and _meets(outs[name], args[i]):
+                        check.fail(f"{op.name}.out", name, f"must not share memory with the written argument "
+                                   f"'{default._schema.arguments[i].name}'")
         for name, r in zip(names, checked(default(*args), outs)):  # every output checked before any is written
             outs[name].copy_(r)
         return returned(outs)
@@ -239,6 +251,18 @@ def _span(t) -> tuple:
         else:
             lo += (n - 1) * stride * size
     return lo, hi + size
+
+
+def _traced(args: tuple) -> bool:
+    """Whether a tensor argument is a traced one (fake, functional, meta), which holds no data."""
+    return any(isinstance(t, (FakeTensor, FunctionalTensor)) or (isinstance(t, torch.Tensor) and t.device.type == "meta")
+               for t in args)
+
+
+def _meets(a, b) -> bool:
+    """Whether two tensors' byte ranges meet (a bound: interleaved strided views count as meeting)."""
+    (lo, hi), (b_lo, b_hi) = _span(a), _span(b)
+    return lo < b_hi and b_lo < hi
 
 
 def _apart(given: tuple, args: tuple) -> bool:

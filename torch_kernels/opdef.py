@@ -107,23 +107,22 @@ class OpDef:
     @property
     def out_names(self) -> Tuple[str, ...]:
         """The keyword arguments of the op's ``out`` overload (aten's convention): ``out`` for one
-        returned tensor, ``out0, out1, ...`` for several; none for an op that writes an argument or
-        returns nothing."""
-        args, returns = self.schema.split(") -> ", 1)
-        if "!" in args or not returns.strip("()"):
+        returned tensor, ``out0, out1, ...`` for several; none for an op that returns nothing."""
+        returns = self.schema.split(") -> ", 1)[1]
+        if not returns.strip("()"):
             return ()
         count = len(returns.strip("()").split(","))
         return ("out",) if count == 1 else tuple(f"out{i}" for i in range(count))
 
     @property
     def out_schema(self) -> Optional[str]:
-        """``name.out(<args>, *, Tensor(a!) out) -> Tensor(a!)`` (one written output a returned tensor),
-        or ``None`` where :attr:`out_names` is empty."""
+        """``name.out(<args>, *, Tensor(a!) out) -> Tensor(a!)`` (one written output a returned tensor,
+        its alias letter one the arguments do not use), or ``None`` where :attr:`out_names` is empty."""
         names = self.out_names
         if not names:
             return None
         args = self.schema.split(") -> ", 1)[0][len(self.name) + 1:]
-        letters = "abcdefgh"
+        letters = [c for c in "abcdefghijklmnop" if f"Tensor({c}" not in args][:len(names)]
         outs = ", ".join(f"Tensor({letters[i]}!) {n}" for i, n in enumerate(names))
         returns = ", ".join(f"Tensor({letters[i]}!)" for i in range(len(names)))
         return f"{self.name}.out({args}, *, {outs}) -> {returns if len(names) == 1 else f'({returns})'}"
