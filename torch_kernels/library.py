@@ -261,8 +261,11 @@ def _traced(args: tuple) -> bool:
 
 def _meets(a, b) -> bool:
     """Whether two tensors' byte ranges meet (a bound: interleaved strided views count as meeting)."""
-    (lo, hi), (b_lo, b_hi) = _span(a), _span(b)
-    return lo < b_hi and b_lo < hi
+    return _spans_meet(_span(a), _span(b))
+
+
+def _spans_meet(a: tuple, b: tuple) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
 
 
 def _apart(given: tuple, args: tuple) -> bool:
@@ -271,8 +274,7 @@ def _apart(given: tuple, args: tuple) -> bool:
     output sends the call to the copy, which is correct."""
     outs = [_span(t) for t in given]
     spans = outs + [_span(t) for t in args if isinstance(t, torch.Tensor)]
-    return not any(lo < b_hi and b_lo < hi for i, (lo, hi) in enumerate(outs)
-                   for j, (b_lo, b_hi) in enumerate(spans) if j != i)
+    return not any(_spans_meet(out, span) for i, out in enumerate(outs) for j, span in enumerate(spans) if j != i)
 
 
 #: per op, the CUDA calls of its ``out`` overload served by a copy of the default overload's result
