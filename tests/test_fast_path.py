@@ -485,6 +485,19 @@ def test_served_calls_match_the_reference(op, dtype, tilelang_entry):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", SERVED)
+def test_twin_calls_run_the_python_kernels(op, tilelang_entry):
+    """A call of the twin (as the entry passes calls on, or a benchmark times the Python kernels) runs
+    the Python kernels even for a published signature: its Autograd kernel goes on to the twin's CUDA
+    kernel, not back to the op's C++ one."""
+    args = _args(op, (4, 1024), torch.bfloat16)
+    getattr(torch.ops.deepinfer, op)(*args)  # publishes
+    before = fast_path.counters()
+    getattr(getattr(torch.ops, fast_path.TWIN_NAMESPACE), op).default(*args)
+    assert fast_path.counters() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", SERVED)
 def test_calls_it_does_not_serve_reach_the_python_kernels(op, tilelang_entry):
     width, dtype = 768, torch.bfloat16
     _run_and_compare(op, _args(op, (4, width), dtype))  # publishes
