@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch_kernels  # noqa: E402,F401  (registers the ops)
+import torch_kernels  # noqa: E402  (registers the ops)
 from benchmarks import cases, harness  # noqa: E402
 from torch_kernels import dispatch  # noqa: E402
 from torch_kernels.families.rope import reference as reference  # noqa: E402
@@ -107,13 +107,12 @@ def bench_host() -> list:
         for name, fn in cases.items():
             rows.append({"case": name, "positions check": "default (off on CUDA)" if "deepinfer" in name else "-",
                          "host us": harness.host_us(fn)})
-        saved = rope_op.CHECK_POSITIONS
-        rope_op.CHECK_POSITIONS = True
+        saved = torch_kernels.configure(check_indices=True)
         try:
             rows.append({"case": "torch.ops.deepinfer.rotary_embedding", "positions check": "on (a device sync)",
                          "host us": harness.host_us(cases["torch.ops.deepinfer.rotary_embedding"])})
         finally:
-            rope_op.CHECK_POSITIONS = saved
+            torch_kernels.configure(saved)
         rows.append({"case": "device time, 1 token (graph replay)", "positions check": "-",
                      "host us": harness.graph_us(cases["torch.ops.deepinfer.rotary_embedding"])})
     return rows

@@ -21,7 +21,7 @@ import torch
 from torch_kernels import dispatch, fast_path, library, manifest, registry
 from torch_kernels.library import mutated_args
 from torch_kernels.ops import ALL
-from torch_kernels.spec import Backend, HostCall, KernelSpec
+from torch_kernels.spec import Backend, HostCall, HostKernels, KernelSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVED = sorted(fast_path.SERVED)
@@ -40,7 +40,11 @@ def _written(op):
     return mutated_args(_overload(op))
 
 
-IN_PLACE = [op for op in SERVED if _written(op)]
+#: the served ops whose arguments are rows, vectors and floats: the tests below build their arguments by role
+ROW_OPS = [op for op in SERVED if set(_call_of(op).roles) <= set("rwf")]
+#: the others, with tensors passed as they are (t, c) and ints and bools in the signature: rope
+AS_GIVEN_OPS = [op for op in SERVED if op not in ROW_OPS]
+IN_PLACE = [op for op in ROW_OPS if _written(op)]
 #: the served ops with an out overload: the entry serves it too
 WITH_OUT = [op for op in SERVED if OP_DEFS[op].out_names]
 
@@ -72,8 +76,11 @@ for op in registry.OPS + tuple(f"{op}.out" for op in registry.OPS):
 def test_host_call_is_validated():
     HostCall("rwf", "r", (0, 1, -1, 2))
     HostCall("rrwf", "", (3, 2, 1, 0))
-    for roles, output, order, words in (("wf", "r", (0, -1, 1), "at least one 'r'"),
-                                        ("rx", "", (0, 1), "letters of rwf"),
+    HostCall("ttticb", "", (0, 1, 2, 4))
+    for roles, output, order, words in (("wf", "r", (0, -1, 1), "at least one 'r' or 't'"),
+                                        ("rx", "", (0, 1), "letters of rwftcib"),
+                                        ("tc", "r", (0, 1, -1), "an output is shaped like rows"),
+                                        ("tib", "", (0, 1, 2), "order must hold each of [0] once"),
                                         ("r", "x", (0, -1), "output must be one of"),
                                         ("rw", "r", (0, 1), "order must hold each of [-1, 0, 1] once"),
                                         ("rw", "", (0, 1, -1), "order must hold each of [0, 1] once"),
@@ -82,6 +89,8 @@ def test_host_call_is_validated():
         with pytest.raises(ValueError, match=re.escape(words)):
             HostCall(roles, output, order)
     assert HostCall("frw", "", (0, 1, 2)).data == 1 and HostCall("frw", "", (0, 1, 2)).tensors == (1, 2)
+    assert HostCall("ittcbr", "", (1, 2, 3, 5)).data == 5 and HostCall("ittcb", "", (1, 2, 3)).data == 1
+    assert HostCall("ittcb", "", (1, 2, 3)).tensors == (1, 2, 3)
 
 
 def test_a_host_needs_its_host_call_and_a_target():
@@ -105,11 +114,12 @@ def test_each_host_call_fits_its_schema(op):
     """What ``install`` checks in C++ at import, checked here without the library."""
     call, schema = _call_of(op), _overload(op)._schema
     assert len(call.roles) == len(schema.arguments)
+    types = {"f": torch.FloatType, "i": torch.IntType, "b": torch.BoolType}
     for role, arg in zip(call.roles, schema.arguments):
-        t = arg.type.getElementType() if role == "w" and isinstance(arg.type, torch.OptionalType) else arg.type
-        assert isinstance(t, torch.FloatType if role == "f" else torch.TensorType), (role, arg)
+        t = arg.type.getElementType() if role in "wt" and isinstance(arg.type, torch.OptionalType) else arg.type
+        assert isinstance(t, types.get(role, torch.TensorType)), (role, arg)
     assert len(schema.returns) == (1 if call.output else 0)
-    assert all(call.roles[i] == "r" for i in _written(op))
+    assert all(call.roles[i] in "rt" for i in _written(op))
 
 
 def test_the_entry_names_no_op():
@@ -283,6 +293,8 @@ def results(op, args, out):
     return (out,) if fast_path.SERVED[op].host_call.output else tuple(args[i] for i in written)
 
 for op in fast_path.SERVED:
+    if not set(fast_path.SERVED[op].host_call.roles) <= set("rwf"):  # rope: test_rope_... below
+        continue
     f, reference = getattr(torch.ops.deepinfer, op), registry.BY_OP[op][Backend.TORCH].load()
     args = args_of(op, True)
     if defs[op].backward is not None:
@@ -329,6 +341,7 @@ install = torch.ops.deepinfer_fast_path.install
 ops, twins = torch.library.Library("deepinfer", "FRAGMENT"), torch.library.Library(fast_path.TWIN_NAMESPACE, "FRAGMENT")
 for lib in (ops, twins):
     lib.define("toy(Tensor(a!) input, Tensor weight, float eps) -> ()")
+    lib.define("read(Tensor input, Tensor weight, int n) -> ()")
 ops.define("lonely(Tensor input) -> Tensor")
 for args, words in (((next(iter(fast_path.SERVED)), "r", "h", [0, -1]), "installed already"),
                     (("lonely", "r", "h", [0, -1]), f"{fast_path.TWIN_NAMESPACE}::lonely is not defined"),
@@ -336,7 +349,13 @@ for args, words in (((next(iter(fast_path.SERVED)), "r", "h", [0, -1]), "install
                     (("toy", "rw", "", [0, 1]), "one letter per schema argument (3"),
                     (("toy", "rff", "", [0, 1, 2]), "argument 'roles': 'f' for argument 'weight'"),
                     (("toy", "rwr", "", [0, 1, 2]), "argument 'roles': 'r' for argument 'eps'"),
-                    (("toy", "wwf", "", [0, 1, 2]), "has no 'r'"),
+                    (("toy", "wwf", "", [0, 1, 2]), "the written argument 'input' must be rows (r) or a token tensor (t)"),
+                    (("toy", "cwf", "", [0, 1, 2]), "the written argument 'input' must be rows (r) or a token tensor (t)"),
+                    (("read", "wwi", "", [0, 1]), "has no 'r' or 't'"),
+                    (("read", "rib", "", [0]), "argument 'roles': 'i' for argument 'weight'"),
+                    (("read", "rcf", "", [0, 1, 2]), "argument 'roles': 'f' for argument 'n'"),
+                    (("read", "tci", "r", [0, 1, -1]), "an output is shaped like rows"),
+                    (("read", "tci", "", [0, 1, 2]), "argument 'call'"),
                     (("toy", "rwf", "r", [0, 1, -1, 2]), "argument 'output' 'r'"),
                     (("toy", "rwf", "", [0, 1, 1]), "argument 'call'"),
                     (("toy", "rwf", "", [0, 1, -1]), "argument 'call'"),
@@ -378,32 +397,46 @@ import torch, torch_kernels
 from torch_kernels import fast_path, registry
 served = {op: s.host_call for op, s in fast_path.SERVED.items()}
 other = next(op for op in registry.OPS if op not in served)
-op = next(iter(served))
+op = next(op for op, c in served.items() if set(c.roles) <= set("rwf"))
 half = next(op for op, c in served.items() if c.output == "h")
-n, m = len(served[op].tensors), len(served[half].tensors)
+given = next(op for op, c in served.items() if "t" in c.roles)  # tensors as given, ints and bools: rope
+n, m, g = len(served[op].tensors), len(served[half].tensors), served[given]
+none = lambda o: ([], [0] * len(served[o].roles))  # noqa: E731  (no facts, no granules)
+facts = [1, 0, 2, 256, 2, 64, 64, 4096, 64, 1]  # positions (T,), q (T, 256), k (T, 64), head 64, cache, neox
+granules = [0, 8, 8, 0, 8, 0]
+index = [torch.int64 if r == "t" and i == 0 else torch.float32 if r == "c" else torch.bfloat16
+         for i, r in enumerate(g.roles) if r in "tc"]
 bf16 = torch.bfloat16
-for args, words in (((other, [bf16], 64, 0, [0], [1]), "argument 'op'"),
-                    ((op, [torch.float64] + [bf16] * (n - 1), 64, 0, [0], [1]), "float16, bfloat16 or float32"),
-                    ((op, [bf16] * (n + 1), 64, 0, [0], [1]), "argument 'dtypes' must hold"),
-                    ((op, [bf16] * n, 0, 0, [0], [1]), f"bad entry for {op}"),
-                    ((half, [bf16] * m, 63, 0, [0], [1]), f"bad entry for {half}"),
-                    ((op, [bf16] * n, 64, 0, [], []), "must hold 1 to 4 entries"),
-                    ((op, [bf16] * n, 64, 0, [0] * 5, [1] * 5), "must hold 1 to 4 entries"),
-                    ((op, [bf16] * n, 64, 0, [8, 16], [1, 1]), "'from' starting at 0"),
-                    ((op, [bf16] * n, 64, 0, [0, 16], [1]), "must hold 1 to 4 entries"),
-                    ((op, [bf16] * n, 64, 0, [0, 16, 16], [1, 1, 1]), "'from' must ascend"),
-                    ((op, [bf16] * n, 64, 0, [0, 16], [1, 0]), "every kernel be a handle")):
+for args, words in (((other, [bf16], 64, 0, [0], [1], [], []), "argument 'op'"),
+                    ((op, [torch.float64] + [bf16] * (n - 1), 64, 0, [0], [1], *none(op)), "float16, bfloat16 or float32"),
+                    ((op, [torch.int64] + [bf16] * (n - 1), 64, 0, [0], [1], *none(op)), "int32 or int64 for a t or c"),
+                    ((op, [bf16] * (n + 1), 64, 0, [0], [1], *none(op)), "argument 'dtypes' must hold"),
+                    ((op, [bf16] * n, 0, 0, [0], [1], *none(op)), f"bad entry for {op}"),
+                    ((half, [bf16] * m, 63, 0, [0], [1], *none(half)), f"bad entry for {half}"),
+                    ((op, [bf16] * n, 64, 0, [], [], *none(op)), "must hold 1 to 4 entries"),
+                    ((op, [bf16] * n, 64, 0, [0] * 5, [1] * 5, *none(op)), "must hold 1 to 4 entries"),
+                    ((op, [bf16] * n, 64, 0, [8, 16], [1, 1], *none(op)), "'from' starting at 0"),
+                    ((op, [bf16] * n, 64, 0, [0, 16], [1], *none(op)), "must hold 1 to 4 entries"),
+                    ((op, [bf16] * n, 64, 0, [0, 16, 16], [1, 1, 1], *none(op)), "'from' must ascend"),
+                    ((op, [bf16] * n, 64, 0, [0, 16], [1, 0], *none(op)), "every kernel be a handle"),
+                    ((op, [bf16] * n, 64, 0, [0], [1], [1], [0] * len(served[op].roles)), "'facts' and 'granules' must hold"),
+                    ((op, [bf16] * n, 64, 0, [0], [1], [], [0]), "'facts' and 'granules' must hold"),
+                    ((op, [bf16] * n, 64, 0, [0], [1], [], [8] + [0] * (len(served[op].roles) - 1)), "0 but for a t or c"),
+                    ((given, index, 0, 0, [0], [1], facts[:-1], granules), "'facts' and 'granules' must hold"),
+                    ((given, index, 0, 0, [0], [1], facts, [-1] + granules[1:]), "a granule is >= 0"),
+                    ((given, index, 128, 0, [0], [1], facts, granules), f"bad entry for {given}")):
     try:
         torch.ops.deepinfer_fast_path.publish(*args)
     except RuntimeError as e:
         assert words in str(e), e
     else:
-        raise AssertionError("no error")
+        raise AssertionError(f"{args}: no error")
 assert torch.ops.deepinfer_fast_path.counters() == [0, 0, 0]
 import tvm_ffi  # a real TVM-FFI function handle: publishing holds a reference, clearing drops the entry
 handle = tvm_ffi.get_global_func("ffi.String").__chandle__()
-torch.ops.deepinfer_fast_path.publish(op, [bf16] + [torch.float32] * (n - 1), 64, 0, [0, 128, 4096], [handle] * 3)
-assert torch.ops.deepinfer_fast_path.counters() == [1, 0, 0]
+torch.ops.deepinfer_fast_path.publish(op, [bf16] + [torch.float32] * (n - 1), 64, 0, [0, 128, 4096], [handle] * 3, *none(op))
+torch.ops.deepinfer_fast_path.publish(given, index, 0, 0, [0], [handle], facts, granules)
+assert torch.ops.deepinfer_fast_path.counters() == [2, 0, 0]
 torch.ops.deepinfer_fast_path.clear()
 assert torch.ops.deepinfer_fast_path.counters() == [0, 0, 0]
 """)
@@ -457,7 +490,7 @@ def _each_tensor(op, args, view):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", SERVED)
+@pytest.mark.parametrize("op", ROW_OPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_served_calls_match_the_reference(op, dtype, tilelang_entry):
     """The first call of a signature goes to Python and publishes it; the next ones are served in C++,
@@ -489,7 +522,7 @@ def test_twin_calls_run_the_python_kernels(op, tilelang_entry):
     """A call of the twin (as the entry passes calls on, or a benchmark times the Python kernels) runs
     the Python kernels even for a published signature: its Autograd kernel goes on to the twin's CUDA
     kernel, not back to the op's C++ one."""
-    args = _args(op, (4, 1024), torch.bfloat16)
+    args = _rope_args(4, torch.bfloat16, "cuda") if op in AS_GIVEN_OPS else _args(op, (4, 1024), torch.bfloat16)
     getattr(torch.ops.deepinfer, op)(*args)  # publishes
     before = fast_path.counters()
     getattr(getattr(torch.ops, fast_path.TWIN_NAMESPACE), op).default(*args)
@@ -497,7 +530,7 @@ def test_twin_calls_run_the_python_kernels(op, tilelang_entry):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", SERVED)
+@pytest.mark.parametrize("op", ROW_OPS)
 def test_calls_it_does_not_serve_reach_the_python_kernels(op, tilelang_entry):
     width, dtype = 768, torch.bfloat16
     _run_and_compare(op, _args(op, (4, width), dtype))  # publishes
@@ -562,7 +595,7 @@ def test_overlapping_written_arguments_go_to_python(op, tilelang_entry):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", SERVED)
+@pytest.mark.parametrize("op", ROW_OPS)
 def test_bad_input_still_names_the_op_and_the_argument(op, tilelang_entry):
     call, names = _call_of(op), [a.name for a in _overload(op)._schema.arguments]
     args = _args(op, (4, 256), torch.bfloat16)
@@ -586,7 +619,7 @@ def test_bad_input_still_names_the_op_and_the_argument(op, tilelang_entry):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", SERVED)
+@pytest.mark.parametrize("op", ROW_OPS)
 def test_served_on_the_current_stream_and_in_a_cuda_graph(op, tilelang_entry):
     f, shape, dtype = getattr(torch.ops.deepinfer, op), (64, 4096), torch.bfloat16
     f(*_args(op, shape, dtype))  # publishes
@@ -620,7 +653,7 @@ def test_served_on_the_current_stream_and_in_a_cuda_graph(op, tilelang_entry):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", SERVED)
+@pytest.mark.parametrize("op", ROW_OPS)
 def test_a_new_selection_is_asked_again(op, tilelang_entry, tmp_path):
     args = _args(op, (8, 1024), torch.bfloat16)
     f = getattr(torch.ops.deepinfer, op)
@@ -722,7 +755,7 @@ def test_offer_reads_the_signature_by_role_with_trailing_defaults_left_out(monke
     monkeypatch.setattr(KernelSpec, "load_host", lambda spec: fake_host(spec))
     x, w32 = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(64)
     expected = []
-    for op in SERVED:
+    for op in ROW_OPS:
         spec, roles = fast_path.SERVED[op], _call_of(op).roles
         args = [1e-5 if r == "f" else x.clone() if r == "r" else w32 for r in roles]
         while roles[len(args) - 1] == "f":  # trailing defaults left out
@@ -730,13 +763,207 @@ def test_offer_reads_the_signature_by_role_with_trailing_defaults_left_out(monke
         fast_path.offer(op, spec, tuple(args))
         fast_path.offer(op, spec, tuple(args))  # published already
         dtypes = tuple(torch.float32 if r == "w" else torch.bfloat16 for r in roles if r != "f")
-        expected.append((op, dtypes, 64, None, *(([0, 4096], [1, 2]) if "w" in roles else ([0], [1]))))
+        expected.append((op, dtypes, 64, None, *(([0, 4096], [1, 2]) if "w" in roles else ([0], [1])), [], [0] * len(roles)))
         fast_path.offer(op, registry.BY_OP[op][Backend.TRITON], tuple(args))  # not the served spec
         fast_path.offer(op, None, tuple(args))  # no sole server
     assert published == expected
-    assert [op for op, _ in asked] == SERVED
-    for op in SERVED:  # an optional vector passed as None: never published (the entry passes such calls on)
+    assert [op for op, _ in asked] == ROW_OPS
+    for op in ROW_OPS:  # an optional vector passed as None: never published (the entry passes such calls on)
         roles = _call_of(op).roles
         if "w" in roles and isinstance(_overload(op)._schema.arguments[roles.index("w")].type, torch.OptionalType):
             fast_path.offer(op, fast_path.SERVED[op], tuple(None if r == "w" else x.clone() for r in roles if r != "f"))
-    assert published == expected and len(asked) == len(SERVED)
+    assert published == expected and len(asked) == len(ROW_OPS)
+
+
+def _rope_args(tokens=3, dtype=torch.bfloat16, device="cpu", neox=True, qkv=True, positions_dtype=torch.int64):
+    """``rotary_embedding``'s arguments as a layer passes them: q and k column slices of one fused qkv
+    buffer (32 + 8 + 8 heads of 128 shrunk to 4 + 2 + 2 heads of 64), int positions, an fp32 cache."""
+    heads, kv, hs, max_position = 4, 2, 64, 256
+    if qkv:
+        buf = torch.randn(tokens, (heads + 2 * kv) * hs, dtype=dtype, device=device)
+        q, k = buf[:, :heads * hs], buf[:, heads * hs:(heads + kv) * hs]
+    else:
+        q = torch.randn(tokens, heads * hs, dtype=dtype, device=device)
+        k = torch.randn(tokens, kv * hs, dtype=dtype, device=device)
+    positions = torch.randint(0, max_position, (tokens,), device=device, dtype=positions_dtype)
+    cache = torch.randn(max_position, hs, device=device)
+    return [positions, q, k, hs, cache, neox]
+
+
+def test_offer_reads_the_shapes_ints_and_bools_of_tensors_passed_as_given(monkeypatch):
+    """A ``t``/``c`` op (rope): the signature holds its tensors' dtypes (int positions among them), the
+    trailing shapes of the token tensors, the cache's shape, head_size and is_neox, and the granules
+    the host returns; a call the host declines is not published (a later one is asked again), one the
+    entry never serves (3-D q) not even asked."""
+    published, answers = [], []
+    monkeypatch.setattr(fast_path, "loaded", lambda: True)
+    monkeypatch.setattr(fast_path, "_published", set())
+    monkeypatch.setattr(fast_path, "_publish", lambda *entry: published.append(entry))
+    monkeypatch.setattr(KernelSpec, "load_host", lambda spec: lambda *args: answers.pop(0))
+    for op in AS_GIVEN_OPS:
+        spec = fast_path.SERVED[op]
+        args = _rope_args()
+        answers[:] = [(), HostKernels(((0, _HostFunction(7)),), (0, 8, 8, 0, 4, 0))]
+        fast_path.offer(op, spec, tuple(args))  # declined
+        assert published == [] and len(answers) == 1
+        fast_path.offer(op, spec, tuple(args))
+        fast_path.offer(op, spec, tuple(args))  # published already: the host is not asked
+        assert published == [(op, (torch.int64, torch.bfloat16, torch.bfloat16, torch.float32), 0, None, [0], [7],
+                               [1, 0, 2, 256, 2, 128, 64, 256, 64, 1], [0, 8, 8, 0, 4, 0])]
+        three_d = list(args)
+        three_d[1] = args[1].view(3, 4, 64)
+        fast_path.offer(op, spec, tuple(three_d))  # never served: 3-D
+        args[1] = args[1].view(3, 4, 64)
+        assert not answers and len(published) == 1
+
+
+def test_the_rope_host_declines_what_its_aligned_kernel_cannot_take(monkeypatch):
+    """The TileLang rope host publishes the aligned 2-D kernel only, with its granules (the vector in
+    elements for q and k, a cache row's for the cache), and nothing while positions are checked on the
+    data."""
+    from torch_kernels.families.rope import tilelang as rope_tilelang
+
+    built = []
+    monkeypatch.setattr(rope_tilelang, "_function", lambda *key: built.append(key) or _HostFunction(5))
+    monkeypatch.setattr(rope_tilelang, "positions_checked", lambda positions: False)
+    host = rope_tilelang.rotary_embedding_host
+    for neox, vec in ((True, 8), (False, 4)):  # bf16 pairs a 16-byte vector: 8 half-rows apart, 4 side by side
+        published = host(*_rope_args(neox=neox))
+        seg = vec if neox else 2 * vec
+        assert published.kernels[0][0] == 0 and published.granules == (0, seg, seg, 0, vec, 0)
+        assert built[-1] == (4, 2, 64, 64, neox, "bfloat16", "float32", "int64", 2, True)
+    args = _rope_args()
+    for i, value in ((1, args[1].view(3, 4, 64)), (2, None), (0, args[0].view(1, 3))):
+        declined = list(args)
+        declined[i] = value
+        assert host(*declined) == ()
+    odd = torch.randn(3 * 256 + 1, dtype=torch.bfloat16)[1:].view(3, 256)  # off the 16-byte vector
+    assert host(args[0], odd, args[2], *args[3:]) == ()
+    monkeypatch.setattr(rope_tilelang, "positions_checked", lambda positions: True)
+    assert host(*args) == ()
+
+
+def _rope():
+    return torch.ops.deepinfer.rotary_embedding
+
+
+def _python_rope(args):
+    """The call through the Python kernels (the twin) on copies: q and k as they rotate them."""
+    copies = _rope_copies(args)
+    getattr(torch.ops, fast_path.TWIN_NAMESPACE).rotary_embedding(*copies)
+    return copies[1], copies[2]
+
+
+def _rope_copies(args):
+    """``args`` with q and k copied into a buffer laid out as theirs (slices of one buffer stay slices)."""
+    copies = list(args)
+    q, k = args[1], args[2]
+    if k is not None and q.dim() == 2 and q.stride(0) == k.stride(0) and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
+        base = q.as_strided((q.shape[0], q.stride(0)), (q.stride(0), 1)).clone()
+        offset = (k.data_ptr() - q.data_ptr()) // q.element_size()
+        copies[1], copies[2] = base[:, :q.shape[1]], base[:, offset:offset + k.shape[1]]
+    else:
+        copies[1], copies[2] = q.clone(), None if k is None else k.clone()
+    return copies
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_rope_calls_are_served_bit_for_bit_the_python_kernels(dtype, neox, tilelang_entry):
+    """The first call publishes; later calls of any token count, q and k as column slices of one qkv
+    buffer or as tensors of their own, are served in C++, bit for bit what the Python kernels compute
+    (their call, made first, publishes int32 positions), and close to the reference."""
+    f = _rope()
+    before = fast_path.counters()
+    f(*_rope_args(5, dtype, "cuda", neox))
+    published = fast_path.counters()
+    assert published["passed_on"] == before["passed_on"] + 1 and published["signatures"] == before["signatures"] + 1
+    calls = 0
+    for positions_dtype in (torch.int64, torch.int32):
+        for tokens in (1, 2, 7, 300, 4096):
+            for qkv in (True, False):
+                args = _rope_args(tokens, dtype, "cuda", neox, qkv, positions_dtype)
+                want, reference = _python_rope(args), _rope_copies(args)
+                _reference("rotary_embedding")(*reference)
+                f(*args)
+                calls += 1
+                assert torch.equal(args[1], want[0]) and torch.equal(args[2], want[1])
+                torch.testing.assert_close(args[1], reference[1], atol=2e-2, rtol=2e-2)
+    after = fast_path.counters()
+    assert after["served"] == published["served"] + calls and after["passed_on"] == published["passed_on"], after
+
+
+@pytest.mark.gpu
+def test_rope_calls_it_does_not_serve_reach_the_python_kernels(tilelang_entry):
+    """Views off the vector, 3-D heads, no key, batched positions, q and k that overlap, and every call
+    while positions are checked go to Python: the same results, the same errors, nothing written first."""
+    f, dtype = _rope(), torch.bfloat16
+    f(*_rope_args(4, dtype, "cuda"))  # publishes
+    args = _rope_args(4, dtype, "cuda")
+    odd = torch.randn(4 * 256 + 1, dtype=dtype, device="cuda")[1:].view(4, 256)
+    batched = _rope_args(6, dtype, "cuda")
+    cases = [[args[0], odd, *args[2:]],
+             [args[0], args[1].view(4, 4, 64), args[2].view(4, 2, 64), *args[3:]],
+             [*args[:2], None, *args[3:]],
+             [batched[0].view(2, 3), batched[1].view(2, 3, 256), batched[2].view(2, 3, 128), *batched[3:]]]
+    for case in cases:
+        want = _python_rope(case)
+        before = fast_path.counters()
+        f(*case)
+        after = fast_path.counters()
+        assert after["passed_on"] == before["passed_on"] + 1 and after["served"] == before["served"]
+        assert torch.equal(case[1], want[0]) and (case[2] is None or torch.equal(case[2], want[1]))
+
+    buf = torch.randn(4, 384, dtype=dtype, device="cuda")
+    overlapping = [args[0], buf[:, :256], buf[:, 192:320], *args[3:]]  # k's first head is q's last
+    kept = buf.clone()
+    with pytest.raises(ValueError, match="deepinfer::rotary_embedding: argument 'key'"):
+        f(*overlapping)
+    assert torch.equal(buf, kept)
+
+    outside = _rope_args(4, dtype, "cuda")
+    outside[0][2] = 256
+    f(*_rope_args(4, dtype, "cuda"))  # publishes again
+    assert fast_path.counters()["signatures"] == 1
+    previous = dispatch.configure(backend=fast_path.BACKEND.value, strict=True, check_indices=True)  # drops it
+    try:
+        assert fast_path.counters()["signatures"] == 0
+        for _ in range(2):  # the check is Python's: nothing is published while it is asked for
+            with pytest.raises(ValueError, match="deepinfer::rotary_embedding: argument 'positions' must lie in"):
+                f(*outside)
+            f(*_rope_args(4, dtype, "cuda"))
+            assert fast_path.counters()["signatures"] == 0
+    finally:
+        dispatch.configure(previous)
+
+
+@pytest.mark.gpu
+def test_rope_served_on_the_current_stream_and_in_a_cuda_graph(tilelang_entry):
+    f, dtype = _rope(), torch.bfloat16
+    f(*_rope_args(64, dtype, "cuda"))  # publishes
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        args = _rope_args(64, dtype, "cuda")
+        want = _python_rope(args)
+        torch.cuda._sleep(10_000_000)  # delays the copies: a kernel on another stream would read them unwritten
+        copies = _rope_copies(args)
+        f(*copies)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(copies[1], want[0]) and torch.equal(copies[2], want[1])
+
+    static = _rope_args(64, dtype, "cuda")
+    graph = torch.cuda.CUDAGraph()
+    served = fast_path.counters()["served"]
+    with torch.cuda.graph(graph):
+        f(*static)
+    assert fast_path.counters()["served"] == served + 1
+    for _ in range(2):  # fresh data each replay
+        static[1].copy_(torch.randn_like(static[1]))
+        static[2].copy_(torch.randn_like(static[2]))
+        static[0].copy_(torch.randint_like(static[0], 0, 256))
+        want = _python_rope(static)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static[1], want[0]) and torch.equal(static[2], want[1])

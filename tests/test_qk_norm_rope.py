@@ -349,7 +349,7 @@ def _bad_cases(device):
         ("key that is the query", args(k=q, kw=qw), ValueError, "key"),
         ("q_weight a view of query", args(qw=q[0, :32]), ValueError, "q_weight"),
         ("k_weight a view of key", args(kw=k[1]), ValueError, "k_weight"),
-    ] + ([  # checked on the data where that costs no device sync (CHECK_POSITIONS)
+    ] + ([  # checked on the data where that costs no device sync (positions_checked)
         ("position past the cache", args(positions=torch.tensor([0, 3, 16, 2], device=device)), ValueError, "positions"),
     ] if device == "cpu" else [])
 

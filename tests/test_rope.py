@@ -279,11 +279,25 @@ def _bad_cases(device):
     ]
 
 
+@pytest.fixture
+def check_indices():
+    """``check_indices(asked)``: ``configure(check_indices=asked)`` for the rest of the test."""
+    previous = []
+
+    def ask(asked):
+        saved = dispatch.configure(check_indices=asked)
+        if not previous:
+            previous.append(saved)
+    yield ask
+    if previous:
+        dispatch.configure(previous[0])
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_rotary_embedding_bad_input_names_the_op_and_the_argument(device, monkeypatch):
+def test_rotary_embedding_bad_input_names_the_op_and_the_argument(device, check_indices):
     """On CUDA the positions' values are checked only when asked (a sync): asked here."""
     if device == "cuda":
-        monkeypatch.setattr(rope, "CHECK_POSITIONS", True)
+        check_indices(True)
     assert_bad_inputs_raise(OP, _bad_cases(device))
 
 
@@ -295,53 +309,35 @@ def test_rotary_embedding_bad_input_raises_at_trace_time():
         compiled(torch.zeros(4, dtype=torch.int64), torch.randn(4, 64), torch.randn(16, 64))
 
 
-def test_rotary_embedding_check_positions_can_be_switched_off(monkeypatch):
-    """With CHECK_POSITIONS off, the eager entry does not read positions: the token outside the cache
-    gets NaN in its rotated dims (the reference reads no row outside it), the others are exact."""
+def test_rotary_embedding_check_positions_can_be_switched_off(check_indices):
+    """With ``configure(check_indices=False)`` the eager entry does not read positions, on the CPU
+    either: the token outside the cache gets NaN in its rotated dims (the reference reads no row outside
+    it), the others are exact; ``None`` gives the CPU its check back."""
     args = _args((3, 4, 2, 128, 64, False, "2d"), "cpu", torch.float32)
     bad = (args[0].clone(),) + args[1:]
     bad[0][1] = 37
     with pytest.raises(ValueError, match=rf"^deepinfer::{OP}: argument 'positions' must lie in \[0, 37\)"):
         torch.ops.deepinfer.rotary_embedding.default(*_copy(bad)[0])
-    monkeypatch.setattr(rope, "CHECK_POSITIONS", False)
+    check_indices(False)
     got, _ = _copy(bad)
     torch.ops.deepinfer.rotary_embedding.default(*got)
     _assert_nan_at_bad_tokens(got, bad, [1])
-
-
-def test_configure_check_indices_decides_over_check_positions(monkeypatch):
-    """``configure(check_indices=...)`` (``DEEPINFER_OPS_CHECK_INDICES``) switches the check off or on
-    whatever ``CHECK_POSITIONS`` says; ``None`` gives the decision back to it."""
-    args = _args((3, 4, 2, 128, 64, False, "2d"), "cpu", torch.float32)
-    bad = (args[0].clone(),) + args[1:]
-    bad[0][1] = 37
-    monkeypatch.setattr(rope, "CHECK_POSITIONS", True)
-    previous = dispatch.configure(check_indices=False)
-    try:
-        got, _ = _copy(bad)
-        torch.ops.deepinfer.rotary_embedding.default(*got)
-        _assert_nan_at_bad_tokens(got, bad, [1])
-        monkeypatch.setattr(rope, "CHECK_POSITIONS", False)
-        for asked in (True, None):
-            dispatch.configure(check_indices=asked)
-            monkeypatch.setattr(rope, "CHECK_POSITIONS", True if asked is None else False)
-            with pytest.raises(ValueError, match=rf"^deepinfer::{OP}: argument 'positions' must lie in \[0, 37\)"):
-                torch.ops.deepinfer.rotary_embedding.default(*_copy(bad)[0])
-    finally:
-        dispatch.configure(previous)
+    check_indices(None)
+    with pytest.raises(ValueError, match=rf"^deepinfer::{OP}: argument 'positions' must lie in \[0, 37\)"):
+        torch.ops.deepinfer.rotary_embedding.default(*_copy(bad)[0])
 
 
 @pytest.mark.gpu
-def test_rotary_embedding_checks_no_positions_on_cuda_by_default(monkeypatch):
+def test_rotary_embedding_checks_no_positions_on_cuda_by_default(check_indices):
     """On CUDA the default eager call reads no position back (no device sync): the token outside the
-    cache gets NaN in its rotated dims on the chosen backend; ``CHECK_POSITIONS = True`` raises."""
+    cache gets NaN in its rotated dims on the chosen backend; ``configure(check_indices=True)`` raises."""
     args = _args((3, 4, 2, 128, 64, True, "2d"), "cuda", torch.bfloat16)
     bad = (args[0].clone(),) + args[1:]
     bad[0][1] = 37
     got, _ = _copy(bad)
     torch.ops.deepinfer.rotary_embedding.default(*got)
     _assert_nan_at_bad_tokens(got, bad, [1])
-    monkeypatch.setattr(rope, "CHECK_POSITIONS", True)
+    check_indices(True)
     got, _ = _copy(bad)
     with pytest.raises(ValueError, match=rf"^deepinfer::{OP}: argument 'positions' must lie in \[0, 37\)"):
         torch.ops.deepinfer.rotary_embedding.default(*got)

@@ -8,11 +8,13 @@ the ops it serves: those with a TileLang :class:`~torch_kernels.spec.KernelSpec`
 * :func:`install` registers an op's kernels in C++ from its spec's ``host_call`` (each argument's
   role, the output, the host function's argument order); ``library.py`` puts the op's Python kernels
   on a twin ``deepinfer_py::<op>`` first;
-* the first call of each signature (op, dtypes of its tensors, width, device) goes on to the twin,
+* the first call of each signature (op, dtypes of its tensors, width or shapes, ints and bools,
+  device) goes on to the twin,
   which validates, selects and launches exactly as without the entry; when that call was served by the
   spec that takes every call of its dtypes, and it has a ``host``, the selection *publishes* the
   signature with the compiled host functions its ``host`` returns (:func:`offer`);
-* a later call with a published signature, contiguous, 16-byte aligned and otherwise plain, is served
+* a later call with a published signature, plain as its roles ask (rows contiguous and 16-byte
+  aligned, tensors passed as they are on their granule, written ones proven apart), is served
   in C++: allocation, torch's current stream handed to TVM-FFI, the host function called through
   TVM-FFI's C ABI (the one the ``host`` published for the call's token count). Every other call
   goes to the Python kernels as before;
@@ -43,13 +45,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
 from . import registry
 from ._files import open_regular
-from .spec import Backend, KernelSpec
+from .spec import Backend, HostCall, HostKernels, KernelSpec
 
 ENV = "DEEPINFER_OPS_FAST_PATH"
 #: the backend whose host functions the entry calls: TVM-FFI functions
@@ -62,6 +64,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "fast_path.cpp"
 _NAME = "deepinfer_fast_path"
 _TVM_FFI = "apache-tvm-ffi"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the entry hands TVM-FFI
+_INDEX_DTYPES = _DTYPES + (torch.int32, torch.int64)  # of a t or c tensor (positions)
 _BUILT_BY = "torch_kernels"
 _MAX_LIBRARY_BYTES = 256 << 20  # ours is 164 KB; hashing it costs 0.1 ms at import (5 MB: 4 ms)
 _MAX_RECORD_BYTES = 4096
@@ -289,22 +292,51 @@ def install_out(op: str) -> None:
 def offer(op: str, spec: Optional[KernelSpec], args: tuple) -> None:
     """After the Python kernels served ``op(*args)`` with ``spec``, the implementation that takes every
     call of this dtype (``dispatch.OpSlot.sole_server``): publish the call's signature when ``spec`` has
-    a ``host`` the entry calls. ``args`` are as the twin's Python kernel receives them:
-    trailing arguments left at their defaults (``eps``) are not there."""
+    a ``host`` the entry calls and the host returns kernels for it. ``args`` are as the twin's Python
+    kernel receives them: trailing arguments left at their defaults (``eps``) are not there."""
     if not loaded() or spec is None or spec.host is None or spec.backend is not BACKEND:
         return
     call = spec.host_call
-    if any(args[i] is None for i in call.tensors):  # an optional vector left out: the entry passes such calls on
+    if any(args[i] is None for i in call.tensors):  # an optional tensor left out: the entry passes such calls on
         return
     x = args[call.data]
     dtypes = tuple(args[i].dtype for i in call.tensors)
-    key = (op, dtypes, x.shape[-1], x.device.index)
-    if key in _published or not all(d in _DTYPES for d in dtypes):
+    if not all(d in (_INDEX_DTYPES if call.roles[i] in "tc" else _DTYPES) for i, d in zip(call.tensors, dtypes)):
         return
-    kernels = spec.load_host()(*args)  # once a signature
-    _publish(op, dtypes, x.shape[-1], x.device.index, [start for start, _ in kernels],
-             [fn.__chandle__() for _, fn in kernels])
+    facts = _facts(op, call, args)
+    hidden = x.shape[-1] if call.roles[call.data] == "r" else 0
+    key = (op, dtypes, hidden, x.device.index, facts)
+    if key in _published or facts is None:
+        return
+    published = spec.load_host()(*args)  # once a signature, unless the host declines the call
+    kernels, granules = (published.kernels, published.granules) if isinstance(published, HostKernels) else (published, ())
+    if not kernels:
+        return
+    _publish(op, dtypes, hidden, x.device.index, [start for start, _ in kernels], [fn.__chandle__() for _, fn in kernels],
+             list(facts), list(granules) or [0] * len(call.roles))
     _published.add(key)
+
+
+def _facts(op: str, call: HostCall, args: tuple) -> Optional[Tuple[int, ...]]:
+    """The call's signature beyond its dtypes and width, as the entry reads it from a call (``csrc``'s
+    ``serve``): per ``t`` tensor its dimensions and its second size (0 for one dimension), per ``c``
+    tensor its two sizes, per int and bool its value; ``None`` for a call the entry never serves (a
+    tensor of more dimensions)."""
+    out = []
+    for i, role in enumerate(call.roles):
+        if role in "ib":
+            value = args[i] if i < len(args) else _default(op, i)
+            out.append(int(value))
+        elif role in "tc":
+            t = args[i]
+            if t.dim() not in ((1, 2) if role == "t" else (2,)):
+                return None
+            out += [t.dim(), t.shape[1] if t.dim() == 2 else 0] if role == "t" else [t.shape[0], t.shape[1]]
+    return tuple(out)
+
+
+def _default(op: str, i: int):
+    return getattr(torch.ops.deepinfer, op).default._schema.arguments[i].default_value
 
 
 def _publish(op: str, dtypes: tuple, *entry: Any) -> None:

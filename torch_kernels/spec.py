@@ -126,8 +126,12 @@ def _cc(cc: Tuple[int, int]) -> str:
     return f"{cc[0]}.{cc[1]}"
 
 
-#: :attr:`HostCall.roles`: rows shaped like the data argument, a vector of its last dimension, a float >= 0
-HOST_ROLES = {"r": "rows", "w": "vector", "f": "float"}
+#: :attr:`HostCall.roles`: rows shaped like the data argument, a vector of its last dimension, a float >= 0;
+#: a tensor of the call's tokens and one of a fixed shape, each passed as it is (strided); an int and a
+#: bool, whose values are part of the signature and are not passed
+HOST_ROLES = {"r": "rows", "w": "vector", "f": "float", "t": "token tensor", "c": "fixed tensor", "i": "int", "b": "bool"}
+#: the roles whose argument the host function does not take (the compiled function is specialised on it)
+HOST_FIXED = ("i", "b")
 #: :attr:`HostCall.output`: none (in place), rows like the data argument, rows of half its last dimension
 HOST_OUTPUTS = {"": "none", "r": "rows", "h": "half rows"}
 
@@ -136,10 +140,15 @@ HOST_OUTPUTS = {"": "none", "r": "rows", "h": "half rows"}
 class HostCall:
     """How the C++ entry calls a backend's compiled host function for one op (``fast_path.py``).
 
-    ``roles`` has one letter per schema argument: ``r`` rows shaped like the data argument (the first
-    ``r``), ``w`` a 1-D vector of its last dimension (both contiguous and 16-byte aligned; a ``Tensor?`` one
-    passed as ``None`` sends the call to the Python kernels), ``f`` a float that must be >= 0, passed by value. ``output`` is what the entry allocates (:data:`HOST_OUTPUTS`).
-    ``order`` is the host function's arguments: every schema argument's index once, ``-1`` for the output.
+    ``roles`` has one letter per schema argument (:data:`HOST_ROLES`): ``r`` rows shaped like the data
+    argument (the first ``r``, else the first ``t``), ``w`` a 1-D vector of its last dimension (both
+    contiguous and 16-byte aligned; a ``Tensor?`` one passed as ``None`` sends the call to the Python
+    kernels), ``f`` a float that must be >= 0, passed by value; ``t`` a tensor of one or two dimensions
+    whose first is the call's tokens, and ``c`` a 2-D tensor of a fixed shape, each passed with its own
+    strides (its last one 1), its trailing (``t``) or whole (``c``) shape part of the signature, its data
+    pointer and strides multiples of the granule its host publishes; ``i`` an int and ``b`` a bool,
+    part of the signature and not passed. ``output`` is what the entry allocates (:data:`HOST_OUTPUTS`).
+    ``order`` is the host function's arguments: every passed argument's index once, ``-1`` for the output.
     """
 
     roles: str
@@ -148,23 +157,38 @@ class HostCall:
 
     def __post_init__(self) -> None:
         bad = [r for r in self.roles if r not in HOST_ROLES]
-        if bad or "r" not in self.roles:
-            raise ValueError(f"HostCall: roles must be letters of {''.join(HOST_ROLES)} with at least one 'r', got {self.roles!r}")
+        if bad or not ("r" in self.roles or "t" in self.roles):
+            raise ValueError(f"HostCall: roles must be letters of {''.join(HOST_ROLES)} with at least one 'r' or 't', "
+                             f"got {self.roles!r}")
         if self.output not in HOST_OUTPUTS:
             raise ValueError(f"HostCall: output must be one of {tuple(HOST_OUTPUTS)}, got {self.output!r}")
-        wanted = ([-1] if self.output else []) + list(range(len(self.roles)))
+        if self.output and "r" not in self.roles:
+            raise ValueError(f"HostCall: an output is shaped like rows: roles must hold an 'r', got {self.roles!r}")
+        wanted = ([-1] if self.output else []) + [i for i, r in enumerate(self.roles) if r not in HOST_FIXED]
         if not isinstance(self.order, tuple) or sorted(self.order) != wanted:
             raise ValueError(f"HostCall: order must hold each of {wanted} once, got {self.order!r}")
 
     @property
     def data(self) -> int:
-        """The data argument: the first rows."""
-        return self.roles.index("r")
+        """The data argument: the first rows, else the first token tensor."""
+        return self.roles.index("r") if "r" in self.roles else self.roles.index("t")
 
     @property
     def tensors(self) -> Tuple[int, ...]:
         """The tensor arguments' indices, in schema order."""
-        return tuple(i for i, r in enumerate(self.roles) if r != "f")
+        return tuple(i for i, r in enumerate(self.roles) if r in "rwtc")
+
+
+@dataclass(frozen=True)
+class HostKernels:
+    """What a ``host`` returns for a call the C++ entry may serve: the compiled host functions, each with
+    the token count from which it serves (``((0, fn), (from_tokens, fn), ...)``, ascending, at most
+    four), and per schema argument the granule, in elements, that a ``t`` or ``c`` tensor's data pointer
+    and strides must be multiples of for these functions (``0``: none; other roles ``0``). A host may
+    also return the pairs alone (no granules), or ``()`` for a call it does not publish."""
+
+    kernels: Tuple[Tuple[int, Any], ...]
+    granules: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -176,9 +200,9 @@ class KernelSpec:
     accepts); a call with another dtype goes to the next backend. ``check`` optionally names a
     ``"module:attr"`` callable taking the op's arguments and returning why this implementation
     cannot take the call (size limit, alignment), or ``None``. ``host`` optionally names a ``"module:attr"``
-    callable taking the op's arguments and returning ``((0, fn), (from_tokens, fn), ...)``: the compiled
-    host functions for calls like these, each with the token count from which it serves (ascending, at
-    most four); ``host_call`` says how the C++ entry calls them. ``out``: the function takes the op's
+    callable taking the op's arguments and returning ``((0, fn), (from_tokens, fn), ...)`` or a
+    :class:`HostKernels`: the compiled host functions for calls like these, each with the token count
+    from which it serves (ascending, at most four); ``host_call`` says how the C++ entry calls them. ``out``: the function takes the op's
     ``out`` overload's tensors as the keyword ``out`` (a tuple in the schema's order; ``None`` for the
     default overload) and writes its results there itself, as :mod:`torch_kernels.outputs` says.
     """

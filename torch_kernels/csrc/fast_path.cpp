@@ -1,5 +1,5 @@
 // The C++ entry on the CUDA and Autograd keys of the ops ``torch_kernels/fast_path.py`` installs: an eager
-// call whose signature (op, dtypes of its tensors, width, device) the Python selection has already served
+// call whose signature (op, dtypes of its tensors, width or shapes, device) the Python selection has already served
 // with a backend's compiled host function calls that function itself through TVM-FFI's C ABI, with no
 // Python on the way; every other call goes on to the op's twin ``deepinfer_py::<op>`` (the Python kernels).
 //
@@ -7,12 +7,16 @@
 //
 // It knows no op. ``install(op, roles, output, call)`` registers the op's kernels from its manifest's
 // HostCall: per schema argument a role (r rows like the data argument, w a vector of its width, f a float
-// >= 0), the output (none, r rows, h rows of half the width) and the host function's argument order
-// (-1 the output); the arguments the schema marks written are read from it. ``install_out(op)`` then
-// registers the same on the op's ``out`` overload, whose last argument is the output. Per call:
-//   CUDA:     tensors given, contiguous, 16-byte aligned, shaped as their roles say, on the current
-//             device; floats >= 0; a token at least; written tensors apart from every other; and a
-//             published signature -> allocate the output (``out``: take the given one, which must be
+// >= 0; t a tensor of the call's tokens and c one of a fixed shape, both passed with their strides; i an
+// int and b a bool, not passed), the output (none, r rows, h rows of half the width) and the host
+// function's argument order (-1 the output); the arguments the schema marks written are read from it.
+// ``install_out(op)`` then registers the same on the op's ``out`` overload, whose last argument is the
+// output. Per call:
+//   CUDA:     tensors given and shaped as their roles say, on the current device (r and w contiguous and
+//             16-byte aligned; t and c of one or two dimensions, the last of stride 1, their data pointer
+//             and other strides multiples of the granule published); floats >= 0; a token at least;
+//             written tensors proven apart from every other; the shapes, ints and bools of a published
+//             signature -> allocate the output (``out``: take the given one, which must be
 //             contiguous, aligned, of the output's shape and the data's dtype, on the device, and apart
 //             from every argument), set TVM-FFI's stream to torch's current one, call the host function
 //             published for the call's token count; else -> the twin (CUDA key).
@@ -35,6 +39,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -44,8 +49,9 @@
 
 namespace {
 
-// At most this many schema arguments (the served ops have up to 4): the per-call arrays stay on the stack.
+// At most this many schema arguments (the served ops have up to 6): the per-call arrays stay on the stack.
 constexpr int kMaxArgs = 8;
+constexpr int kMaxFacts = 2 * kMaxArgs;  // two a t or c tensor (its dims, or its sizes), one an int or bool
 constexpr int kMaxKernels = 4;  // host functions a signature, each from a token count
 
 // One installed op: its HostCall, resolved against its schema once.
@@ -57,6 +63,7 @@ struct OpState {
   bool given_output = false;  // the out overload: the output is the argument after them
   char roles[kMaxArgs] = {};
   char output = 0;  // 0 none, 'r' rows like the data argument, 'h' rows of half its width
+  int num_facts = 0;  // of a call's signature beyond dtypes and width: shapes of t and c, ints, bools
   int num_tensors = 0, tensors[kMaxArgs] = {};  // the tensor arguments, in schema order (the entries' dtypes)
   int num_written = 0, written[kMaxArgs] = {};  // the arguments the schema marks written
   int num_call = 0, call[kMaxArgs + 1] = {};    // the host function's arguments; -1 the output
@@ -65,9 +72,11 @@ struct OpState {
 
 struct Entry {
   int op;
-  int64_t hidden;  // the data argument's last dimension
+  int64_t hidden;  // the data argument's last dimension (r), 0 (t: the facts hold the shapes)
   c10::DeviceIndex device;
   c10::ScalarType dtypes[kMaxArgs];  // of the tensor arguments, in schema order
+  int64_t facts[kMaxFacts];  // OpState::num_facts of them
+  int64_t granule[kMaxArgs];  // per schema argument: what a t or c tensor's pointer and strides are multiples of
   int num_kernels;
   int64_t from[kMaxKernels];  // ascending, from[0] == 0: kernel k serves from[k] tokens up to from[k + 1]
   void* kernel[kMaxKernels];  // TVM-FFI function handles (one reference each, held for the process)
@@ -94,7 +103,8 @@ void edit_table(Edit edit) {
   g_retired.emplace_back(g_table.exchange(next.release()));
 }
 
-const Entry* find(const OpState& s, const at::Tensor* const* t, int64_t hidden, c10::DeviceIndex device) {
+const Entry* find(const OpState& s, const at::Tensor* const* t, int64_t hidden, c10::DeviceIndex device,
+                  const int64_t* facts) {
   c10::ScalarType dtypes[kMaxArgs];
   for (int k = 0; k < s.num_tensors; ++k) dtypes[k] = t[s.tensors[k]]->scalar_type();
   const auto* table = g_table.load(std::memory_order_acquire);
@@ -102,7 +112,9 @@ const Entry* find(const OpState& s, const at::Tensor* const* t, int64_t hidden, 
     if (e.op != s.index || e.hidden != hidden || e.device != device) continue;
     int k = 0;
     while (k < s.num_tensors && e.dtypes[k] == dtypes[k]) ++k;
-    if (k == s.num_tensors) return &e;
+    int f = 0;
+    while (f < s.num_facts && e.facts[f] == facts[f]) ++f;
+    if (k == s.num_tensors && f == s.num_facts) return &e;
   }
   return nullptr;
 }
@@ -143,7 +155,9 @@ DLDataType dl_dtype(c10::ScalarType t) {
   switch (t) {
     case c10::ScalarType::BFloat16: return {kDLBfloat, 16, 1};
     case c10::ScalarType::Half: return {kDLFloat, 16, 1};
-    default: return {kDLFloat, 32, 1};  // publish() accepts these three only
+    case c10::ScalarType::Int: return {kDLInt, 32, 1};
+    case c10::ScalarType::Long: return {kDLInt, 64, 1};
+    default: return {kDLFloat, 32, 1};  // publish() accepts these five only
   }
 }
 
@@ -164,6 +178,11 @@ struct Rows {
     } else {
       t.ndim = 2; shape[0] = rows; shape[1] = width; strides[0] = width; strides[1] = 1;
     }
+  }
+  // a t or c tensor as it is (one or two dimensions)
+  void as_is(const at::Tensor& x) {
+    view(x, x.dim() == 1 ? -1 : x.size(0), x.size(-1));
+    for (int d = 0; d < t.ndim; ++d) strides[d] = x.stride(d);
   }
 };
 
@@ -214,11 +233,49 @@ bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_p
 // None for a Tensor argument (it arrives undefined): Python's validation names the argument.
 bool given(const c10::IValue& v) { return v.isTensor() && v.toTensor().defined(); }
 
-// Two contiguous tensors share no byte. A written argument must be apart from every other tensor
-// argument; a call where it is not goes on to Python, whose validation names the arguments.
-bool apart(const at::Tensor& a, const at::Tensor& b) {
-  const auto pa = reinterpret_cast<uintptr_t>(a.data_ptr()), pb = reinterpret_cast<uintptr_t>(b.data_ptr());
-  return pa + a.nbytes() <= pb || pb + b.nbytes() <= pa;
+// The bytes a tensor of one or two dimensions (the last of stride 1) covers: `rows` runs of `run` bytes,
+// `stride` bytes apart (one run for a contiguous tensor).
+struct Span {
+  int64_t start, run, rows, stride;
+};
+
+Span span_of(const at::Tensor& a) {
+  const int64_t isz = a.element_size(), start = static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.data_ptr()));
+  if (a.is_contiguous()) return {start, static_cast<int64_t>(a.nbytes()), 1, 0};
+  if (a.dim() == 1) return {start, isz, a.size(0), a.stride(0) * isz};
+  return {start, a.size(1) * isz, a.size(0), a.stride(0) * isz};
+}
+
+int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+
+// Whether two spans share no byte, proven: their extents apart, or rows of one stride whose runs
+// interleave without meeting (column slices of one buffer, as q and k of a fused qkv). Not proven ->
+// the call goes on to Python, whose validation decides exactly and names the arguments.
+bool apart(const Span& a, const Span& b) {
+  if (a.run == 0 || b.run == 0 || a.rows == 0 || b.rows == 0) return true;
+  const int64_t a_end = a.start + (a.rows - 1) * a.stride + a.run, b_end = b.start + (b.rows - 1) * b.stride + b.run;
+  if (a_end <= b.start || b_end <= a.start) return true;
+  const int64_t stride = a.rows > 1 ? a.stride : b.stride;
+  if ((a.rows > 1 && (a.stride != stride || a.run > stride)) || (b.rows > 1 && (b.stride != stride || b.run > stride)) ||
+      stride <= 0) {
+    return false;
+  }
+  // row i of a meets row j of b iff m = i - j has d - a.run < m * stride < d + b.run
+  const int64_t d = b.start - a.start;
+  const int64_t lo = std::max(floor_div(d - a.run, stride) + 1, 1 - b.rows);
+  const int64_t hi = std::min(-floor_div(-(d + b.run), stride) - 1, a.rows - 1);
+  return lo > hi;
+}
+
+// A written t tensor whose rows are at least as far apart as they are long (no byte written twice).
+bool rows_apart(const Span& a) { return a.rows <= 1 || a.stride >= a.run; }
+
+// A t or c tensor's data pointer and strides (of dimensions above size 1, the last aside) are multiples
+// of `granule` elements.
+bool on_granule(const at::Tensor& a, int64_t granule) {
+  if (granule <= 1) return true;
+  if ((reinterpret_cast<uintptr_t>(a.data_ptr()) / a.element_size()) % granule != 0) return false;
+  return a.dim() == 1 || a.size(0) <= 1 || a.stride(0) % granule == 0;
 }
 
 // Serves the call on `stack` when it is plain and its signature published; false (the stack untouched)
@@ -234,28 +291,52 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
   }
   const at::Tensor& x = *t[s.data];
   if (x.dim() < 1 || x.numel() == 0) return false;
-  const int64_t hidden = x.size(-1);
+  const bool rows = s.roles[s.data] == 'r';
+  const int64_t hidden = rows ? x.size(-1) : 0;
+  const int64_t tokens = rows ? x.numel() / hidden : x.size(0);
   const c10::Device device = x.device();
+  int64_t facts[kMaxFacts];
+  int num_facts = 0;
   for (int i = 0; i < s.num_args; ++i) {
-    if (s.roles[i] == 'f') {
+    const char role = s.roles[i];
+    if (role == 'f') {
       if (!(args[i].isDouble() && args[i].toDouble() >= 0.0)) return false;
       continue;
     }
+    if (role == 'i' || role == 'b') {
+      if (role == 'i' ? !args[i].isInt() : !args[i].isBool()) return false;
+      facts[num_facts++] = role == 'i' ? args[i].toInt() : args[i].toBool();
+      continue;
+    }
     const at::Tensor& a = *t[i];
-    const bool shaped = s.roles[i] == 'w' ? a.dim() == 1 && a.size(0) == hidden : i == s.data || a.sizes() == x.sizes();
-    if (!shaped || !a.is_contiguous() || !aligned(a) || a.device() != device) return false;
+    if (a.device() != device) return false;
+    if (role == 't' || role == 'c') {
+      if (a.dim() < 1 || a.dim() > 2 || (a.dim() == 2 && a.stride(1) != 1) ||
+          (role == 't' ? a.size(0) != tokens : a.dim() != 2)) {
+        return false;
+      }
+      facts[num_facts++] = role == 't' ? a.dim() : a.size(0);
+      facts[num_facts++] = a.dim() == 2 ? a.size(1) : 0;
+      continue;
+    }
+    const bool shaped = role == 'w' ? a.dim() == 1 && a.size(0) == hidden : i == s.data || a.sizes() == x.sizes();
+    if (!shaped || !a.is_contiguous() || !aligned(a)) return false;
   }
-  // all contiguous now, so byte ranges decide overlap exactly
+  // each written tensor apart from itself (rows) and from every other tensor argument
   for (int w = 0; w < s.num_written; ++w) {
+    const Span written = span_of(*t[s.written[w]]);
+    if (!rows_apart(written)) return false;
     for (int k = 0; k < s.num_tensors; ++k) {
-      if (s.tensors[k] != s.written[w] && !apart(*t[s.written[w]], *t[s.tensors[k]])) return false;
+      if (s.tensors[k] != s.written[w] && !apart(written, span_of(*t[s.tensors[k]]))) return false;
     }
   }
   if (device.index() != c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index()) return false;
-  const Entry* e = find(s, t, hidden, device.index());
+  const Entry* e = find(s, t, hidden, device.index(), facts);
   if (e == nullptr) return false;
+  for (int k = 0; k < s.num_tensors; ++k) {
+    if (!on_granule(*t[s.tensors[k]], e->granule[s.tensors[k]])) return false;
+  }
 
-  const int64_t tokens = x.numel() / hidden;
   at::Tensor out;
   const int64_t out_width = s.output == 'h' ? hidden / 2 : hidden;  // a published width is even
   if (s.given_output) {
@@ -269,7 +350,7 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
       return false;
     }
     for (int k = 0; k < s.num_tensors; ++k) {
-      if (!apart(out, *t[s.tensors[k]])) return false;
+      if (!apart(span_of(out), span_of(*t[s.tensors[k]]))) return false;
     }
   } else if (s.output == 'r') {
     out = at::empty_like(x);
@@ -287,6 +368,8 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
     } else if (s.roles[i] == 'f') {
       call_args[k] = float_arg(args[i].toDouble());
       continue;
+    } else if (s.roles[i] == 't' || s.roles[i] == 'c') {
+      views[k].as_is(*t[i]);
     } else {
       views[k].view(*t[i], s.roles[i] == 'w' ? -1 : tokens, hidden);
     }
@@ -355,30 +438,45 @@ void install(const std::string& name, const std::string& roles, const std::strin
   for (int i = 0; i < s.num_args; ++i) {
     const char r = roles[i];
     const c10::TypeKind kind = arguments[i].type()->kind();
-    // a vector may be optional (Tensor?): a call passing None goes on to Python (serve's given())
+    // a vector or token tensor may be optional (Tensor?): a call passing None goes on to Python (serve's given())
     const bool optional = kind == c10::TypeKind::OptionalType &&
                           arguments[i].type()->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType;
-    const bool tensor = kind == c10::TypeKind::TensorType || (r == 'w' && optional);
-    TORCH_CHECK(((r == 'r' || r == 'w') && tensor) || (r == 'f' && kind == c10::TypeKind::FloatType), where,
-                "argument 'roles': '", r, "' for argument '", arguments[i].name(), "' of type ", arguments[i].type()->str());
+    const bool tensor = kind == c10::TypeKind::TensorType || ((r == 'w' || r == 't') && optional);
+    TORCH_CHECK(((r == 'r' || r == 'w' || r == 't' || r == 'c') && tensor) || (r == 'f' && kind == c10::TypeKind::FloatType) ||
+                    (r == 'i' && kind == c10::TypeKind::IntType) || (r == 'b' && kind == c10::TypeKind::BoolType),
+                where, "argument 'roles': '", r, "' for argument '", arguments[i].name(), "' of type ", arguments[i].type()->str());
     s.roles[i] = r;
     if (tensor) s.tensors[s.num_tensors++] = i;
-    if (r == 'r' && s.data < 0) s.data = i;
-    if (arguments[i].alias_info() != nullptr && arguments[i].alias_info()->isWrite()) s.written[s.num_written++] = i;
+    s.num_facts += r == 't' || r == 'c' ? 2 : r == 'i' || r == 'b' ? 1 : 0;
+    if (arguments[i].alias_info() != nullptr && arguments[i].alias_info()->isWrite()) {
+      TORCH_CHECK(r == 'r' || r == 't', where, "argument 'roles': the written argument '", arguments[i].name(),
+                  "' must be rows (r) or a token tensor (t), got '", r, "'");
+      s.written[s.num_written++] = i;
+    }
   }
-  TORCH_CHECK(s.data >= 0, where, "argument 'roles' has no 'r' (the data argument)");
+  for (const char want : {'r', 't'}) {
+    for (int i = 0; i < s.num_args && s.data < 0; ++i) {
+      if (s.roles[i] == want) s.data = i;
+    }
+  }
+  TORCH_CHECK(s.data >= 0, where, "argument 'roles' has no 'r' or 't' (the data argument)");
+  TORCH_CHECK(output.empty() || s.roles[s.data] == 'r', where, "an output is shaped like rows: argument 'roles' needs an 'r'");
   TORCH_CHECK((output.empty() && returns.empty()) ||
                   ((output == "r" || output == "h") && returns.size() == 1 && returns[0].type()->kind() == c10::TypeKind::TensorType),
               where, "argument 'output' '", output, "' does not match the schema's ", returns.size(), " returns");
   s.output = output.empty() ? 0 : output[0];
   std::vector<int> seen(arguments.size() + 1, 0);  // by index + 1
-  bool ok = call.size() == arguments.size() + (s.output ? 1 : 0);
+  int passed = 0;  // the arguments the host function takes: all but the ints and bools
+  for (int i = 0; i < s.num_args; ++i) passed += s.roles[i] != 'i' && s.roles[i] != 'b';
+  bool ok = call.size() == static_cast<size_t>(passed + (s.output ? 1 : 0));
   for (size_t k = 0; ok && k < call.size(); ++k) {
     const int64_t i = call[k];
-    ok = i >= -1 && i < s.num_args && (i >= 0 || s.output) && seen[i + 1]++ == 0;
+    ok = i >= -1 && i < s.num_args && (i >= 0 || s.output) && (i < 0 || (s.roles[i] != 'i' && s.roles[i] != 'b')) &&
+         seen[i + 1]++ == 0;
     s.call[k] = static_cast<int>(i);
   }
-  TORCH_CHECK(ok, where, "argument 'call' must hold every argument's index once, and -1 for the output when there is one");
+  TORCH_CHECK(ok, where, "argument 'call' must hold every argument's index once but the ints' and bools', and -1 for "
+              "the output when there is one");
   s.num_call = static_cast<int>(call.size());
 
   if (!g_cuda_library) {
@@ -434,7 +532,8 @@ void install_out(const std::string& name) {
 }
 
 void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes, int64_t hidden, int64_t device,
-             const std::vector<int64_t>& from, const std::vector<int64_t>& kernels) {
+             const std::vector<int64_t>& from, const std::vector<int64_t>& kernels, const std::vector<int64_t>& facts,
+             const std::vector<int64_t>& granules) {
   const OpState& s = installed(name);
   TORCH_CHECK(static_cast<int>(dtypes.size()) == s.num_tensors, "deepinfer_fast_path::publish: argument 'dtypes' must hold ",
               s.num_tensors, " dtypes for ", name, ", got ", dtypes.size());
@@ -442,7 +541,16 @@ void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes
   TORCH_CHECK(n >= 1 && n <= kMaxKernels && from.size() == kernels.size() && from[0] == 0,
               "deepinfer_fast_path::publish: arguments 'from' and 'kernels' must hold 1 to ", kMaxKernels,
               " entries each, 'from' starting at 0, got ", from.size(), " and ", n);
-  Entry entry{s.index, hidden, static_cast<c10::DeviceIndex>(device), {}, n, {}, {}};
+  TORCH_CHECK(static_cast<int>(facts.size()) == s.num_facts && static_cast<int>(granules.size()) == s.num_args,
+              "deepinfer_fast_path::publish: arguments 'facts' and 'granules' must hold ", s.num_facts, " and ", s.num_args,
+              " values for ", name, ", got ", facts.size(), " and ", granules.size());
+  Entry entry{s.index, hidden, static_cast<c10::DeviceIndex>(device), {}, {}, {}, n, {}, {}};
+  for (int f = 0; f < s.num_facts; ++f) entry.facts[f] = facts[f];
+  for (int i = 0; i < s.num_args; ++i) {
+    TORCH_CHECK(granules[i] >= 0 && (granules[i] == 0 || s.roles[i] == 't' || s.roles[i] == 'c'),
+                "deepinfer_fast_path::publish: a granule is >= 0, and 0 but for a t or c tensor, for ", name);
+    entry.granule[i] = granules[i];
+  }
   for (int k = 0; k < n; ++k) {
     TORCH_CHECK(kernels[k] != 0 && (k == 0 || from[k] > from[k - 1]),
                 "deepinfer_fast_path::publish: 'from' must ascend and every kernel be a handle, for ", name);
@@ -451,11 +559,16 @@ void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes
   }
   for (int k = 0; k < s.num_tensors; ++k) {
     const c10::ScalarType t = dtypes[k];
-    TORCH_CHECK(t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Half || t == c10::ScalarType::Float,
-                "deepinfer_fast_path::publish: dtypes must be float16, bfloat16 or float32, got ", t);
+    const bool index = s.roles[s.tensors[k]] == 't' || s.roles[s.tensors[k]] == 'c';
+    TORCH_CHECK(t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Half || t == c10::ScalarType::Float ||
+                    (index && (t == c10::ScalarType::Int || t == c10::ScalarType::Long)),
+                "deepinfer_fast_path::publish: dtypes must be float16, bfloat16 or float32 (int32 or int64 for a t or c "
+                "tensor), got ", t);
     entry.dtypes[k] = t;
   }
-  TORCH_CHECK(hidden > 0 && (s.output != 'h' || hidden % 2 == 0), "deepinfer_fast_path::publish: bad entry for ", name);
+  const bool rows = s.roles[s.data] == 'r';
+  TORCH_CHECK(rows ? hidden > 0 && (s.output != 'h' || hidden % 2 == 0) : hidden == 0,
+              "deepinfer_fast_path::publish: bad entry for ", name);
   bind_ffi();
   for (int k = 0; k < n; ++k) g_ffi.inc_ref(entry.kernel[k]);
   edit_table([&](std::vector<Entry>& table) { table.push_back(entry); });
@@ -474,7 +587,8 @@ std::vector<int64_t> counters() {
 TORCH_LIBRARY(deepinfer_fast_path, m) {
   m.def("install(str op, str roles, str output, int[] call) -> ()", &install);
   m.def("install_out(str op) -> ()", &install_out);
-  m.def("publish(str op, ScalarType[] dtypes, int hidden, int device, int[] from, int[] kernels) -> ()", &publish);
+  m.def("publish(str op, ScalarType[] dtypes, int hidden, int device, int[] from, int[] kernels, int[] facts, "
+        "int[] granules) -> ()", &publish);
   m.def("clear() -> ()", &clear);
   m.def("counters() -> int[]", &counters);  // [signatures published, calls served, calls passed on]
 }

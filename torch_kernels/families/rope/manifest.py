@@ -1,9 +1,12 @@
 """The rope family's inventory: who implements which op, and how each op compiles."""
 
 from ...manifest import HALF, kernels, reference
-from ...spec import OPAQUE, Backend, Family, OpInfo
+from ...spec import OPAQUE, Backend, Family, HostCall, OpInfo
 
 OPS = ("rotary_embedding", "qk_rmsnorm_rope")
+# how the C++ entry calls TileLang's host function: rope(positions, query, key, cos_sin_cache), in place;
+# head_size and is_neox are part of the signature
+_HOST_CALLS = {"rotary_embedding": HostCall("ttticb", "", (0, 1, 2, 4))}
 
 FAMILY = Family(
     __package__,
@@ -26,7 +29,8 @@ FAMILY = Family(
                  "layout of the rmsnorm kernel's rows (so its bits), normalised and rotated in registers"),
         *kernels(__package__, Backend.TILELANG, ("rotary_embedding",),
                  "a thread per (token, lane of pairs in 16-byte vectors): cos/sin loaded once, the lane rotated in "
-                 "every head of the token (q then k); every size and stride (misaligned views value by value)"),
+                 "every head of the token (q then k); every size and stride (misaligned views value by value)",
+                 host_calls=_HOST_CALLS),
         *kernels(__package__, Backend.TILELANG, ("qk_rmsnorm_rope",),
                  "(token, head) rows in rmsnorm's row layout and reduction, several to a block; normalised rows "
                  "through shared memory to the rotation; misaligned views via aligned copies"),

@@ -7,7 +7,7 @@ the reference is ``torch_kernels/families/rope/reference.py``.
 Positions outside the cache: vLLM does not check them (its CUDA kernel reads out of bounds). Here
 no backend reads outside the cache: a token at such a position gets NaN in the rotated dims of each
 of its heads (the other tokens are exact). The eager entry also raises for them where reading the
-data costs no device sync: positions on the CPU, by default (:data:`CHECK_POSITIONS`).
+data costs no device sync: positions on the CPU, by default (:func:`positions_checked`).
 """
 
 from typing import Iterator, Optional
@@ -23,13 +23,6 @@ from .tokens import collapses, flat_tokens
 
 OP = "rotary_embedding"
 _POSITION_DTYPES = (torch.int32, torch.int64)
-
-#: Check ``0 <= positions < max_position`` on the data in eager calls: ``None`` (default) for positions
-#: on the CPU, ``True`` on every device, ``False`` never; ``configure(check_indices=)``
-#: (``DEEPINFER_OPS_CHECK_INDICES``), where set, decides instead. On CUDA the check syncs the device, 6 µs
-#: of the device's time a call at 32 tokens, so it is off there unless asked for (never inside a CUDA
-#: graph capture, which a read back would break).
-CHECK_POSITIONS = None
 
 
 def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
@@ -77,13 +70,16 @@ def _validate_full(positions: Tensor, query: Tensor, key: Optional[Tensor], head
 
 
 def positions_checked(positions: Tensor) -> bool:
-    """Whether the eager entry checks these positions on the data (:data:`CHECK_POSITIONS`)."""
-    default = positions.device.type == "cpu" if CHECK_POSITIONS is None else CHECK_POSITIONS
-    return check.index_check_runs(positions, default)
+    """Whether the eager entry checks ``0 <= positions < max_position`` on the data: as
+    ``configure(check_indices=)`` (``DEEPINFER_OPS_CHECK_INDICES``) asks, by default for positions on
+    the CPU only. On CUDA the check syncs the device, 6 µs of the device's time a call at 32 tokens (and
+    never runs inside a CUDA graph capture, which a read back would break); the C++ entry serves no call
+    whose positions this would check, and every configure() drops what it published."""
+    return check.index_check_runs(positions, positions.device.type == "cpu")
 
 
 def _check_positions_in_cache(positions: Tensor, max_position: int, num_tokens: int, OP: str = OP) -> None:
-    """``0 <= positions < max_position`` on the data, where :data:`CHECK_POSITIONS` asks for it: one
+    """``0 <= positions < max_position`` on the data, where :func:`positions_checked` asks for it: one
     reduction and one read back (a sync on a GPU)."""
     if num_tokens and positions_checked(positions):
         positions_in_cache(positions, max_position, OP)

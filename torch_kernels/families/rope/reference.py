@@ -19,7 +19,7 @@ from .tokens import flat_tokens
 
 def _positions_unchecked(positions: Tensor) -> bool:
     """Whether the op's eager check of the positions did not run for this call: traced (the compiled
-    route's functional tensors) or not asked for on this device (``CHECK_POSITIONS``)."""
+    route's functional tensors) or not asked for on this device (``ops.positions_checked``)."""
     if type(positions) is not Tensor:
         return True
     from . import ops as op  # loaded before any call reaches here

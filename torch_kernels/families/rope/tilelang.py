@@ -26,6 +26,8 @@ from torch import Tensor
 
 from ...backends import norm_rows as _rows, tilelang_jit as _jit
 from ...backends.tilelang_rotary import turned_first, turned_second
+from ...spec import HostKernels
+from .ops import positions_checked
 from .tokens import flat_tokens
 
 _NAME = "rotary_embedding"
@@ -137,7 +139,7 @@ def _build(num_q_heads: int, num_k_heads: int, head_size: int, rot_dim: int, is_
                         cos[v] = T.cast(c[pos, lane * VEC + v], "float32")
                     for v in per_access(VEC):
                         sin[v] = T.cast(c[pos, HALF + lane * VEC + v], "float32")
-                else:  # a position outside the cache: unchecked on CUDA (ops.CHECK_POSITIONS)
+                else:  # a position outside the cache: unchecked on CUDA (ops.positions_checked)
                     for v in T.unroll(VEC):
                         cos[v] = T.float32(float("nan"))
                         sin[v] = T.float32(float("nan"))
@@ -214,6 +216,24 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], he
     fn = _function(heads, key_heads, head_size, rot_dim, bool(is_neox), dtype, _DTYPES[cos_sin_cache.dtype],
                    _POSITION_DTYPES[positions.dtype], rank, aligned)
     fn(positions, query, key, cos_sin_cache)  # no key: the kernel for 0 key heads takes a null tensor
+
+
+def rotary_embedding_host(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
+                          cos_sin_cache: Tensor, is_neox: bool):
+    """The C++ entry's host (the manifest's HostCall): the aligned kernel of calls like this one, with
+    1-D positions, 2-D query and key rows and their granules, while positions go unchecked on the data
+    (``ops.positions_checked``: the entry does not check them); ``()`` for any other call."""
+    if (positions.dim() != 1 or query.dim() != 2 or key is None or key.dim() != 2 or not query.shape[0]
+            or positions_checked(positions)):
+        return ()
+    dtype, rot_dim = _DTYPES[query.dtype], cos_sin_cache.shape[1]
+    vec = _vec(rot_dim, is_neox, dtype)
+    seg = vec if is_neox else 2 * vec
+    if not _aligned(query, key, cos_sin_cache, head_size, seg, vec):
+        return ()
+    fn = _function(query.shape[1] // head_size, key.shape[1] // head_size, head_size, rot_dim, bool(is_neox), dtype,
+                   _DTYPES[cos_sin_cache.dtype], _POSITION_DTYPES[positions.dtype], 2, True)
+    return HostKernels(((0, fn),), (0, seg, seg, 0, vec, 0))
 
 
 def ci_kernels() -> Iterator[tuple]:
