@@ -32,25 +32,40 @@ FILTER_ORDERS = ("top_k_first", "joint")
 # test of the common valid call, as in norm.py.
 
 
+def _validate_rows(op: str, name: str, rows: Tensor) -> None:
+    """``rows`` (the ``probs`` or ``logits`` argument ``name``): 2-D ``(batch, vocab)`` of a float dtype."""
+    check.tensor(op, name, rows)
+    if rows.dtype not in _PROBS_DTYPES:
+        check.fail(op, name, f"must be float32, float16 or bfloat16, got {rows.dtype}", TypeError)
+    if rows.dim() != 2:
+        check.fail(op, name, f"must be 2-D (batch, vocab), got shape {tuple(rows.shape)}")
+    check.last_dim_contiguous(op, name, rows)
+    check.require(rows.shape[1] >= 1, op, name, "must have a vocabulary (dimension 1) of at least 1")
+    check.require(rows.shape[1] <= _MAX_VOCAB, op, name,
+                  lambda: f"must have a vocabulary of at most {_MAX_VOCAB}, got {rows.shape[1]}")
+
+
 def _validate_probs(op: str, probs: Tensor) -> None:
-    check.tensor(op, "probs", probs)
-    if probs.dtype not in _PROBS_DTYPES:
-        check.fail(op, "probs", f"must be float32, float16 or bfloat16, got {probs.dtype}", TypeError)
-    if probs.dim() != 2:
-        check.fail(op, "probs", f"must be 2-D (batch, vocab), got shape {tuple(probs.shape)}")
-    check.last_dim_contiguous(op, "probs", probs)
-    check.require(probs.shape[1] >= 1, op, "probs", "must have a vocabulary (dimension 1) of at least 1")
-    check.require(probs.shape[1] <= _MAX_VOCAB, op, "probs",
-                  lambda: f"must have a vocabulary of at most {_MAX_VOCAB}, got {probs.shape[1]}")
+    _validate_rows(op, "probs", probs)
 
 
-def _validate_per_row(op: str, arg: str, t: Tensor, dtypes, what: str, probs: Tensor) -> None:
+def _validate_logits(op: str, logits: Tensor) -> None:
+    _validate_rows(op, "logits", logits)
+
+
+def _validate_per_row(op: str, arg: str, t: Tensor, dtypes, what: str, rows: Tensor, rows_name: str = "probs") -> None:
+    """``t``: one value per row of ``rows`` (the argument ``rows_name``), of ``dtypes``, on its device."""
     check.tensor(op, arg, t)
     if t.dtype not in dtypes:
         check.fail(op, arg, f"must be {what}, got {t.dtype}", TypeError)
-    check.require(t.dim() == 1 and t.shape[0] == probs.shape[0], op, arg,
-                  lambda: f"must have shape ({probs.shape[0]},), one value per row of 'probs', got {tuple(t.shape)}")
-    check.same_device(op, arg, t, "probs", probs)
+    check.require(t.dim() == 1 and t.shape[0] == rows.shape[0], op, arg,
+                  lambda: f"must have shape ({rows.shape[0]},), one value per row of '{rows_name}', got {tuple(t.shape)}")
+    check.same_device(op, arg, t, rows_name, rows)
+
+
+def _per_row_ok(t: Optional[Tensor], dtypes, rows: Tensor) -> bool:
+    """The cheap test of :func:`_validate_per_row` (``None``: the scalar serves every row)."""
+    return t is None or (t.dtype in dtypes and t.shape == rows.shape[:1] and t.device == rows.device)
 
 
 def _validate_top_k(op: str, probs: Tensor, top_k: Optional[Tensor]) -> None:
@@ -141,11 +156,11 @@ def _probs_ok(probs: Tensor) -> bool:
 
 
 def _k_ok(top_k: Optional[Tensor], probs: Tensor) -> bool:
-    return top_k is None or (top_k.dtype in _INDEX_DTYPES and top_k.shape == probs.shape[:1] and top_k.device == probs.device)
+    return _per_row_ok(top_k, _INDEX_DTYPES, probs)
 
 
 def _p_ok(top_p: Optional[Tensor], probs: Tensor) -> bool:
-    return top_p is None or (top_p.dtype == torch.float32 and top_p.shape == probs.shape[:1] and top_p.device == probs.device)
+    return _per_row_ok(top_p, (torch.float32,), probs)
 
 
 def validate_top_k_renorm(probs: Tensor, top_k: Optional[Tensor], top_k_val: int = 0) -> None:
@@ -513,16 +528,31 @@ def _check_draw(args: tuple, ids: Tensor) -> None:
                     joint=order == "joint")
 
 
-def _bench_compare_samples(got: list, want: list, dtype, args: tuple) -> Optional[str]:
-    """The reference's ids, or, from another random stream, ids all in the reference's kept set."""
-    try:
-        compare_samples(got, want, dtype)
-        return None
-    except AssertionError:
-        inside = kept_set(*args[:3]).gather(1, got[0].long()[:, None]).float().mean().item()
-        if inside < 1.0:
-            raise AssertionError(f"{inside:.1%} of the ids in the kept set") from None
-        return "another random stream; every id in the kept set"
+def _kept_set_compare(kept_set_of):
+    """A benchmark comparison: the reference's ids, or, from another random stream, ids all in the kept
+    set ``kept_set_of(args)`` (a ``(batch, vocab)`` bool mask)."""
+    def compare(got: list, want: list, dtype, args: tuple) -> Optional[str]:
+        try:
+            compare_samples(got, want, dtype)
+            return None
+        except AssertionError:
+            inside = kept_set_of(args).gather(1, got[0].long()[:, None]).float().mean().item()
+            if inside < 1.0:
+                raise AssertionError(f"{inside:.1%} of the ids in the kept set") from None
+            return "another random stream; every id in the kept set"
+    return compare
+
+
+def _flashinfer_sampling(make):
+    """A benchmark peer from ``flashinfer.sampling``: ``make(fs, args)`` gives the Peer; a string saying
+    why when FlashInfer does not import (reported in the results)."""
+    def peer(args: tuple):
+        try:
+            import flashinfer.sampling as fs
+        except Exception as e:  # noqa: BLE001
+            return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+        return make(fs, args)
+    return peer
 
 
 def flashinfer_peers(op: str, args: tuple) -> Dict[str, Union[Peer, str]]:
@@ -578,43 +608,26 @@ def _bench(op: str, args, reads: int, compare=None) -> BenchCase:
 # None; the wrapper takes either (``temperature=0.7`` or a ``(B,)`` tensor), so a scalar never
 # becomes a tensor on the host.
 
-_LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LOGIT_DTYPES = _PROBS_DTYPES
 _TEMPERATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _validate_logits(op: str, logits: Tensor) -> None:
-    check.tensor(op, "logits", logits)
-    if logits.dtype not in _LOGIT_DTYPES:
-        check.fail(op, "logits", f"must be float32, float16 or bfloat16, got {logits.dtype}", TypeError)
-    if logits.dim() != 2:
-        check.fail(op, "logits", f"must be 2-D (batch, vocab), got shape {tuple(logits.shape)}")
-    check.last_dim_contiguous(op, "logits", logits)
-    check.require(logits.shape[1] >= 1, op, "logits", "must have a vocabulary (dimension 1) of at least 1")
-    check.require(logits.shape[1] <= _MAX_VOCAB, op, "logits",
-                  lambda: f"must have a vocabulary of at most {_MAX_VOCAB}, got {logits.shape[1]}")
-
-
-def _validate_row_values(op: str, arg: str, t: Tensor, dtypes, what: str, logits: Tensor) -> None:
-    check.tensor(op, arg, t)
-    if t.dtype not in dtypes:
-        check.fail(op, arg, f"must be {what}, got {t.dtype}", TypeError)
-    check.require(t.dim() == 1 and t.shape[0] == logits.shape[0], op, arg,
-                  lambda: f"must have shape ({logits.shape[0]},), one value per row of 'logits', got {tuple(t.shape)}")
-    check.same_device(op, arg, t, "logits", logits)
 
 
 def _temperature_ok(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
+def _validate_temperature(op: str, logits: Tensor, maybe_temperature_arr: Optional[Tensor], temperature_val) -> None:
+    if maybe_temperature_arr is not None:
+        _validate_per_row(op, "maybe_temperature_arr", maybe_temperature_arr, _TEMPERATURE_DTYPES,
+                          "float16, bfloat16, float32 or float64", logits, "logits")
+    if not _temperature_ok(temperature_val):
+        check.fail(op, "temperature_val", f"must be a finite float >= 0, got {temperature_val!r}")
+
+
 def _full_softmax(logits: Tensor, maybe_temperature_arr: Optional[Tensor] = None, temperature_val: float = 1.0) -> None:
     op = "softmax"
     _validate_logits(op, logits)
-    if maybe_temperature_arr is not None:
-        _validate_row_values(op, "maybe_temperature_arr", maybe_temperature_arr, _TEMPERATURE_DTYPES,
-                             "float16, bfloat16, float32 or float64", logits)
-    if not _temperature_ok(temperature_val):
-        check.fail(op, "temperature_val", f"must be a finite float >= 0, got {temperature_val!r}")
+    _validate_temperature(op, logits, maybe_temperature_arr, temperature_val)
 
 
 def _logits_ok(logits: Tensor) -> bool:
@@ -624,10 +637,8 @@ def _logits_ok(logits: Tensor) -> bool:
 
 def validate_softmax(logits: Tensor, maybe_temperature_arr: Optional[Tensor] = None, temperature_val: float = 1.0) -> None:
     try:
-        if _logits_ok(logits) and _temperature_ok(temperature_val) and (
-                maybe_temperature_arr is None or (maybe_temperature_arr.dtype in _TEMPERATURE_DTYPES
-                                                  and maybe_temperature_arr.shape == logits.shape[:1]
-                                                  and maybe_temperature_arr.device == logits.device)):
+        if (_logits_ok(logits) and _temperature_ok(temperature_val)
+                and _per_row_ok(maybe_temperature_arr, _TEMPERATURE_DTYPES, logits)):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
@@ -643,14 +654,12 @@ def _full_top_k_mask(logits: Tensor, maybe_top_k_arr: Optional[Tensor] = None, t
     op = "top_k_mask_logits"
     _validate_logits(op, logits)
     if maybe_top_k_arr is not None:
-        _validate_row_values(op, "maybe_top_k_arr", maybe_top_k_arr, _INDEX_DTYPES, "int32 or int64", logits)
+        _validate_per_row(op, "maybe_top_k_arr", maybe_top_k_arr, _INDEX_DTYPES, "int32 or int64", logits, "logits")
 
 
 def validate_top_k_mask(logits: Tensor, maybe_top_k_arr: Optional[Tensor] = None, top_k_val: int = 0) -> None:
     try:
-        if _logits_ok(logits) and (maybe_top_k_arr is None or (maybe_top_k_arr.dtype in _INDEX_DTYPES
-                                                               and maybe_top_k_arr.shape == logits.shape[:1]
-                                                               and maybe_top_k_arr.device == logits.device)):
+        if _logits_ok(logits) and _per_row_ok(maybe_top_k_arr, _INDEX_DTYPES, logits):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
@@ -790,17 +799,13 @@ def _bench_nbytes_top_k_mask(args: tuple) -> int:
 
 
 def _flashinfer_logits(op: str):
-    def peer(args: tuple):
-        try:
-            import flashinfer.sampling as fs
-        except Exception as e:  # noqa: BLE001  (reported in the results)
-            return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+    def make(fs, args: tuple) -> Peer:
         if op == "softmax":
             return Peer("flashinfer.sampling.softmax",
                         lambda logits, arr, val: fs.softmax(logits, arr if arr is not None else val))
         return Peer("flashinfer.sampling.top_k_mask_logits",
                     lambda logits, arr, val: fs.top_k_mask_logits(logits, arr if arr is not None else val))
-    return peer
+    return _flashinfer_sampling(make)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -823,9 +828,7 @@ def validate_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: 
     try:
         if (_probs_ok(probs) and _indices_ok(indices, probs)
                 and _seed_offset_ok(seed, offset, probs, _out_rows(indices, probs))
-                and (maybe_min_p_arr is None or (maybe_min_p_arr.dtype == torch.float32
-                                                 and maybe_min_p_arr.shape == probs.shape[:1]
-                                                 and maybe_min_p_arr.device == probs.device))):
+                and _per_row_ok(maybe_min_p_arr, (torch.float32,), probs)):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
@@ -962,23 +965,7 @@ def min_p_kept_set(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: 
     return bits >= reference.min_p_threshold(bits, maybe_min_p_arr, min_p_val)
 
 
-def _bench_compare_min_p(got: list, want: list, dtype, args: tuple) -> Optional[str]:
-    """The reference's ids, or, from another random stream, ids all in the reference's kept set."""
-    try:
-        compare_samples(got, want, dtype)
-        return None
-    except AssertionError:
-        inside = min_p_kept_set(*args[:3]).gather(1, got[0].long()[:, None]).float().mean().item()
-        if inside < 1.0:
-            raise AssertionError(f"{inside:.1%} of the ids in the kept set") from None
-        return "another random stream; every id in the kept set"
-
-
-def _flashinfer_min_p(args: tuple):
-    try:
-        import flashinfer.sampling as fs
-    except Exception as e:  # noqa: BLE001  (reported in the results)
-        return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+def _flashinfer_min_p(fs, args: tuple) -> Peer:
     seed, offset = int(args[3]), int(args[4])  # ints: graph capture reads no generator state
     return Peer("flashinfer.sampling.min_p_sampling_from_probs",
                 lambda probs, arr, val, *_: fs.min_p_sampling_from_probs(
@@ -1001,7 +988,7 @@ OPS = (
           "Tensor? indices=None) -> Tensor",
           validate_sampling, _fake_sampling, top_k_top_p_sampling_from_probs, _samples_sampling, _tokens_sampling,
           no_grad_reason=_NO_GRAD, compare=compare_samples, check_draw=_check_draw,
-          bench=_bench("top_k_top_p_sampling_from_probs", _bench_args_sampling, 1, _bench_compare_samples),
+          bench=_bench("top_k_top_p_sampling_from_probs", _bench_args_sampling, 1, _kept_set_compare(lambda args: kept_set(*args[:3]))),
           aliases=(top_p_sampling_from_probs, top_k_sampling_from_probs)),
     OpDef("softmax(Tensor logits, Tensor? maybe_temperature_arr=None, float temperature_val=1.0) -> Tensor",
           validate_softmax, _fake_softmax, softmax, _samples_softmax, _tokens_softmax,
@@ -1018,8 +1005,8 @@ OPS = (
           validate_min_p, _fake_min_p, min_p_sampling_from_probs, _samples_min_p, _tokens_min_p,
           no_grad_reason=_NO_GRAD, compare=compare_samples,
           bench=BenchCase(_bench_shape, _bench_args_min_p, _bench_nbytes(1), own_hidden=_bench_vocab,
-                          flashinfer=_flashinfer_min_p,
-                          compare=_bench_compare_min_p, axis="rows")),
+                          flashinfer=_flashinfer_sampling(_flashinfer_min_p),
+                          compare=_kept_set_compare(lambda args: min_p_kept_set(*args[:3])), axis="rows")),
 )
 
 
@@ -1282,11 +1269,7 @@ def _bench_compare_spec(got: list, want: list, dtype, args: tuple) -> Optional[s
         return "another random stream; well-formed"
 
 
-def _flashinfer_spec(args: tuple):
-    try:
-        import flashinfer.sampling as fs
-    except Exception as e:  # noqa: BLE001  (reported in the results)
-        return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+def _flashinfer_spec(fs, args: tuple) -> Peer:
     seed, offset = int(args[3]), int(args[4])  # ints: graph capture reads no generator state
     return Peer("flashinfer.sampling.chain_speculative_sampling",
                 lambda draft, ids, target, *_: fs.chain_speculative_sampling(
@@ -1300,7 +1283,7 @@ OPS = OPS + (
           validate_chain_speculative, _fake_chain_speculative, chain_speculative_sampling, _samples_chain_speculative,
           _tokens_chain_speculative, no_grad_reason=_NO_GRAD, compare=compare_speculative,
           bench=BenchCase(_bench_shape_spec, _bench_args_spec, _bench_nbytes_spec, own_hidden=_bench_vocab,
-                          flashinfer=_flashinfer_spec,
+                          flashinfer=_flashinfer_sampling(_flashinfer_spec),
                           compare=_bench_compare_spec, axis="rows")),
 )
 
@@ -1362,20 +1345,12 @@ def _full_top_k_top_p_from_logits(logits: Tensor, maybe_top_k_arr: Optional[Tens
     op = _TOP_K_TOP_P_FROM_LOGITS
     _validate_logits(op, logits)
     if maybe_top_k_arr is not None:
-        _validate_row_values(op, "maybe_top_k_arr", maybe_top_k_arr, _INDEX_DTYPES, "int32 or int64", logits)
+        _validate_per_row(op, "maybe_top_k_arr", maybe_top_k_arr, _INDEX_DTYPES, "int32 or int64", logits, "logits")
     if maybe_top_p_arr is not None:
-        _validate_row_values(op, "maybe_top_p_arr", maybe_top_p_arr, (torch.float32,), "float32", logits)
-    if maybe_temperature_arr is not None:
-        _validate_row_values(op, "maybe_temperature_arr", maybe_temperature_arr, _TEMPERATURE_DTYPES,
-                             "float16, bfloat16, float32 or float64", logits)
-    if not _temperature_ok(temperature_val):
-        check.fail(op, "temperature_val", f"must be a finite float >= 0, got {temperature_val!r}")
+        _validate_per_row(op, "maybe_top_p_arr", maybe_top_p_arr, (torch.float32,), "float32", logits, "logits")
+    _validate_temperature(op, logits, maybe_temperature_arr, temperature_val)
     _validate_filter_order(op, filter_apply_order)
     _validate_seed_offset(op, seed, offset, "logits", logits)
-
-
-def _row_arr_ok(t: Optional[Tensor], dtypes, logits: Tensor) -> bool:
-    return t is None or (t.dtype in dtypes and t.shape == logits.shape[:1] and t.device == logits.device)
 
 
 def validate_top_k_top_p_from_logits(logits: Tensor, maybe_top_k_arr: Optional[Tensor], top_k_val: int,
@@ -1385,9 +1360,9 @@ def validate_top_k_top_p_from_logits(logits: Tensor, maybe_top_k_arr: Optional[T
     try:
         if (_logits_ok(logits) and _seed_offset_ok(seed, offset, logits) and _temperature_ok(temperature_val)
                 and filter_apply_order in FILTER_ORDERS
-                and _row_arr_ok(maybe_top_k_arr, _INDEX_DTYPES, logits)
-                and _row_arr_ok(maybe_top_p_arr, (torch.float32,), logits)
-                and _row_arr_ok(maybe_temperature_arr, _TEMPERATURE_DTYPES, logits)):
+                and _per_row_ok(maybe_top_k_arr, _INDEX_DTYPES, logits)
+                and _per_row_ok(maybe_top_p_arr, (torch.float32,), logits)
+                and _per_row_ok(maybe_temperature_arr, _TEMPERATURE_DTYPES, logits)):
             return
     except (AttributeError, IndexError, RuntimeError, TypeError):
         pass
@@ -1608,25 +1583,8 @@ def logits_in_kept_set(op: str, args: tuple) -> Tensor:
     return kept & (q > 0)
 
 
-def _bench_compare_logits_in(op: str):
-    def compare(got: list, want: list, dtype, args: tuple) -> Optional[str]:
-        try:
-            compare_samples(got, want, dtype)
-            return None
-        except AssertionError:
-            inside = logits_in_kept_set(op, args).gather(1, got[0].long()[:, None]).float().mean().item()
-            if inside < 1.0:
-                raise AssertionError(f"{inside:.1%} of the ids in the kept set") from None
-            return "another random stream; every id in the kept set"
-    return compare
-
-
 def _flashinfer_logits_in(op: str):
-    def peer(args: tuple):
-        try:
-            import flashinfer.sampling as fs
-        except Exception as e:  # noqa: BLE001  (reported in the results)
-            return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
+    def make(fs, args: tuple) -> Peer:
         seed, offset = int(args[-2]), int(args[-1])  # ints: graph capture reads no generator state
         if op == _SAMPLING_FROM_PROBS:
             return Peer("flashinfer.sampling.sampling_from_probs",
@@ -1638,7 +1596,7 @@ def _flashinfer_logits_in(op: str):
                     lambda logits, k_arr, k_val, p_arr, p_val, *_: fs.top_k_top_p_sampling_from_logits(
                         logits, k_arr if k_arr is not None else k_val, p_arr if p_arr is not None else p_val,
                         filter_apply_order="top_k_first", deterministic=True, seed=seed, offset=offset))
-    return peer
+    return _flashinfer_sampling(make)
 
 
 def _unfused_logits_in(logits, k_arr, k_val, p_arr, p_val, t_arr, t_val, seed, offset, order="top_k_first"):
@@ -1653,7 +1611,7 @@ _UNFUSED_LOGITS_IN = Peer("unfused", _unfused_logits_in)
 def _bench_logits_in(op: str, args) -> BenchCase:
     return BenchCase(_bench_shape, args, _bench_nbytes(1), own_hidden=_bench_vocab, flashinfer=_flashinfer_logits_in(op),
                      peers=(_UNFUSED_LOGITS_IN,) if op == _TOP_K_TOP_P_FROM_LOGITS else (),
-                     compare=_bench_compare_logits_in(op), axis="rows")
+                     compare=_kept_set_compare(lambda args: logits_in_kept_set(op, args)), axis="rows")
 
 
 OPS = OPS + (
@@ -1687,19 +1645,15 @@ def _full_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr: Opt
                    temperature_val: float = 1.0) -> None:
     op = _LOGPROBS
     _validate_logits(op, logits)
-    _validate_row_values(op, "token_ids", token_ids, _INDEX_DTYPES, "int32 or int64", logits)
-    if maybe_temperature_arr is not None:
-        _validate_row_values(op, "maybe_temperature_arr", maybe_temperature_arr, _TEMPERATURE_DTYPES,
-                             "float16, bfloat16, float32 or float64", logits)
-    if not _temperature_ok(temperature_val):
-        check.fail(op, "temperature_val", f"must be a finite float >= 0, got {temperature_val!r}")
+    _validate_per_row(op, "token_ids", token_ids, _INDEX_DTYPES, "int32 or int64", logits, "logits")
+    _validate_temperature(op, logits, maybe_temperature_arr, temperature_val)
 
 
 def validate_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr: Optional[Tensor] = None,
                       temperature_val: float = 1.0) -> None:
     try:
-        if (_logits_ok(logits) and _temperature_ok(temperature_val) and _row_arr_ok(token_ids, _INDEX_DTYPES, logits)
-                and token_ids is not None and _row_arr_ok(maybe_temperature_arr, _TEMPERATURE_DTYPES, logits)):
+        if (_logits_ok(logits) and _temperature_ok(temperature_val) and _per_row_ok(token_ids, _INDEX_DTYPES, logits)
+                and token_ids is not None and _per_row_ok(maybe_temperature_arr, _TEMPERATURE_DTYPES, logits)):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
