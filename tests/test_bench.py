@@ -350,3 +350,35 @@ def test_layers_benchmark_judges_the_issue_goals():
                    (2048, "ours reduce-overhead <= 1.0x plain reduce-overhead"): (1.02, False)}
     line = next(s for s in bench.summary(rows) if s["tokens"] == 1 and s["mode"] == "eager")
     assert line["wall x plain"] == 300.0 / 130.0 and "device x plain" not in line
+
+
+# ------------------------------------------------------------------------------------------------
+# benchmarks/bench_host.py: host µs per eager call of every op at one token.
+
+
+def _bench_host():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_host", ROOT / "benchmarks" / "bench_host.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_host_benchmark_cpu_smoke_run(tmp_path, capsys):
+    """Every op but the collective ones, at one token in both modes, timed on the CPU; no goal judged."""
+    out = tmp_path / "host.json"
+    assert _bench_host().main(["--device", "cpu", "--rounds", "1", "--calls", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    want = {d.name for d in ops.ALL if not d.name.startswith("all_reduce_")}
+    assert {(r["op"], r["mode"]) for r in result["rows"]} == {(op, m) for op in want for m in ("inference_mode", "grad enabled")}
+    assert all(r["ours us"] > 0 and r["flashinfer us"] is None for r in result["rows"]) and result["goals"] == []
+    assert "| rmsnorm | 1x512 | inference_mode |" in capsys.readouterr().out
+
+
+def test_host_benchmark_judges_8_us_and_flashinfer():
+    bench = _bench_host()
+    rows = [{"op": "a", "mode": "m", "ours us": 7.5, "flashinfer us": 7.0},
+            {"op": "b", "mode": "m", "ours us": 9.0, "flashinfer us": None}]
+    assert [(g["op"], g["goal"], g["met"]) for g in bench.goals(rows)] == [
+        ("a", "host us <= 8", True), ("a", "host us <= FlashInfer's", False), ("b", "host us <= 8", False)]
