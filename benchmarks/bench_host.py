@@ -15,7 +15,6 @@ smoke run and judges no goal.
 import argparse
 import os
 import sys
-import time
 
 import torch
 
@@ -50,26 +49,6 @@ def _flashinfer(op: str, args: tuple):
     return lambda: peer.fn(*peer_args)
 
 
-def host_us(table: dict, rounds: int, calls: int, sync) -> dict:
-    """Best-of-``rounds`` host µs a call of each case, interleaved, timing the launches alone: the
-    device is synchronised before each round's clock starts and after it stops, so an op whose device
-    time exceeds its host time is not read at its device time (``calls`` times the launches a call
-    makes must stay under CUDA's queue of about a thousand pending launches, which blocks the host)."""
-    best = {name: float("inf") for name in table}
-    for fn in table.values():
-        for _ in range(10):
-            fn()
-    for _ in range(rounds):
-        for name, fn in table.items():
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e6)
-            sync()
-    return best
-
-
 def measure(device: str = "cuda", names=None, rounds: int = 20, calls: int = 100) -> list:
     """One row per (op, mode): our µs a call, FlashInfer's where it has the op, the C++ entry's part."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -90,7 +69,7 @@ def measure(device: str = "cuda", names=None, rounds: int = 20, calls: int = 100
                 table["flashinfer"] = peer
             served = fast_path.counters()["served"] if fast_path.loaded() else 0
             with ctx():
-                times = host_us(table, rounds, calls, sync)
+                times = harness.host_us_interleaved(table, rounds, calls, warmup=10, sync=sync, launches_only=True)
             in_cpp = fast_path.loaded() and fast_path.counters()["served"] > served
             row = {"op": op, "shape": label, "mode": mode, "ours us": times["ours"], "C++ entry": in_cpp,
                    "flashinfer us": times.get("flashinfer"), "flashinfer": None if callable(peer) else peer}

@@ -210,7 +210,7 @@ def _out_entries(op: OpDef):
     def returned(outs):
         return outs[names[0]] if len(names) == 1 else tuple(outs[n] for n in names)
 
-    written = [i for i, a in enumerate(default._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    written = mutated_args(default)
 
     def kernel(*args, **outs):
         # the call writes an argument: the outputs are checked before it runs, and kept off it (traced,

@@ -349,8 +349,9 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
         !out.is_contiguous() || !aligned(out)) {
       return false;
     }
+    const Span given_out = span_of(out);
     for (int k = 0; k < s.num_tensors; ++k) {
-      if (!apart(span_of(out), span_of(*t[s.tensors[k]]))) return false;
+      if (!apart(given_out, span_of(*t[s.tensors[k]]))) return false;
     }
   } else if (s.output == 'r') {
     out = at::empty_like(x);

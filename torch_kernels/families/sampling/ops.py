@@ -151,8 +151,9 @@ def _full_sampling(probs: Tensor, top_k: Optional[Tensor], top_p: Optional[Tenso
     _validate_seed_offset(op, seed, offset, "probs", probs, _out_rows(indices, probs))
 
 
-def _probs_ok(probs: Tensor) -> bool:
-    return probs.dtype in _PROBS_DTYPES and probs.dim() == 2 and probs.stride(1) == 1 and 1 <= probs.shape[1] <= _MAX_VOCAB
+def _rows_ok(rows: Tensor) -> bool:
+    """The cheap test of :func:`_validate_rows` (probabilities or logits)."""
+    return rows.dtype in _PROBS_DTYPES and rows.dim() == 2 and rows.stride(1) == 1 and 1 <= rows.shape[1] <= _MAX_VOCAB
 
 
 def _k_ok(top_k: Optional[Tensor], probs: Tensor) -> bool:
@@ -165,7 +166,7 @@ def _p_ok(top_p: Optional[Tensor], probs: Tensor) -> bool:
 
 def validate_top_k_renorm(probs: Tensor, top_k: Optional[Tensor], top_k_val: int = 0) -> None:
     try:
-        if _probs_ok(probs) and _k_ok(top_k, probs):
+        if _rows_ok(probs) and _k_ok(top_k, probs):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
@@ -174,7 +175,7 @@ def validate_top_k_renorm(probs: Tensor, top_k: Optional[Tensor], top_k_val: int
 
 def validate_top_p_renorm(probs: Tensor, top_p: Optional[Tensor], top_p_val: float = 1.0) -> None:
     try:
-        if _probs_ok(probs) and _p_ok(top_p, probs):
+        if _rows_ok(probs) and _p_ok(top_p, probs):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
@@ -185,7 +186,7 @@ def validate_sampling(probs: Tensor, top_k: Optional[Tensor], top_p: Optional[Te
                       top_k_val: int = 0, top_p_val: float = 1.0, filter_apply_order: str = "top_k_first",
                       indices: Optional[Tensor] = None) -> None:
     try:
-        if (_probs_ok(probs) and _k_ok(top_k, probs) and _p_ok(top_p, probs) and filter_apply_order in FILTER_ORDERS
+        if (_rows_ok(probs) and _k_ok(top_k, probs) and _p_ok(top_p, probs) and filter_apply_order in FILTER_ORDERS
                 and _indices_ok(indices, probs) and _seed_offset_ok(seed, offset, probs, _out_rows(indices, probs))):
             return
     except (AttributeError, IndexError, RuntimeError, TypeError):
@@ -588,13 +589,7 @@ def flashinfer_peers(op: str, args: tuple) -> Dict[str, Union[Peer, str]]:
 
 
 def _flashinfer(op: str):
-    def peer(args: tuple):
-        try:
-            import flashinfer  # noqa: F401
-        except Exception as e:  # noqa: BLE001  (reported in the results)
-            return f"FlashInfer not importable: {type(e).__name__}: {e}"[:200]
-        return flashinfer_peers(op, args)["flashinfer"]
-    return peer
+    return _flashinfer_sampling(lambda fs, args: flashinfer_peers(op, args)["flashinfer"])
 
 
 def _bench(op: str, args, reads: int, compare=None) -> BenchCase:
@@ -630,14 +625,9 @@ def _full_softmax(logits: Tensor, maybe_temperature_arr: Optional[Tensor] = None
     _validate_temperature(op, logits, maybe_temperature_arr, temperature_val)
 
 
-def _logits_ok(logits: Tensor) -> bool:
-    return (logits.dtype in _LOGIT_DTYPES and logits.dim() == 2 and logits.stride(1) == 1
-            and 1 <= logits.shape[1] <= _MAX_VOCAB)
-
-
 def validate_softmax(logits: Tensor, maybe_temperature_arr: Optional[Tensor] = None, temperature_val: float = 1.0) -> None:
     try:
-        if (_logits_ok(logits) and _temperature_ok(temperature_val)
+        if (_rows_ok(logits) and _temperature_ok(temperature_val)
                 and _per_row_ok(maybe_temperature_arr, _TEMPERATURE_DTYPES, logits)):
             return
     except (AttributeError, IndexError, RuntimeError):
@@ -659,7 +649,7 @@ def _full_top_k_mask(logits: Tensor, maybe_top_k_arr: Optional[Tensor] = None, t
 
 def validate_top_k_mask(logits: Tensor, maybe_top_k_arr: Optional[Tensor] = None, top_k_val: int = 0) -> None:
     try:
-        if _logits_ok(logits) and _per_row_ok(maybe_top_k_arr, _INDEX_DTYPES, logits):
+        if _rows_ok(logits) and _per_row_ok(maybe_top_k_arr, _INDEX_DTYPES, logits):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
@@ -826,7 +816,7 @@ def _full_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: flo
 def validate_min_p(probs: Tensor, maybe_min_p_arr: Optional[Tensor], min_p_val: float, seed: Tensor,
                    offset: Tensor, indices: Optional[Tensor] = None) -> None:
     try:
-        if (_probs_ok(probs) and _indices_ok(indices, probs)
+        if (_rows_ok(probs) and _indices_ok(indices, probs)
                 and _seed_offset_ok(seed, offset, probs, _out_rows(indices, probs))
                 and _per_row_ok(maybe_min_p_arr, (torch.float32,), probs)):
             return
@@ -1306,7 +1296,7 @@ def _full_sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor, indic
 
 def validate_sampling_from_probs(probs: Tensor, seed: Tensor, offset: Tensor, indices: Optional[Tensor] = None) -> None:
     try:
-        if _probs_ok(probs) and _indices_ok(indices, probs) and _seed_offset_ok(seed, offset, probs,
+        if _rows_ok(probs) and _indices_ok(indices, probs) and _seed_offset_ok(seed, offset, probs,
                                                                                _out_rows(indices, probs)):
             return
     except (AttributeError, IndexError, RuntimeError):
@@ -1326,7 +1316,7 @@ def _full_sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> 
 
 def validate_sampling_from_logits(logits: Tensor, seed: Tensor, offset: Tensor) -> None:
     try:
-        if _logits_ok(logits) and _seed_offset_ok(seed, offset, logits):
+        if _rows_ok(logits) and _seed_offset_ok(seed, offset, logits):
             return
     except (AttributeError, IndexError, RuntimeError):
         pass
@@ -1358,7 +1348,7 @@ def validate_top_k_top_p_from_logits(logits: Tensor, maybe_top_k_arr: Optional[T
                                      maybe_temperature_arr: Optional[Tensor], temperature_val: float,
                                      seed: Tensor, offset: Tensor, filter_apply_order: str = "top_k_first") -> None:
     try:
-        if (_logits_ok(logits) and _seed_offset_ok(seed, offset, logits) and _temperature_ok(temperature_val)
+        if (_rows_ok(logits) and _seed_offset_ok(seed, offset, logits) and _temperature_ok(temperature_val)
                 and filter_apply_order in FILTER_ORDERS
                 and _per_row_ok(maybe_top_k_arr, _INDEX_DTYPES, logits)
                 and _per_row_ok(maybe_top_p_arr, (torch.float32,), logits)
@@ -1652,7 +1642,7 @@ def _full_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr: Opt
 def validate_logprobs(logits: Tensor, token_ids: Tensor, maybe_temperature_arr: Optional[Tensor] = None,
                       temperature_val: float = 1.0) -> None:
     try:
-        if (_logits_ok(logits) and _temperature_ok(temperature_val) and _per_row_ok(token_ids, _INDEX_DTYPES, logits)
+        if (_rows_ok(logits) and _temperature_ok(temperature_val) and _per_row_ok(token_ids, _INDEX_DTYPES, logits)
                 and token_ids is not None and _per_row_ok(maybe_temperature_arr, _TEMPERATURE_DTYPES, logits)):
             return
     except (AttributeError, IndexError, RuntimeError):
