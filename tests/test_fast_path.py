@@ -40,8 +40,13 @@ def _written(op):
     return mutated_args(_overload(op))
 
 
-#: the served ops whose arguments are rows, vectors and floats: the tests below build their arguments by role
-ROW_OPS = [op for op in SERVED if set(_call_of(op).roles) <= set("rwf")]
+def _default(op, i):
+    return _overload(op)._schema.arguments[i].default_value
+
+
+#: the served ops whose arguments are rows, vectors, floats and strings: the tests below build their arguments
+#: by role (a string at its default)
+ROW_OPS = [op for op in SERVED if set(_call_of(op).roles) <= set("rwfs")]
 #: the others, with tensors passed as they are (t, c) and ints and bools in the signature: rope
 AS_GIVEN_OPS = [op for op in SERVED if op not in ROW_OPS]
 IN_PLACE = [op for op in ROW_OPS if _written(op)]
@@ -114,7 +119,7 @@ def test_each_host_call_fits_its_schema(op):
     """What ``install`` checks in C++ at import, checked here without the library."""
     call, schema = _call_of(op), _overload(op)._schema
     assert len(call.roles) == len(schema.arguments)
-    types = {"f": torch.FloatType, "i": torch.IntType, "b": torch.BoolType}
+    types = {"f": torch.FloatType, "i": torch.IntType, "b": torch.BoolType, "s": torch.StringType}
     for role, arg in zip(call.roles, schema.arguments):
         t = arg.type.getElementType() if role in "wt" and isinstance(arg.type, torch.OptionalType) else arg.type
         assert isinstance(t, types.get(role, torch.TensorType)), (role, arg)
@@ -285,15 +290,16 @@ defs = {op.name: op for op in ALL}
 
 def args_of(op, requires_grad):
     roles = fast_path.SERVED[op].host_call.roles
-    return [1e-5 if r == "f" else torch.randn((3, 5, 64) if r == "r" else (64,), dtype=torch.float64,
-                                               requires_grad=requires_grad) for r in roles]
+    default = lambda i: getattr(torch.ops.deepinfer, op).default._schema.arguments[i].default_value  # noqa: E731
+    return [1e-5 if r == "f" else default(i) if r == "s" else torch.randn((3, 5, 64) if r == "r" else (64,), dtype=torch.float64,
+                                               requires_grad=requires_grad) for i, r in enumerate(roles)]
 
 def results(op, args, out):
     written = mutated_args(getattr(torch.ops.deepinfer, op).default)
     return (out,) if fast_path.SERVED[op].host_call.output else tuple(args[i] for i in written)
 
 for op in fast_path.SERVED:
-    if not set(fast_path.SERVED[op].host_call.roles) <= set("rwf"):  # rope: test_rope_... below
+    if not set(fast_path.SERVED[op].host_call.roles) <= set("rwfs"):  # rope: test_rope_... below
         continue
     f, reference = getattr(torch.ops.deepinfer, op), registry.BY_OP[op][Backend.TORCH].load()
     args = args_of(op, True)
@@ -342,6 +348,7 @@ ops, twins = torch.library.Library("deepinfer", "FRAGMENT"), torch.library.Libra
 for lib in (ops, twins):
     lib.define("toy(Tensor(a!) input, Tensor weight, float eps) -> ()")
     lib.define("read(Tensor input, Tensor weight, int n) -> ()")
+    lib.define("named(Tensor input, str how) -> Tensor")
 ops.define("lonely(Tensor input) -> Tensor")
 for args, words in (((next(iter(fast_path.SERVED)), "r", "h", [0, -1]), "installed already"),
                     (("lonely", "r", "h", [0, -1]), f"{fast_path.TWIN_NAMESPACE}::lonely is not defined"),
@@ -354,6 +361,8 @@ for args, words in (((next(iter(fast_path.SERVED)), "r", "h", [0, -1]), "install
                     (("read", "wwi", "", [0, 1]), "has no 'r' or 't'"),
                     (("read", "rib", "", [0]), "argument 'roles': 'i' for argument 'weight'"),
                     (("read", "rcf", "", [0, 1, 2]), "argument 'roles': 'f' for argument 'n'"),
+                    (("read", "rws", "", [0, 1]), "argument 'roles': 's' for argument 'n'"),
+                    (("named", "rs", "r", [0, 1, -1]), "argument 'call'"),
                     (("read", "tci", "r", [0, 1, -1]), "an output is shaped like rows"),
                     (("read", "tci", "", [0, 1, 2]), "argument 'call'"),
                     (("toy", "rwf", "r", [0, 1, -1, 2]), "argument 'output' 'r'"),
@@ -368,6 +377,7 @@ for args, words in (((next(iter(fast_path.SERVED)), "r", "h", [0, -1]), "install
         raise AssertionError(f"{args}: no error")
 assert "fast_path.cpp" not in torch._C._dispatch_dump("deepinfer::toy")  # refused: nothing registered
 install("toy", "rwf", "", [2, 1, 0])
+install("named", "rs", "h", [0, -1])
 for lib in (ops, twins):
     lib.define("pair(Tensor input) -> Tensor")
     lib.define("pair.out(Tensor input, *, Tensor(a!) out) -> Tensor(a!)")
@@ -439,6 +449,9 @@ torch.ops.deepinfer_fast_path.publish(given, index, 0, 0, [0], [handle], facts, 
 assert torch.ops.deepinfer_fast_path.counters() == [2, 0, 0]
 torch.ops.deepinfer_fast_path.clear()
 assert torch.ops.deepinfer_fast_path.counters() == [0, 0, 0]
+intern = torch.ops.deepinfer_fast_path.intern  # a string argument's fact: one number per string, kept
+first, second = intern("none"), intern("tanh")
+assert first != second and (intern("none"), intern("tanh")) == (first, second)
 """)
 
 
@@ -460,10 +473,10 @@ def tilelang_entry():
 
 def _args(op, shape, dtype, vector_dtype=None, eps=1e-5):
     """Fresh random arguments of ``op`` by their roles: rows of ``shape``, vectors of its width, floats ``eps``."""
-    return [eps if role == "f" else
+    return [eps if role == "f" else _default(op, i) if role == "s" else
             torch.randn(shape if role == "r" else shape[-1:], dtype=vector_dtype if role == "w" and vector_dtype else dtype,
                         device="cuda")
-            for role in _call_of(op).roles]
+            for i, role in enumerate(_call_of(op).roles)]
 
 
 def _results(op, args, out):
@@ -486,7 +499,7 @@ def _run_and_compare(op, args):
 
 def _each_tensor(op, args, view):
     """``args`` with ``view(tensor, role)`` in place of each tensor."""
-    return [a if role == "f" else view(a, role) for a, role in zip(args, _call_of(op).roles)]
+    return [a if role in "fs" else view(a, role) for a, role in zip(args, _call_of(op).roles)]
 
 
 @pytest.mark.gpu
@@ -604,6 +617,8 @@ def test_bad_input_still_names_the_op_and_the_argument(op, tilelang_entry):
     for i, role in enumerate(call.roles):
         if role == "f":
             bad.append((i, -1.0, ValueError))
+        elif role == "s":
+            bad.append((i, "fast", ValueError))
         elif role == "w":
             bad += [(i, args[i][:255], ValueError), (i, args[i].cpu(), ValueError)]
         elif i != call.data:
@@ -729,6 +744,26 @@ def test_gradients_on_cuda_take_the_backward_formula(op, tilelang_entry):
         torch.testing.assert_close(leaves[i].grad, copies[i].grad, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.gpu
+def test_a_string_argument_is_part_of_the_signature(tilelang_entry):
+    """gelu_and_mul's approximate: "none" and "tanh" are two signatures, each served by its own kernel bit
+    for bit as the Python kernels serve it; a string no signature holds goes on to Python's validation."""
+    f, twin = torch.ops.deepinfer.gelu_and_mul, getattr(torch.ops, fast_path.TWIN_NAMESPACE).gelu_and_mul
+    x = torch.randn(7, 2 * 1024, dtype=torch.bfloat16, device="cuda")
+    for approximate in ("none", "tanh"):
+        before = fast_path.counters()
+        f(x, approximate)  # publishes
+        got = f(x, approximate)
+        after = fast_path.counters()
+        assert after["signatures"] == before["signatures"] + 1 and after["served"] == before["served"] + 1, after
+        assert torch.equal(got, twin.default(x, approximate))
+    assert not torch.equal(f(x, "none"), f(x, "tanh"))
+    before = fast_path.counters()
+    with pytest.raises(ValueError, match="deepinfer::gelu_and_mul: argument 'approximate'"):
+        f(x, "fast")
+    assert fast_path.counters()["passed_on"] == before["passed_on"] + 1
+
+
 class _HostFunction:
     def __init__(self, handle):
         self.handle = handle
@@ -746,6 +781,7 @@ def test_offer_reads_the_signature_by_role_with_trailing_defaults_left_out(monke
     monkeypatch.setattr(fast_path, "loaded", lambda: True)
     monkeypatch.setattr(fast_path, "_published", set())
     monkeypatch.setattr(fast_path, "_publish", lambda *entry: published.append(entry))
+    monkeypatch.setattr(fast_path, "_intern", {"none": 5, "tanh": 6}.__getitem__)
 
     def fake_host(spec):
         def host(*args):
@@ -757,13 +793,15 @@ def test_offer_reads_the_signature_by_role_with_trailing_defaults_left_out(monke
     expected = []
     for op in ROW_OPS:
         spec, roles = fast_path.SERVED[op], _call_of(op).roles
-        args = [1e-5 if r == "f" else x.clone() if r == "r" else w32 for r in roles]
-        while roles[len(args) - 1] == "f":  # trailing defaults left out
+        args = [1e-5 if r == "f" else "none" if r == "s" else x.clone() if r == "r" else w32 for r in roles]
+        while roles[len(args) - 1] in "fs":  # trailing defaults left out
             args.pop()
         fast_path.offer(op, spec, tuple(args))
         fast_path.offer(op, spec, tuple(args))  # published already
-        dtypes = tuple(torch.float32 if r == "w" else torch.bfloat16 for r in roles if r != "f")
-        expected.append((op, dtypes, 64, None, *(([0, 4096], [1, 2]) if "w" in roles else ([0], [1])), [], [0] * len(roles)))
+        dtypes = tuple(torch.float32 if r == "w" else torch.bfloat16 for r in roles if r in "rw")
+        facts = [5] * roles.count("s")  # a string left at its default: "none"
+        expected.append((op, dtypes, 64, None, *(([0, 4096], [1, 2]) if "w" in roles else ([0], [1])), facts,
+                         [0] * len(roles)))
         fast_path.offer(op, registry.BY_OP[op][Backend.TRITON], tuple(args))  # not the served spec
         fast_path.offer(op, None, tuple(args))  # no sole server
     assert published == expected
@@ -771,7 +809,7 @@ def test_offer_reads_the_signature_by_role_with_trailing_defaults_left_out(monke
     for op in ROW_OPS:  # an optional vector passed as None: never published (the entry passes such calls on)
         roles = _call_of(op).roles
         if "w" in roles and isinstance(_overload(op)._schema.arguments[roles.index("w")].type, torch.OptionalType):
-            fast_path.offer(op, fast_path.SERVED[op], tuple(None if r == "w" else x.clone() for r in roles if r != "f"))
+            fast_path.offer(op, fast_path.SERVED[op], tuple(None if r == "w" else x.clone() for r in roles if r in "rw"))
     assert published == expected and len(asked) == len(ROW_OPS)
 
 

@@ -8,7 +8,7 @@ the ops it serves: those with a TileLang :class:`~torch_kernels.spec.KernelSpec`
 * :func:`install` registers an op's kernels in C++ from its spec's ``host_call`` (each argument's
   role, the output, the host function's argument order); ``library.py`` puts the op's Python kernels
   on a twin ``deepinfer_py::<op>`` first;
-* the first call of each signature (op, dtypes of its tensors, width or shapes, ints and bools,
+* the first call of each signature (op, dtypes of its tensors, width or shapes, ints, bools and strings,
   device) goes on to the twin,
   which validates, selects and launches exactly as without the entry; when that call was served by the
   spec that takes every call of its dtypes, and it has a ``host``, the selection *publishes* the
@@ -320,19 +320,29 @@ def offer(op: str, spec: Optional[KernelSpec], args: tuple) -> None:
 def _facts(op: str, call: HostCall, args: tuple) -> Optional[Tuple[int, ...]]:
     """The call's signature beyond its dtypes and width, as the entry reads it from a call (``csrc``'s
     ``serve``): per ``t`` tensor its dimensions and its second size (0 for one dimension), per ``c``
-    tensor its two sizes, per int and bool its value; ``None`` for a call the entry never serves (a
+    tensor its two sizes, per int and bool its value, per string its number in the entry (``intern``); ``None`` for a call the entry never serves (a
     tensor of more dimensions)."""
     out = []
     for i, role in enumerate(call.roles):
-        if role in "ib":
+        if role in "ibs":
             value = args[i] if i < len(args) else _default(op, i)
-            out.append(int(value))
+            out.append(_intern(value) if role == "s" else int(value))
         elif role in "tc":
             t = args[i]
             if t.dim() not in ((1, 2) if role == "t" else (2,)):
                 return None
             out += [t.dim(), t.shape[1] if t.dim() == 2 else 0] if role == "t" else [t.shape[0], t.shape[1]]
     return tuple(out)
+
+
+_interned: Dict[str, int] = {}
+
+
+def _intern(value: str) -> int:
+    found = _interned.get(value)
+    if found is None:
+        found = _interned[value] = torch.ops.deepinfer_fast_path.intern(value)
+    return found
 
 
 def _default(op: str, i: int):

@@ -129,9 +129,10 @@ def _cc(cc: Tuple[int, int]) -> str:
 #: :attr:`HostCall.roles`: rows shaped like the data argument, a vector of its last dimension, a float >= 0;
 #: a tensor of the call's tokens and one of a fixed shape, each passed as it is (strided); an int and a
 #: bool, whose values are part of the signature and are not passed
-HOST_ROLES = {"r": "rows", "w": "vector", "f": "float", "t": "token tensor", "c": "fixed tensor", "i": "int", "b": "bool"}
+HOST_ROLES = {"r": "rows", "w": "vector", "f": "float", "t": "token tensor", "c": "fixed tensor", "i": "int", "b": "bool",
+              "s": "string"}
 #: the roles whose argument the host function does not take (the compiled function is specialised on it)
-HOST_FIXED = ("i", "b")
+HOST_FIXED = ("i", "b", "s")
 #: :attr:`HostCall.output`: none (in place), rows like the data argument, rows of half its last dimension
 HOST_OUTPUTS = {"": "none", "r": "rows", "h": "half rows"}
 
@@ -146,8 +147,8 @@ class HostCall:
     kernels), ``f`` a float that must be >= 0, passed by value; ``t`` a tensor of one or two dimensions
     whose first is the call's tokens, and ``c`` a 2-D tensor of a fixed shape, each passed with its own
     strides (its last one 1), its trailing (``t``) or whole (``c``) shape part of the signature, its data
-    pointer and strides multiples of the granule its host publishes; ``i`` an int and ``b`` a bool,
-    part of the signature and not passed. ``output`` is what the entry allocates (:data:`HOST_OUTPUTS`).
+    pointer and strides multiples of the granule its host publishes; ``i`` an int, ``b`` a bool and
+    ``s`` a string, part of the signature and not passed. ``output`` is what the entry allocates (:data:`HOST_OUTPUTS`).
     ``order`` is the host function's arguments: every passed argument's index once, ``-1`` for the output.
     """
 

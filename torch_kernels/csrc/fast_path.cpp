@@ -8,7 +8,7 @@
 // It knows no op. ``install(op, roles, output, call)`` registers the op's kernels from its manifest's
 // HostCall: per schema argument a role (r rows like the data argument, w a vector of its width, f a float
 // >= 0; t a tensor of the call's tokens and c one of a fixed shape, both passed with their strides; i an
-// int and b a bool, not passed), the output (none, r rows, h rows of half the width) and the host
+// int, b a bool and s a string, not passed), the output (none, r rows, h rows of half the width) and the host
 // function's argument order (-1 the output); the arguments the schema marks written are read from it.
 // ``install_out(op)`` then registers the same on the op's ``out`` overload, whose last argument is the
 // output. Per call:
@@ -16,7 +16,7 @@
 //             16-byte aligned; t and c of one or two dimensions, the last of stride 1, their data pointer
 //             and other strides multiples of the granule published); floats >= 0; a token at least;
 //             written tensors proven apart from every other; the shapes, ints and bools of a published
-//             signature -> allocate the output (``out``: take the given one, which must be
+//             signature (a string by its number from ``intern``) -> allocate the output (``out``: take the given one, which must be
 //             contiguous, aligned, of the output's shape and the data's dtype, on the device, and apart
 //             from every argument), set TVM-FFI's stream to torch's current one, call the host function
 //             published for the call's token count; else -> the twin (CUDA key).
@@ -44,6 +44,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -51,7 +52,7 @@ namespace {
 
 // At most this many schema arguments (the served ops have up to 6): the per-call arrays stay on the stack.
 constexpr int kMaxArgs = 8;
-constexpr int kMaxFacts = 2 * kMaxArgs;  // two a t or c tensor (its dims, or its sizes), one an int or bool
+constexpr int kMaxFacts = 2 * kMaxArgs;  // two a t or c tensor (its dims, or its sizes), one an int, bool or string
 constexpr int kMaxKernels = 4;  // host functions a signature, each from a token count
 
 // One installed op: its HostCall, resolved against its schema once.
@@ -63,7 +64,7 @@ struct OpState {
   bool given_output = false;  // the out overload: the output is the argument after them
   char roles[kMaxArgs] = {};
   char output = 0;  // 0 none, 'r' rows like the data argument, 'h' rows of half its width
-  int num_facts = 0;  // of a call's signature beyond dtypes and width: shapes of t and c, ints, bools
+  int num_facts = 0;  // of a call's signature beyond dtypes and width: shapes of t and c, ints, bools, strings
   int num_tensors = 0, tensors[kMaxArgs] = {};  // the tensor arguments, in schema order (the entries' dtypes)
   int num_written = 0, written[kMaxArgs] = {};  // the arguments the schema marks written
   int num_call = 0, call[kMaxArgs + 1] = {};    // the host function's arguments; -1 the output
@@ -88,6 +89,20 @@ std::atomic<const std::vector<Entry>*> g_table{new std::vector<Entry>()};
 std::mutex g_write;
 std::vector<std::unique_ptr<const std::vector<Entry>>> g_retired;
 std::atomic<int64_t> g_hits{0}, g_misses{0};
+
+// The strings of published signatures, each fact the string's index: read without a lock as the table is,
+// appended to by intern() (a few: an activation's "none" and "tanh").
+std::atomic<const std::vector<std::string>*> g_strings{new std::vector<std::string>()};
+std::vector<std::unique_ptr<const std::vector<std::string>>> g_retired_strings;
+
+// -1 for a string no published signature holds (such a call is passed on)
+int64_t string_fact(std::string_view value) {
+  const auto* strings = g_strings.load(std::memory_order_acquire);
+  for (size_t k = 0; k < strings->size(); ++k) {
+    if ((*strings)[k] == value) return static_cast<int64_t>(k);
+  }
+  return -1;
+}
 
 // The installed ops (each kernel holds its own's address) and the two libraries holding their kernels.
 std::mutex g_install;
@@ -308,6 +323,12 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
       facts[num_facts++] = role == 'i' ? args[i].toInt() : args[i].toBool();
       continue;
     }
+    if (role == 's') {
+      if (!args[i].isString()) return false;
+      facts[num_facts] = string_fact(args[i].toStringView());
+      if (facts[num_facts++] < 0) return false;
+      continue;
+    }
     const at::Tensor& a = *t[i];
     if (a.device() != device) return false;
     if (role == 't' || role == 'c') {
@@ -444,11 +465,12 @@ void install(const std::string& name, const std::string& roles, const std::strin
                           arguments[i].type()->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType;
     const bool tensor = kind == c10::TypeKind::TensorType || ((r == 'w' || r == 't') && optional);
     TORCH_CHECK(((r == 'r' || r == 'w' || r == 't' || r == 'c') && tensor) || (r == 'f' && kind == c10::TypeKind::FloatType) ||
-                    (r == 'i' && kind == c10::TypeKind::IntType) || (r == 'b' && kind == c10::TypeKind::BoolType),
+                    (r == 'i' && kind == c10::TypeKind::IntType) || (r == 'b' && kind == c10::TypeKind::BoolType) ||
+                    (r == 's' && kind == c10::TypeKind::StringType),
                 where, "argument 'roles': '", r, "' for argument '", arguments[i].name(), "' of type ", arguments[i].type()->str());
     s.roles[i] = r;
     if (tensor) s.tensors[s.num_tensors++] = i;
-    s.num_facts += r == 't' || r == 'c' ? 2 : r == 'i' || r == 'b' ? 1 : 0;
+    s.num_facts += r == 't' || r == 'c' ? 2 : r == 'i' || r == 'b' || r == 's' ? 1 : 0;
     if (arguments[i].alias_info() != nullptr && arguments[i].alias_info()->isWrite()) {
       TORCH_CHECK(r == 'r' || r == 't', where, "argument 'roles': the written argument '", arguments[i].name(),
                   "' must be rows (r) or a token tensor (t), got '", r, "'");
@@ -467,16 +489,17 @@ void install(const std::string& name, const std::string& roles, const std::strin
               where, "argument 'output' '", output, "' does not match the schema's ", returns.size(), " returns");
   s.output = output.empty() ? 0 : output[0];
   std::vector<int> seen(arguments.size() + 1, 0);  // by index + 1
-  int passed = 0;  // the arguments the host function takes: all but the ints and bools
-  for (int i = 0; i < s.num_args; ++i) passed += s.roles[i] != 'i' && s.roles[i] != 'b';
+  int passed = 0;  // the arguments the host function takes: all but the ints, bools and strings
+  const auto fixed = [&](int64_t i) { return s.roles[i] == 'i' || s.roles[i] == 'b' || s.roles[i] == 's'; };
+  for (int i = 0; i < s.num_args; ++i) passed += !fixed(i);
   bool ok = call.size() == static_cast<size_t>(passed + (s.output ? 1 : 0));
   for (size_t k = 0; ok && k < call.size(); ++k) {
     const int64_t i = call[k];
-    ok = i >= -1 && i < s.num_args && (i >= 0 || s.output) && (i < 0 || (s.roles[i] != 'i' && s.roles[i] != 'b')) &&
+    ok = i >= -1 && i < s.num_args && (i >= 0 || s.output) && (i < 0 || !fixed(i)) &&
          seen[i + 1]++ == 0;
     s.call[k] = static_cast<int>(i);
   }
-  TORCH_CHECK(ok, where, "argument 'call' must hold every argument's index once but the ints' and bools', and -1 for "
+  TORCH_CHECK(ok, where, "argument 'call' must hold every argument's index once but the ints', bools' and strings', and -1 for "
               "the output when there is one");
   s.num_call = static_cast<int>(call.size());
 
@@ -575,6 +598,18 @@ void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes
   edit_table([&](std::vector<Entry>& table) { table.push_back(entry); });
 }
 
+// The fact standing for `value` in a published signature (publish's facts hold it for an s argument).
+int64_t intern(const std::string& value) {
+  std::lock_guard<std::mutex> lock(g_write);
+  const int64_t found = string_fact(value);
+  if (found >= 0) return found;
+  auto next = std::make_unique<std::vector<std::string>>(*g_strings.load());
+  next->push_back(value);
+  const int64_t index = static_cast<int64_t>(next->size()) - 1;
+  g_retired_strings.emplace_back(g_strings.exchange(next.release()));
+  return index;
+}
+
 void clear() {
   edit_table([](std::vector<Entry>& table) { table.clear(); });
 }
@@ -590,6 +625,7 @@ TORCH_LIBRARY(deepinfer_fast_path, m) {
   m.def("install_out(str op) -> ()", &install_out);
   m.def("publish(str op, ScalarType[] dtypes, int hidden, int device, int[] from, int[] kernels, int[] facts, "
         "int[] granules) -> ()", &publish);
+  m.def("intern(str value) -> int", &intern);
   m.def("clear() -> ()", &clear);
   m.def("counters() -> int[]", &counters);  // [signatures published, calls served, calls passed on]
 }

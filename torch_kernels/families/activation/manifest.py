@@ -8,8 +8,9 @@ QUANT_OPS = ("silu_and_mul_fp8_quant",)
 # the FP8 op each backend implements: bit for bit that backend's silu_and_mul, then its own quant op
 TRITON_QUANT_OPS = QUANT_OPS
 TILELANG_QUANT_OPS = QUANT_OPS
-# the C++ entry calls TileLang's act_and_mul(X, O); not gelu_and_mul: a string argument has no HostCall role
-_HOST_CALLS = {op: HostCall("r", "h", (0, -1)) for op in ("silu_and_mul", "gelu_tanh_and_mul")}
+# the C++ entry calls TileLang's act_and_mul(X, O); gelu_and_mul's approximate is part of the signature
+_HOST_CALLS = {**{op: HostCall("r", "h", (0, -1)) for op in ("silu_and_mul", "gelu_tanh_and_mul")},
+               "gelu_and_mul": HostCall("rs", "h", (0, -1))}
 # every op here is functional: each kernel writes its out overload's tensors itself (vLLM's silu_and_mul(out, x))
 _OUT = OPS + QUANT_OPS
 

@@ -272,19 +272,21 @@ def _function(d: int, dtype: torch.dtype, act: str, tokens: int = 1, row_loop: b
 def host_functions(input: Tensor, act: str):
     """The compiled host functions ``act_and_mul`` calls for rows like ``input``'s, each with the token
     count from which it serves: what the C++ entry (``fast_path.py``) calls for the plain calls
-    (contiguous, aligned) it serves (silu and the tanh GELU: one kernel for every token count outside
-    :func:`row_loop_tokens`)."""
+    (contiguous, aligned) it serves: the tiles, from :data:`_WIDE_MIN_TOKENS` tokens the erf GELU's wide
+    ones, and over :func:`row_loop_tokens` the row loop."""
     d = input.shape[-1] // 2
-    tiles = _function(d, input.dtype, act)[0]
     rows = row_loop_tokens(d, input.dtype, act, input.device)
-    if not rows:
-        return ((0, tiles),)
-    return (0, tiles), (rows.start, _function(d, input.dtype, act, rows.start, True)[0]), (rows.stop, tiles)
+    starts = {0, _WIDE_MIN_TOKENS if act == "gelu" else 0} | ({rows.start, rows.stop} if rows else set())
+    return tuple((t, _function(d, input.dtype, act, t, t in rows)[0]) for t in sorted(starts))
 
 
 # The C++ entry's host providers (the manifest's HostCall).
 def silu_and_mul_host(input: Tensor):
     return host_functions(input, "silu")
+
+
+def gelu_and_mul_host(input: Tensor, approximate: str = "none"):
+    return host_functions(input, "gelu_tanh" if approximate == "tanh" else "gelu")
 
 
 def gelu_tanh_and_mul_host(input: Tensor):
