@@ -48,10 +48,12 @@ def _default(op, i):
 #: by role (a string at its default)
 ROW_OPS = [op for op in SERVED if set(_call_of(op).roles) <= set("rwfs")]
 #: the others, with tensors passed as they are (t, c) and ints and bools in the signature: rope
-AS_GIVEN_OPS = [op for op in SERVED if op not in ROW_OPS]
+AS_GIVEN_OPS = [op for op in SERVED if set(_call_of(op).roles) & set("tc")]
+#: the ops whose outputs each signature lays out (q and the scales of the FP8 ops)
+LAID_OUT_OPS = [op for op in SERVED if _call_of(op).output == "p"]
 IN_PLACE = [op for op in ROW_OPS if _written(op)]
 #: the served ops with an out overload: the entry serves it too
-WITH_OUT = [op for op in SERVED if OP_DEFS[op].out_names]
+WITH_OUT = [op for op in SERVED if OP_DEFS[op].out_names and fast_path.serves_out(op)]
 
 
 def _python(code, fails=False, **env):
@@ -82,8 +84,13 @@ def test_host_call_is_validated():
     HostCall("rwf", "r", (0, 1, -1, 2))
     HostCall("rrwf", "", (3, 2, 1, 0))
     HostCall("ttticb", "", (0, 1, 2, 4))
+    HostCall("rwfoibb", "p", (0, 1, -1, -2, 3, 2))
+    HostCall("rs", "h", (0, -1))
     for roles, output, order, words in (("wf", "r", (0, -1, 1), "at least one 'r' or 't'"),
-                                        ("rx", "", (0, 1), "letters of rwftcib"),
+                                        ("rx", "", (0, 1), "letters of rwftcoibs"),
+                                        ("ro", "p", (0, 1), "order must hold"),
+                                        ("ro", "p", (0, 1, -2), "order must hold each of [-2, -1, 0, 1] once"),
+                                        ("ros", "p", (0, 1, 2, -1), "order must hold each of [-1, 0, 1] once"),
                                         ("tc", "r", (0, 1, -1), "an output is shaped like rows"),
                                         ("tib", "", (0, 1, 2), "order must hold each of [0] once"),
                                         ("r", "x", (0, -1), "output must be one of"),
@@ -121,9 +128,10 @@ def test_each_host_call_fits_its_schema(op):
     assert len(call.roles) == len(schema.arguments)
     types = {"f": torch.FloatType, "i": torch.IntType, "b": torch.BoolType, "s": torch.StringType}
     for role, arg in zip(call.roles, schema.arguments):
-        t = arg.type.getElementType() if role in "wt" and isinstance(arg.type, torch.OptionalType) else arg.type
+        t = arg.type.getElementType() if role in "wto" and isinstance(arg.type, torch.OptionalType) else arg.type
         assert isinstance(t, types.get(role, torch.TensorType)), (role, arg)
-    assert len(schema.returns) == (1 if call.output else 0)
+        assert role != "o" or isinstance(arg.type, torch.OptionalType), arg
+    assert len(schema.returns) == (-min(call.order) if call.output == "p" else 1 if call.output else 0)
     assert all(call.roles[i] in "rt" for i in _written(op))
 
 
@@ -149,6 +157,8 @@ def test_built_library_carries_the_cuda_and_autograd_kernels_of_the_served_ops()
     others = [op for op in registry.OPS if op not in fast_path.SERVED]
     assert others and not any(f"deepinfer {op} CUDA fast_path.cpp" in lines or f"deepinfer {op}.out CUDA fast_path.cpp"
                               in lines for op in others)
+    for op in LAID_OUT_OPS:  # several outputs: the out overload stays with the Python kernels, on the op itself
+        assert OP_DEFS[op].out_names and f"deepinfer {op}.out CUDA fast_path.cpp" not in lines, op
 
 
 def test_build_failure_says_so_and_leaves_nothing(tmp_path):
@@ -349,6 +359,7 @@ for lib in (ops, twins):
     lib.define("toy(Tensor(a!) input, Tensor weight, float eps) -> ()")
     lib.define("read(Tensor input, Tensor weight, int n) -> ()")
     lib.define("named(Tensor input, str how) -> Tensor")
+    lib.define("pairs(Tensor input, Tensor? scale, int n) -> (Tensor, Tensor)")
 ops.define("lonely(Tensor input) -> Tensor")
 for args, words in (((next(iter(fast_path.SERVED)), "r", "h", [0, -1]), "installed already"),
                     (("lonely", "r", "h", [0, -1]), f"{fast_path.TWIN_NAMESPACE}::lonely is not defined"),
@@ -363,6 +374,12 @@ for args, words in (((next(iter(fast_path.SERVED)), "r", "h", [0, -1]), "install
                     (("read", "rcf", "", [0, 1, 2]), "argument 'roles': 'f' for argument 'n'"),
                     (("read", "rws", "", [0, 1]), "argument 'roles': 's' for argument 'n'"),
                     (("named", "rs", "r", [0, 1, -1]), "argument 'call'"),
+                    (("pairs", "roi", "r", [0, 1, -1]), "argument 'output' 'r'"),
+                    (("pairs", "rfi", "p", [0, 1, -1, -2]), "argument 'roles': 'f' for argument 'scale'"),
+                    (("pairs", "rci", "p", [0, 1, -1, -2]), "argument 'roles': 'c' for argument 'scale'"),
+                    (("pairs", "roi", "p", [0, 1, -1]), "argument 'call'"),
+                    (("pairs", "roi", "p", [0, 1, -1, -3]), "argument 'call'"),
+                    (("named", "ro", "p", [0, 1, -1]), "argument 'roles': 'o' for argument 'how'"),
                     (("read", "tci", "r", [0, 1, -1]), "an output is shaped like rows"),
                     (("read", "tci", "", [0, 1, 2]), "argument 'call'"),
                     (("toy", "rwf", "r", [0, 1, -1, 2]), "argument 'output' 'r'"),
@@ -378,11 +395,12 @@ for args, words in (((next(iter(fast_path.SERVED)), "r", "h", [0, -1]), "install
 assert "fast_path.cpp" not in torch._C._dispatch_dump("deepinfer::toy")  # refused: nothing registered
 install("toy", "rwf", "", [2, 1, 0])
 install("named", "rs", "h", [0, -1])
+install("pairs", "roi", "p", [-2, 0, -1, 1])
 for lib in (ops, twins):
     lib.define("pair(Tensor input) -> Tensor")
     lib.define("pair.out(Tensor input, *, Tensor(a!) out) -> Tensor(a!)")
 install_out = torch.ops.deepinfer_fast_path.install_out
-for name, words in (("pair", "install the op first"), ("toy", "returns no tensor"),
+for name, words in (("pair", "install the op first"), ("toy", "returns no tensor"), ("pairs", "several outputs"),
                     (next(op for op, s in fast_path.SERVED.items() if s.host_call.output), "installed already")):
     try:
         install_out(name)
@@ -441,6 +459,29 @@ for args, words in (((other, [bf16], 64, 0, [0], [1], [], []), "argument 'op'"),
         assert words in str(e), e
     else:
         raise AssertionError(f"{args}: no error")
+laid = next(op for op, c in served.items() if c.output == "p")
+tensors = [bf16] * len(served[laid].tensors)
+laid_facts = [0] * sum(r in "oibs" for r in served[laid].roles)
+place = [0] * len(served[laid].roles)
+fp8 = torch.float8_e4m3fn
+for outs, words in (((), "'out_dtypes' and 'out_shapes' must hold 2 and 4"),
+                    (([fp8, torch.float32], [0, 64, 1]), "must hold 2 and 4"),
+                    (([torch.float64, torch.float32], [0, 64, 1, 1]), "an output is float16"),
+                    (([fp8, torch.float32], [0, 64, 4, 1]), "of layout 0-3"),
+                    (([fp8, torch.float32], [0, 0, 1, 1]), "width >= 1"),
+                    (([fp8, torch.float32], [0, 64, 1, 2]), "(1 for layouts 1 and 2)")):
+    try:
+        torch.ops.deepinfer_fast_path.publish(laid, tensors, 64, 0, [0], [1], laid_facts, place, *outs)
+    except RuntimeError as e:
+        assert words in str(e), e
+    else:
+        raise AssertionError(f"{outs}: no error")
+try:
+    torch.ops.deepinfer_fast_path.publish(op, [bf16] * n, 64, 0, [0], [1], *none(op), [fp8], [0, 64])
+except RuntimeError as e:
+    assert "must hold 0 and 0" in str(e), e
+else:
+    raise AssertionError("outputs for an op of one: no error")
 assert torch.ops.deepinfer_fast_path.counters() == [0, 0, 0]
 import tvm_ffi  # a real TVM-FFI function handle: publishing holds a reference, clearing drops the entry
 handle = tvm_ffi.get_global_func("ffi.String").__chandle__()
@@ -472,8 +513,9 @@ def tilelang_entry():
 
 
 def _args(op, shape, dtype, vector_dtype=None, eps=1e-5):
-    """Fresh random arguments of ``op`` by their roles: rows of ``shape``, vectors of its width, floats ``eps``."""
-    return [eps if role == "f" else _default(op, i) if role == "s" else
+    """Fresh random arguments of ``op`` by their roles: rows of ``shape``, vectors of its width, floats ``eps``,
+    the others at their defaults."""
+    return [eps if role == "f" else _default(op, i) if role in "soib" else
             torch.randn(shape if role == "r" else shape[-1:], dtype=vector_dtype if role == "w" and vector_dtype else dtype,
                         device="cuda")
             for i, role in enumerate(_call_of(op).roles)]
@@ -762,6 +804,122 @@ def test_a_string_argument_is_part_of_the_signature(tilelang_entry):
     with pytest.raises(ValueError, match="deepinfer::gelu_and_mul: argument 'approximate'"):
         f(x, "fast")
     assert fast_path.counters()["passed_on"] == before["passed_on"] + 1
+
+
+def _quant_args(op, shape, dtype):
+    """An FP8 op's rows, weight and eps as a layer passes them (the quant arguments go by keyword)."""
+    roles = _call_of(op).roles
+    return [torch.randn(shape, dtype=dtype, device="cuda") if r == "r" else
+            torch.randn(shape[-1], dtype=dtype, device="cuda") if r == "w" else 1e-6 for r in roles if r in "rwf"]
+
+
+#: each quant mode is a signature of its own: dynamic per token, per group row- and column-major, UE8M0, static
+QUANT_MODES = [{}, {"group_size": 128}, {"group_size": 128, "column_major_scales": True},
+               {"group_size": 64, "scale_ue8m0": True}, {"scale": 0.0625}]
+
+
+def _same(got, want):
+    """Bit for bit, in the same shape and strides (q compared as bytes)."""
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.stride() == w.stride() and g.dtype == w.dtype, (g.shape, w.shape, g.stride(), w.stride())
+        assert torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
+                           w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", LAID_OUT_OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_quant_calls_are_served_bit_for_bit_the_python_kernels(op, dtype, tilelang_entry):
+    """The first call of each quant mode publishes its signature with q's and the scales' layout; the next
+    ones are served in C++ by each kernel the host publishes, q, the scales (column-major ones included)
+    and a written residual bit for bit what the Python kernels (the twin) return, with 3-D rows too."""
+    f, twin = getattr(torch.ops.deepinfer, op), getattr(getattr(torch.ops, fast_path.TWIN_NAMESPACE), op).default
+    width = 2 * 2048 if _call_of(op).output == "p" and "w" not in _call_of(op).roles else 2048
+    for mode in QUANT_MODES:
+        kw = {k: torch.tensor([v], device="cuda") if k == "scale" else v for k, v in mode.items()}
+        before = fast_path.counters()
+        f(*_quant_args(op, (3, width), dtype), **kw)  # publishes
+        published = fast_path.counters()
+        assert published["signatures"] == before["signatures"] + 1, (mode, published)
+        starts = [start for start, _ in fast_path.SERVED[op].load_host()(*_quant_args(op, (3, width), dtype), **kw).kernels]
+        shapes = [(1, width), (7, width), (2, 3, width)] + [(t, width) for start in starts[1:] for t in (start - 1, start + 3)]
+        for shape in shapes:
+            args = _quant_args(op, shape, dtype)
+            copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            got = f(*args, **kw)
+            want = twin(*copies, **kw)
+            _same(got + tuple(args[i] for i in _written(op)), want + tuple(copies[i] for i in _written(op)))
+        after = fast_path.counters()
+        assert after["served"] == published["served"] + len(shapes) and after["passed_on"] == published["passed_on"], after
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", LAID_OUT_OPS)
+def test_quant_calls_it_does_not_serve_reach_the_python_kernels(op, tilelang_entry):
+    """No tokens, a scale of another dtype or shape: passed on, where validation names the op and the
+    argument; a scale overlapping the written residual goes on too. Served in a CUDA graph, replayed."""
+    f, width = getattr(torch.ops.deepinfer, op), (2 * 1024 if "w" not in _call_of(op).roles else 1024)
+    scale = torch.tensor([0.5], device="cuda")
+    f(*_quant_args(op, (4, width), torch.bfloat16), scale=scale)  # publishes the static signature
+    cases = [(_quant_args(op, (0, width), torch.bfloat16), scale, None),
+             (_quant_args(op, (4, width), torch.bfloat16), scale.double(), TypeError),
+             (_quant_args(op, (4, width), torch.bfloat16), torch.ones(2, device="cuda"), ValueError)]
+    if _written(op):  # a scale in the bytes of the written residual
+        args = _quant_args(op, (4, width), torch.bfloat16)
+        inside = args[_written(op)[0]].view(-1)[:4].view(torch.float32)[:1]
+        inside.fill_(0.5)
+        cases.append((args, inside, ValueError))
+    for args, s, error in cases:
+        kept = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        before = fast_path.counters()
+        if error:
+            with pytest.raises(error, match=f"deepinfer::{op}: argument 'scale'"):
+                f(*args, scale=s)
+            assert all(torch.equal(a, k) for a, k in zip(args, kept) if isinstance(a, torch.Tensor))
+        else:
+            f(*args, scale=s)
+        after = fast_path.counters()
+        assert after["passed_on"] == before["passed_on"] + 1 and after["served"] == before["served"], (s, after)
+
+    static = _quant_args(op, (8, width), torch.bfloat16)
+    graph, served = torch.cuda.CUDAGraph(), fast_path.counters()["served"]
+    with torch.cuda.graph(graph):
+        q, scales = f(*static, scale=scale)
+    assert fast_path.counters()["served"] == served + 1
+    for _ in range(2):  # fresh data each replay
+        static[0].copy_(torch.randn_like(static[0]))
+        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in static]
+        want = getattr(getattr(torch.ops, fast_path.TWIN_NAMESPACE), op).default(*copies, scale=scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        _same((q, scales), want)
+
+
+def test_offer_publishes_the_outputs_each_signature_lays_out(monkeypatch):
+    """An op whose outputs each signature lays out (the FP8 ops): the signature holds whether the static
+    scale is given, the group size and the flags, and carries q's and the scales' dtype, layout and width
+    as the host returns them."""
+    published = []
+    monkeypatch.setattr(fast_path, "loaded", lambda: True)
+    monkeypatch.setattr(fast_path, "_published", set())
+    monkeypatch.setattr(fast_path, "_publish", lambda *entry: published.append(entry))
+    outputs = (("rows", torch.float8_e4m3fn, 64), ("column", torch.float32, 4))
+    monkeypatch.setattr(KernelSpec, "load_host",
+                        lambda spec: lambda *args: HostKernels(((0, _HostFunction(3)),), outputs=outputs))
+    assert LAID_OUT_OPS
+    for op in LAID_OUT_OPS:
+        roles = _call_of(op).roles
+        values = {"r": lambda: torch.randn(2, 64, dtype=torch.bfloat16), "w": lambda: torch.randn(64),
+                  "f": lambda: 1e-6, "o": lambda: torch.ones(()), "i": lambda: 16, "b": lambda: True}
+        args = [values[r]() for r in roles]
+        fast_path.offer(op, fast_path.SERVED[op], tuple(args))
+        facts = [{"o": 1, "i": 16, "b": 1}[r] for r in roles if r in "oib"]
+        assert published[-1][-4:] == (facts, [0] * len(roles), [torch.float8_e4m3fn, torch.float32], [0, 64, 3, 4])
+        count = len(published)
+        fast_path.offer(op, fast_path.SERVED[op], tuple(None if r == "o" else a for a, r in zip(args, roles)))
+        assert len(published) == count + 1 and published[-1][-4][0] == 0  # no scale: a signature of its own
+        fast_path.offer(op, fast_path.SERVED[op], tuple(a for a, r in zip(args, roles) if r in "rw"))  # defaults left out
+        assert published[-1][-4] == [0 if r == "o" else int(_default(op, i)) for i, r in enumerate(roles) if r in "oib"]
 
 
 class _HostFunction:

@@ -51,7 +51,7 @@ import torch
 
 from . import registry
 from ._files import open_regular
-from .spec import Backend, HostCall, HostKernels, KernelSpec
+from .spec import OUTPUT_LAYOUTS, Backend, HostCall, HostKernels, KernelSpec
 
 ENV = "DEEPINFER_OPS_FAST_PATH"
 #: the backend whose host functions the entry calls: TVM-FFI functions
@@ -282,6 +282,12 @@ def install(op: str) -> None:
     torch.ops.deepinfer_fast_path.install(op, call.roles, call.output, list(call.order))
 
 
+def serves_out(op: str) -> bool:
+    """Whether the loaded entry serves ``op``'s ``out`` overload: an op of one output (an op whose
+    outputs each signature lays out keeps its ``out`` overload in Python)."""
+    return serves(op) and SERVED[op].host_call.output in ("r", "h")
+
+
 def install_out(op: str) -> None:
     """Register the CUDA and Autograd kernels of ``op``'s ``out`` overload in C++ (after :func:`install`,
     and after ``deepinfer::<op>.out`` and its twin are defined): served by the signatures published for
@@ -309,24 +315,32 @@ def offer(op: str, spec: Optional[KernelSpec], args: tuple) -> None:
     if key in _published or facts is None:
         return
     published = spec.load_host()(*args)  # once a signature, unless the host declines the call
-    kernels, granules = (published.kernels, published.granules) if isinstance(published, HostKernels) else (published, ())
-    if not kernels:
+    if not isinstance(published, HostKernels):
+        published = HostKernels(published)
+    if not published.kernels:
         return
-    _publish(op, dtypes, hidden, x.device.index, [start for start, _ in kernels], [fn.__chandle__() for _, fn in kernels],
-             list(facts), list(granules) or [0] * len(call.roles))
+    outputs = published.outputs  # passed only when there are some: an empty list reaches C++ as int[]
+    laid_out = ([dtype for _, dtype, _ in outputs], [v for layout, _, width in outputs
+                                                     for v in (OUTPUT_LAYOUTS.index(layout), width)]) if outputs else ()
+    _publish(op, dtypes, hidden, x.device.index, [start for start, _ in published.kernels],
+             [fn.__chandle__() for _, fn in published.kernels], list(facts), list(published.granules) or [0] * len(call.roles),
+             *laid_out)
     _published.add(key)
 
 
 def _facts(op: str, call: HostCall, args: tuple) -> Optional[Tuple[int, ...]]:
     """The call's signature beyond its dtypes and width, as the entry reads it from a call (``csrc``'s
     ``serve``): per ``t`` tensor its dimensions and its second size (0 for one dimension), per ``c``
-    tensor its two sizes, per int and bool its value, per string its number in the entry (``intern``); ``None`` for a call the entry never serves (a
+    tensor its two sizes, per int and bool its value, per string its number in the entry (``intern``), per
+    optional scalar whether it is given; ``None`` for a call the entry never serves (a
     tensor of more dimensions)."""
     out = []
     for i, role in enumerate(call.roles):
         if role in "ibs":
             value = args[i] if i < len(args) else _default(op, i)
             out.append(_intern(value) if role == "s" else int(value))
+        elif role == "o":
+            out.append(int(i < len(args) and args[i] is not None))
         elif role in "tc":
             t = args[i]
             if t.dim() not in ((1, 2) if role == "t" else (2,)):

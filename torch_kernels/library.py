@@ -325,7 +325,7 @@ def _register_out(op: OpDef) -> None:
     LIBRARY.impl(f"{op.name}.out", kernel, "CompositeExplicitAutograd")
     writes = any(k.out for k in registry.BY_OP[op.name].values())
     slot = dispatch.slot(op.name, op.data_arg)
-    if TWINS is not None and fast_path.serves(op.name):  # as the default overload: C++ kernels, these on the twin
+    if TWINS is not None and fast_path.serves_out(op.name):  # as the default overload: C++ kernels, these on the twin
         TWINS.define(op.out_schema)
         TWINS.impl(f"{op.name}.out", _cuda_out_entry(op, slot, kernel, offer=True) if writes else kernel, "CUDA")
         TWINS.impl(f"{op.name}.out", _out_autograd_entry(op, fast_path.TWIN_NAMESPACE), "Autograd", with_keyset=True)

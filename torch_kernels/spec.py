@@ -127,14 +127,20 @@ def _cc(cc: Tuple[int, int]) -> str:
 
 
 #: :attr:`HostCall.roles`: rows shaped like the data argument, a vector of its last dimension, a float >= 0;
-#: a tensor of the call's tokens and one of a fixed shape, each passed as it is (strided); an int and a
-#: bool, whose values are part of the signature and are not passed
-HOST_ROLES = {"r": "rows", "w": "vector", "f": "float", "t": "token tensor", "c": "fixed tensor", "i": "int", "b": "bool",
-              "s": "string"}
+#: a tensor of the call's tokens and one of a fixed shape, each passed as it is (strided); an optional
+#: one-element float32 tensor (a static scale), passed when given; an int, a bool and a string, whose
+#: values are part of the signature and are not passed
+HOST_ROLES = {"r": "rows", "w": "vector", "f": "float", "t": "token tensor", "c": "fixed tensor", "o": "optional scalar",
+              "i": "int", "b": "bool", "s": "string"}
 #: the roles whose argument the host function does not take (the compiled function is specialised on it)
 HOST_FIXED = ("i", "b", "s")
-#: :attr:`HostCall.output`: none (in place), rows like the data argument, rows of half its last dimension
-HOST_OUTPUTS = {"": "none", "r": "rows", "h": "half rows"}
+#: :attr:`HostCall.output`: none (in place), rows like the data argument, rows of half its last dimension,
+#: the schema's returns laid out as the host publishes them with each signature (:attr:`HostKernels.outputs`)
+HOST_OUTPUTS = {"": "none", "r": "rows", "h": "half rows", "p": "published"}
+#: :attr:`HostKernels.outputs` layouts over the data argument's leading dims (T tokens in all), each with how
+#: the host function takes it: ``(*lead, width)`` contiguous as ``(T, width)``; ``(*lead, 1)`` as ``(T,)``;
+#: ``(1,)``; ``(*lead, width)`` over storage ``(width, *lead)`` (column-major) as ``(T, width)``
+OUTPUT_LAYOUTS = ("rows", "token", "one", "column")
 
 
 @dataclass(frozen=True)
@@ -147,9 +153,12 @@ class HostCall:
     kernels), ``f`` a float that must be >= 0, passed by value; ``t`` a tensor of one or two dimensions
     whose first is the call's tokens, and ``c`` a 2-D tensor of a fixed shape, each passed with its own
     strides (its last one 1), its trailing (``t``) or whole (``c``) shape part of the signature, its data
-    pointer and strides multiples of the granule its host publishes; ``i`` an int, ``b`` a bool and
-    ``s`` a string, part of the signature and not passed. ``output`` is what the entry allocates (:data:`HOST_OUTPUTS`).
-    ``order`` is the host function's arguments: every passed argument's index once, ``-1`` for the output.
+    pointer and strides multiples of the granule its host publishes; ``o`` an optional one-element
+    float32 tensor, whether given part of the signature, passed as ``(1,)`` when given and left out of the
+    host function's arguments when not; ``i`` an int, ``b`` a bool and ``s`` a string, part of the
+    signature and not passed. ``output`` is what the entry allocates (:data:`HOST_OUTPUTS`). ``order`` is
+    the host function's arguments: every passed argument's index once, ``-1 - k`` for output ``k``
+    (``-1`` alone but for ``p``).
     """
 
     roles: str
@@ -165,8 +174,9 @@ class HostCall:
             raise ValueError(f"HostCall: output must be one of {tuple(HOST_OUTPUTS)}, got {self.output!r}")
         if self.output and "r" not in self.roles:
             raise ValueError(f"HostCall: an output is shaped like rows: roles must hold an 'r', got {self.roles!r}")
-        wanted = ([-1] if self.output else []) + [i for i, r in enumerate(self.roles) if r not in HOST_FIXED]
-        if not isinstance(self.order, tuple) or sorted(self.order) != wanted:
+        outputs = -min(self.order, default=0) if self.output == "p" else 1 if self.output else 0
+        wanted = list(range(-outputs, 0)) + [i for i, r in enumerate(self.roles) if r not in HOST_FIXED]
+        if not isinstance(self.order, tuple) or sorted(self.order) != wanted or (self.output == "p" and not outputs):
             raise ValueError(f"HostCall: order must hold each of {wanted} once, got {self.order!r}")
 
     @property
@@ -185,11 +195,14 @@ class HostKernels:
     """What a ``host`` returns for a call the C++ entry may serve: the compiled host functions, each with
     the token count from which it serves (``((0, fn), (from_tokens, fn), ...)``, ascending, at most
     four), and per schema argument the granule, in elements, that a ``t`` or ``c`` tensor's data pointer
-    and strides must be multiples of for these functions (``0``: none; other roles ``0``). A host may
-    also return the pairs alone (no granules), or ``()`` for a call it does not publish."""
+    and strides must be multiples of for these functions (``0``: none; other roles ``0``); for an op
+    whose :attr:`HostCall.output` is ``p``, per output its ``(layout, dtype, width)`` (:data:`OUTPUT_LAYOUTS`;
+    width 1 for ``token`` and ``one``). A host may also return the pairs alone (no granules, no outputs),
+    or ``()`` for a call it does not publish."""
 
     kernels: Tuple[Tuple[int, Any], ...]
     granules: Tuple[int, ...] = ()
+    outputs: Tuple[Tuple[str, Any, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,19 @@
 //
 // It knows no op. ``install(op, roles, output, call)`` registers the op's kernels from its manifest's
 // HostCall: per schema argument a role (r rows like the data argument, w a vector of its width, f a float
-// >= 0; t a tensor of the call's tokens and c one of a fixed shape, both passed with their strides; i an
-// int, b a bool and s a string, not passed), the output (none, r rows, h rows of half the width) and the host
-// function's argument order (-1 the output); the arguments the schema marks written are read from it.
+// >= 0; t a tensor of the call's tokens and c one of a fixed shape, both passed with their strides; o an
+// optional one-element float32 tensor, passed as (1,) when given; i an int, b a bool and s a string, not
+// passed), the output (none, r rows, h rows of half the width, p the schema's returns laid out as each
+// signature publishes them) and the host function's argument order (-1 - k output k); the arguments the
+// schema marks written are read from it.
 // ``install_out(op)`` then registers the same on the op's ``out`` overload, whose last argument is the
 // output. Per call:
 //   CUDA:     tensors given and shaped as their roles say, on the current device (r and w contiguous and
 //             16-byte aligned; t and c of one or two dimensions, the last of stride 1, their data pointer
 //             and other strides multiples of the granule published); floats >= 0; a token at least;
 //             written tensors proven apart from every other; the shapes, ints and bools of a published
-//             signature (a string by its number from ``intern``) -> allocate the output (``out``: take the given one, which must be
+//             signature (a string by its number from ``intern``, an o tensor by whether it is given)
+//             -> allocate the outputs (``out``: take the given one, which must be
 //             contiguous, aligned, of the output's shape and the data's dtype, on the device, and apart
 //             from every argument), set TVM-FFI's stream to torch's current one, call the host function
 //             published for the call's token count; else -> the twin (CUDA key).
@@ -43,6 +46,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -54,6 +58,7 @@ namespace {
 constexpr int kMaxArgs = 8;
 constexpr int kMaxFacts = 2 * kMaxArgs;  // two a t or c tensor (its dims, or its sizes), one an int, bool or string
 constexpr int kMaxKernels = 4;  // host functions a signature, each from a token count
+constexpr int kMaxOutputs = 2;  // of an op whose outputs a signature lays out (output 'p')
 
 // One installed op: its HostCall, resolved against its schema once.
 struct OpState {
@@ -63,11 +68,12 @@ struct OpState {
   int num_args = 0, data = -1;  // the schema arguments before an out overload's output
   bool given_output = false;  // the out overload: the output is the argument after them
   char roles[kMaxArgs] = {};
-  char output = 0;  // 0 none, 'r' rows like the data argument, 'h' rows of half its width
+  char output = 0;  // 0 none, 'r' rows like the data argument, 'h' rows of half its width, 'p' published
+  int num_outputs = 0;
   int num_facts = 0;  // of a call's signature beyond dtypes and width: shapes of t and c, ints, bools, strings
   int num_tensors = 0, tensors[kMaxArgs] = {};  // the tensor arguments, in schema order (the entries' dtypes)
   int num_written = 0, written[kMaxArgs] = {};  // the arguments the schema marks written
-  int num_call = 0, call[kMaxArgs + 1] = {};    // the host function's arguments; -1 the output
+  int num_call = 0, call[kMaxArgs + kMaxOutputs] = {};  // the host function's arguments; -1 - k output k
   OpState(int index, std::string name, c10::OperatorHandle twin) : index(index), name(std::move(name)), twin(std::move(twin)) {}
 };
 
@@ -81,6 +87,19 @@ struct Entry {
   int num_kernels;
   int64_t from[kMaxKernels];  // ascending, from[0] == 0: kernel k serves from[k] tokens up to from[k + 1]
   void* kernel[kMaxKernels];  // TVM-FFI function handles (one reference each, held for the process)
+  // output 'p': each output's layout (OutputLayout), dtype and last dimension
+  int8_t out_layout[kMaxOutputs];
+  c10::ScalarType out_dtype[kMaxOutputs];
+  int64_t out_width[kMaxOutputs];
+};
+
+// How a published output is laid out, over the data argument's leading dims `lead` (T tokens in all), and
+// how the host function takes it.
+enum OutputLayout : int8_t {
+  kRows = 0,    // (*lead, width) contiguous; passed as (T, width)
+  kToken = 1,   // (*lead, 1) contiguous; passed as (T,)
+  kOne = 2,     // (1,); passed so
+  kColumn = 3,  // (*lead, width) over storage (width, *lead); passed as (T, width) of strides (1, T)
 };
 
 // Readers take the current table without a lock; a publish or clear swaps in a new one and keeps the
@@ -172,6 +191,7 @@ DLDataType dl_dtype(c10::ScalarType t) {
     case c10::ScalarType::Half: return {kDLFloat, 16, 1};
     case c10::ScalarType::Int: return {kDLInt, 32, 1};
     case c10::ScalarType::Long: return {kDLInt, 64, 1};
+    case c10::ScalarType::Float8_e4m3fn: return {kDLFloat8_e4m3fn, 8, 1};
     default: return {kDLFloat, 32, 1};  // publish() accepts these five only
   }
 }
@@ -198,6 +218,18 @@ struct Rows {
   void as_is(const at::Tensor& x) {
     view(x, x.dim() == 1 ? -1 : x.size(0), x.size(-1));
     for (int d = 0; d < t.ndim; ++d) strides[d] = x.stride(d);
+  }
+  // a published output as its layout says the host function takes it
+  void output(const at::Tensor& x, OutputLayout layout, int64_t tokens, int64_t width) {
+    if (layout == kToken || layout == kOne) {
+      view(x, -1, layout == kToken ? tokens : 1);
+      return;
+    }
+    view(x, tokens, width);
+    if (layout == kColumn) {
+      strides[0] = 1;
+      strides[1] = tokens;
+    }
   }
 };
 
@@ -329,6 +361,13 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
       if (facts[num_facts++] < 0) return false;
       continue;
     }
+    if (role == 'o') {
+      facts[num_facts++] = given(args[i]);
+      if (!given(args[i])) continue;
+      const at::Tensor& o = args[i].toTensor();
+      if (o.device() != device || o.scalar_type() != c10::ScalarType::Float || o.dim() > 1 || o.numel() != 1) return false;
+      continue;
+    }
     const at::Tensor& a = *t[i];
     if (a.device() != device) return false;
     if (role == 't' || role == 'c') {
@@ -350,6 +389,9 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
     for (int k = 0; k < s.num_tensors; ++k) {
       if (s.tensors[k] != s.written[w] && !apart(written, span_of(*t[s.tensors[k]]))) return false;
     }
+    for (int i = 0; i < s.num_args; ++i) {
+      if (s.roles[i] == 'o' && given(args[i]) && !apart(written, span_of(args[i].toTensor()))) return false;
+    }
   }
   if (device.index() != c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index()) return false;
   const Entry* e = find(s, t, hidden, device.index(), facts);
@@ -358,7 +400,7 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
     if (!on_granule(*t[s.tensors[k]], e->granule[s.tensors[k]])) return false;
   }
 
-  at::Tensor out;
+  at::Tensor out, outs[kMaxOutputs];
   const int64_t out_width = s.output == 'h' ? hidden / 2 : hidden;  // a published width is even
   if (s.given_output) {
     const c10::IValue& v = args[s.num_args];
@@ -380,28 +422,55 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
     c10::DimVector sizes(x.sizes().begin(), x.sizes().end());
     sizes.back() = out_width;
     out = at::empty(sizes, x.options());
+  } else if (s.output == 'p') {
+    for (int o = 0; o < s.num_outputs; ++o) {
+      const auto options = x.options().dtype(e->out_dtype[o]);
+      const int64_t width = e->out_width[o];
+      c10::DimVector sizes(x.sizes().begin(), x.sizes().end() - 1);
+      if (e->out_layout[o] == kOne) {
+        outs[o] = at::empty({1}, options);
+      } else if (e->out_layout[o] == kColumn) {
+        sizes.insert(sizes.begin(), width);
+        outs[o] = at::empty(sizes, options).movedim(0, -1);
+      } else {
+        sizes.push_back(e->out_layout[o] == kToken ? 1 : width);
+        outs[o] = at::empty(sizes, options);
+      }
+    }
   }
-  Rows views[kMaxArgs + 1];
-  TVMFFIAny call_args[kMaxArgs + 1];
+  Rows views[kMaxArgs + kMaxOutputs];
+  TVMFFIAny call_args[kMaxArgs + kMaxOutputs];
+  int num_call = 0;
   for (int k = 0; k < s.num_call; ++k) {
     const int i = s.call[k];
-    if (i < 0) {
-      views[k].view(out, tokens, out_width);
+    if (i < 0 && s.output == 'p') {
+      const int o = -1 - i;
+      views[num_call].output(outs[o], static_cast<OutputLayout>(e->out_layout[o]), tokens, e->out_width[o]);
+    } else if (i < 0) {
+      views[num_call].view(out, tokens, out_width);
+    } else if (s.roles[i] == 'o') {
+      if (!given(args[i])) continue;  // left out of the host function's arguments
+      views[num_call].view(args[i].toTensor(), -1, 1);
     } else if (s.roles[i] == 'f') {
-      call_args[k] = float_arg(args[i].toDouble());
+      call_args[num_call++] = float_arg(args[i].toDouble());
       continue;
     } else if (s.roles[i] == 't' || s.roles[i] == 'c') {
-      views[k].as_is(*t[i]);
+      views[num_call].as_is(*t[i]);
     } else {
-      views[k].view(*t[i], s.roles[i] == 'w' ? -1 : tokens, hidden);
+      views[num_call].view(*t[i], s.roles[i] == 'w' ? -1 : tokens, hidden);
     }
-    call_args[k] = tensor_arg(views[k]);
+    call_args[num_call] = tensor_arg(views[num_call]);
+    ++num_call;
   }
   int k = e->num_kernels - 1;
   while (tokens < e->from[k]) --k;
-  call(s, e->kernel[k], call_args, s.num_call, e->device);
+  call(s, e->kernel[k], call_args, num_call, e->device);
   torch::jit::drop(*stack, s.num_args + (s.given_output ? 1 : 0));
-  if (s.output != 0) torch::jit::push(*stack, std::move(out));
+  if (s.output == 'p') {
+    for (int o = 0; o < s.num_outputs; ++o) torch::jit::push(*stack, std::move(outs[o]));
+  } else if (s.output != 0) {
+    torch::jit::push(*stack, std::move(out));
+  }
   return true;
 }
 
@@ -442,7 +511,7 @@ c10::OperatorHandle defined(const std::string& qualname, const std::string& over
 }
 
 // Registers `op`'s CUDA and Autograd kernels, as its HostCall says: `roles` one letter per schema
-// argument, `output` "" "r" or "h", `call` the host function's arguments (-1 the output).
+// argument, `output` "" "r" "h" or "p", `call` the host function's arguments (-1 - k output k).
 void install(const std::string& name, const std::string& roles, const std::string& output, const std::vector<int64_t>& call) {
   std::lock_guard<std::mutex> lock(g_install);
   const std::string where = "deepinfer_fast_path::install(" + name + "): ";
@@ -464,13 +533,14 @@ void install(const std::string& name, const std::string& roles, const std::strin
     const bool optional = kind == c10::TypeKind::OptionalType &&
                           arguments[i].type()->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType;
     const bool tensor = kind == c10::TypeKind::TensorType || ((r == 'w' || r == 't') && optional);
-    TORCH_CHECK(((r == 'r' || r == 'w' || r == 't' || r == 'c') && tensor) || (r == 'f' && kind == c10::TypeKind::FloatType) ||
+    TORCH_CHECK(((r == 'r' || r == 'w' || r == 't' || r == 'c') && tensor) || (r == 'o' && optional) ||
+                    (r == 'f' && kind == c10::TypeKind::FloatType) ||
                     (r == 'i' && kind == c10::TypeKind::IntType) || (r == 'b' && kind == c10::TypeKind::BoolType) ||
                     (r == 's' && kind == c10::TypeKind::StringType),
                 where, "argument 'roles': '", r, "' for argument '", arguments[i].name(), "' of type ", arguments[i].type()->str());
     s.roles[i] = r;
     if (tensor) s.tensors[s.num_tensors++] = i;
-    s.num_facts += r == 't' || r == 'c' ? 2 : r == 'i' || r == 'b' || r == 's' ? 1 : 0;
+    s.num_facts += r == 't' || r == 'c' ? 2 : r == 'i' || r == 'b' || r == 's' || r == 'o' ? 1 : 0;
     if (arguments[i].alias_info() != nullptr && arguments[i].alias_info()->isWrite()) {
       TORCH_CHECK(r == 'r' || r == 't', where, "argument 'roles': the written argument '", arguments[i].name(),
                   "' must be rows (r) or a token tensor (t), got '", r, "'");
@@ -484,23 +554,25 @@ void install(const std::string& name, const std::string& roles, const std::strin
   }
   TORCH_CHECK(s.data >= 0, where, "argument 'roles' has no 'r' or 't' (the data argument)");
   TORCH_CHECK(output.empty() || s.roles[s.data] == 'r', where, "an output is shaped like rows: argument 'roles' needs an 'r'");
-  TORCH_CHECK((output.empty() && returns.empty()) ||
-                  ((output == "r" || output == "h") && returns.size() == 1 && returns[0].type()->kind() == c10::TypeKind::TensorType),
+  const bool all_tensors = std::all_of(returns.begin(), returns.end(),
+                                       [](const c10::Argument& a) { return a.type()->kind() == c10::TypeKind::TensorType; });
+  TORCH_CHECK((output.empty() && returns.empty()) || ((output == "r" || output == "h") && returns.size() == 1 && all_tensors) ||
+                  (output == "p" && !returns.empty() && returns.size() <= static_cast<size_t>(kMaxOutputs) && all_tensors),
               where, "argument 'output' '", output, "' does not match the schema's ", returns.size(), " returns");
   s.output = output.empty() ? 0 : output[0];
-  std::vector<int> seen(arguments.size() + 1, 0);  // by index + 1
+  s.num_outputs = static_cast<int>(returns.size());
+  std::vector<int> seen(arguments.size() + kMaxOutputs, 0);  // by index + kMaxOutputs
   int passed = 0;  // the arguments the host function takes: all but the ints, bools and strings
   const auto fixed = [&](int64_t i) { return s.roles[i] == 'i' || s.roles[i] == 'b' || s.roles[i] == 's'; };
   for (int i = 0; i < s.num_args; ++i) passed += !fixed(i);
-  bool ok = call.size() == static_cast<size_t>(passed + (s.output ? 1 : 0));
+  bool ok = call.size() == static_cast<size_t>(passed + (s.output ? s.num_outputs : 0));
   for (size_t k = 0; ok && k < call.size(); ++k) {
     const int64_t i = call[k];
-    ok = i >= -1 && i < s.num_args && (i >= 0 || s.output) && (i < 0 || !fixed(i)) &&
-         seen[i + 1]++ == 0;
+    ok = i >= -(s.output ? s.num_outputs : 0) && i < s.num_args && (i < 0 || !fixed(i)) && seen[i + kMaxOutputs]++ == 0;
     s.call[k] = static_cast<int>(i);
   }
-  TORCH_CHECK(ok, where, "argument 'call' must hold every argument's index once but the ints', bools' and strings', and -1 for "
-              "the output when there is one");
+  TORCH_CHECK(ok, where, "argument 'call' must hold every argument's index once but the ints', bools' and strings', and "
+              "-1 - k for output k");
   s.num_call = static_cast<int>(call.size());
 
   if (!g_cuda_library) {
@@ -536,6 +608,7 @@ void install_out(const std::string& name) {
   const OpState* op = find_installed(name);
   TORCH_CHECK(op != nullptr, where, "install the op first");
   TORCH_CHECK(op->output != 0, where, "an op that returns no tensor has no out overload");
+  TORCH_CHECK(op->output != 'p', where, "the out overload of an op of several outputs is not served here");
   TORCH_CHECK(find_installed(name + ".out") == nullptr, where, "installed already");
   const c10::OperatorHandle out = defined("deepinfer::" + name, "out");
   const c10::OperatorHandle twin = defined("deepinfer_py::" + name, "out");
@@ -557,8 +630,17 @@ void install_out(const std::string& name) {
 
 void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes, int64_t hidden, int64_t device,
              const std::vector<int64_t>& from, const std::vector<int64_t>& kernels, const std::vector<int64_t>& facts,
-             const std::vector<int64_t>& granules) {
+             const std::vector<int64_t>& granules, const std::optional<std::vector<c10::ScalarType>>& laid_dtypes,
+             const std::optional<std::vector<int64_t>>& laid_shapes) {
+  // None for an op of one output or none (an empty ScalarType[] cannot be passed: it arrives as int[])
+  const std::vector<c10::ScalarType> out_dtypes = laid_dtypes.value_or(std::vector<c10::ScalarType>());
+  const std::vector<int64_t> out_shapes = laid_shapes.value_or(std::vector<int64_t>());
   const OpState& s = installed(name);
+  const int outputs = s.output == 'p' ? s.num_outputs : 0;
+  TORCH_CHECK(static_cast<int>(out_dtypes.size()) == outputs && static_cast<int>(out_shapes.size()) == 2 * outputs,
+              "deepinfer_fast_path::publish: arguments 'out_dtypes' and 'out_shapes' must hold ", outputs, " and ",
+              2 * outputs, " values for ", name, " (a dtype, then a layout and a width, per output it lays out), got ",
+              out_dtypes.size(), " and ", out_shapes.size());
   TORCH_CHECK(static_cast<int>(dtypes.size()) == s.num_tensors, "deepinfer_fast_path::publish: argument 'dtypes' must hold ",
               s.num_tensors, " dtypes for ", name, ", got ", dtypes.size());
   const int n = static_cast<int>(kernels.size());
@@ -568,7 +650,19 @@ void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes
   TORCH_CHECK(static_cast<int>(facts.size()) == s.num_facts && static_cast<int>(granules.size()) == s.num_args,
               "deepinfer_fast_path::publish: arguments 'facts' and 'granules' must hold ", s.num_facts, " and ", s.num_args,
               " values for ", name, ", got ", facts.size(), " and ", granules.size());
-  Entry entry{s.index, hidden, static_cast<c10::DeviceIndex>(device), {}, {}, {}, n, {}, {}};
+  Entry entry{s.index, hidden, static_cast<c10::DeviceIndex>(device), {}, {}, {}, n, {}, {}, {}, {}, {}};
+  for (int o = 0; o < outputs; ++o) {
+    const c10::ScalarType t = out_dtypes[o];
+    const int64_t layout = out_shapes[2 * o], width = out_shapes[2 * o + 1];
+    TORCH_CHECK((t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Half || t == c10::ScalarType::Float ||
+                 t == c10::ScalarType::Float8_e4m3fn) &&
+                    layout >= kRows && layout <= kColumn && width >= 1 && ((layout != kToken && layout != kOne) || width == 1),
+                "deepinfer_fast_path::publish: an output is float16, bfloat16, float32 or float8_e4m3fn, of layout 0-3 "
+                "and width >= 1 (1 for layouts 1 and 2), for ", name);
+    entry.out_dtype[o] = t;
+    entry.out_layout[o] = static_cast<int8_t>(layout);
+    entry.out_width[o] = width;
+  }
   for (int f = 0; f < s.num_facts; ++f) entry.facts[f] = facts[f];
   for (int i = 0; i < s.num_args; ++i) {
     TORCH_CHECK(granules[i] >= 0 && (granules[i] == 0 || s.roles[i] == 't' || s.roles[i] == 'c'),
@@ -624,7 +718,7 @@ TORCH_LIBRARY(deepinfer_fast_path, m) {
   m.def("install(str op, str roles, str output, int[] call) -> ()", &install);
   m.def("install_out(str op) -> ()", &install_out);
   m.def("publish(str op, ScalarType[] dtypes, int hidden, int device, int[] from, int[] kernels, int[] facts, "
-        "int[] granules) -> ()", &publish);
+        "int[] granules, ScalarType[]? out_dtypes=None, int[]? out_shapes=None) -> ()", &publish);
   m.def("intern(str value) -> int", &intern);
   m.def("clear() -> ()", &clear);
   m.def("counters() -> int[]", &counters);  // [signatures published, calls served, calls passed on]

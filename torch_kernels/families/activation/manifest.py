@@ -10,7 +10,9 @@ TRITON_QUANT_OPS = QUANT_OPS
 TILELANG_QUANT_OPS = QUANT_OPS
 # the C++ entry calls TileLang's act_and_mul(X, O); gelu_and_mul's approximate is part of the signature
 _HOST_CALLS = {**{op: HostCall("r", "h", (0, -1)) for op in ("silu_and_mul", "gelu_tanh_and_mul")},
-               "gelu_and_mul": HostCall("rs", "h", (0, -1))}
+               "gelu_and_mul": HostCall("rs", "h", (0, -1)),
+               # (X, Q, S[, static scale]), q and the scales laid out per signature
+               "silu_and_mul_fp8_quant": HostCall("roibb", "p", (0, -1, -2, 1))}
 # every op here is functional: each kernel writes its out overload's tensors itself (vLLM's silu_and_mul(out, x))
 _OUT = OPS + QUANT_OPS
 

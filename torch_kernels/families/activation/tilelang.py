@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ... import fp8 as _fp8_core, outputs
 from ...backends import tilelang_fp8 as _fp8, tilelang_jit as _jit
+from ...spec import HostKernels
 
 _NAME = "act_and_mul"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -401,6 +402,14 @@ def silu_and_mul_fp8_quant(input: Tensor, scale: Optional[Tensor] = None, group_
     else:
         fn(x, q2, s.view(-1, d // group_size))
     return q, s
+
+
+def silu_and_mul_fp8_quant_host(input: Tensor, scale: Optional[Tensor] = None, group_size: int = -1,
+                                column_major_scales: bool = False, scale_ue8m0: bool = False) -> HostKernels:
+    """The C++ entry's host: the kernel silu_and_mul_fp8_quant calls, q and the scales' layout."""
+    d = input.shape[-1] // 2
+    fn = _quant_function(d, _DTYPES[input.dtype], _fp8.Epilogue.of(scale, group_size, scale_ue8m0))
+    return HostKernels(((0, fn),), outputs=_fp8_core.host_outputs(d, scale, group_size, column_major_scales))
 
 
 def ci_kernels() -> Iterator[tuple]:

@@ -12,9 +12,12 @@ TILELANG_QUANT_OPS = QUANT_OPS
 _IN_PLACE = ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm")
 # the ops whose out overload the kernels write themselves: the functional ones (vLLM's rms_norm(out, ...))
 _OUT = ("rmsnorm", "gemma_rmsnorm", "rmsnorm_fp8_quant", "gemma_rmsnorm_fp8_quant")
-# how the C++ entry calls TileLang's host functions: norm(X, W, O, eps); fused(X, R, W, eps), in place
-_HOST_CALLS = {op: HostCall("rrwf", "", (0, 1, 2, 3)) if op in _IN_PLACE else HostCall("rwf", "r", (0, 1, -1, 2))
-               for op in OPS}
+# how the C++ entry calls TileLang's host functions: norm(X, W, O, eps); fused(X, R, W, eps), in place;
+# with the FP8 epilogue (X, [R,] W, Q, S, [static scale,] eps), q and the scales laid out per signature
+_HOST_CALLS = {**{op: HostCall("rrwf", "", (0, 1, 2, 3)) if op in _IN_PLACE else HostCall("rwf", "r", (0, 1, -1, 2))
+                  for op in OPS},
+               **{op: HostCall("rrwfoibb", "p", (0, 1, 2, -1, -2, 4, 3)) if "fused" in op
+                  else HostCall("rwfoibb", "p", (0, 1, -1, -2, 3, 2)) for op in QUANT_OPS}}
 
 FAMILY = Family(
     __package__,

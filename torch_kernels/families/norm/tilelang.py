@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ... import fp8 as _fp8_core, outputs
 from ...backends.rows import rows_view
+from ...spec import HostKernels
 from ...backends import norm_rows as _rows, tilelang_fp8 as _fp8, tilelang_jit as _jit
 from .unit_weight import ones_like_row
 
@@ -798,6 +799,38 @@ def gemma_fused_add_rmsnorm_fp8_quant(input: Tensor, residual: Tensor, weight: T
                                       scale: Optional[Tensor] = None, group_size: int = -1,
                                       column_major_scales: bool = False, scale_ue8m0: bool = False):
     return _norm_quant(input, residual, weight, eps, scale, group_size, column_major_scales, scale_ue8m0, gemma=True)
+
+
+# The C++ entry's host providers of the FP8 ops: the kernels _norm_quant calls, q and the scales' layout.
+def _quant_host(input: Tensor, weight: Tensor, fused: bool, gemma: bool, scale: Optional[Tensor], group_size: int,
+                column_major: bool, ue8m0: bool) -> HostKernels:
+    n = input.shape[-1]
+    epi = _fp8.Epilogue.of(scale, group_size, ue8m0)
+    one_pass, streamed, streamed_from = _quant_kernels(n, input.dtype, weight.dtype, fused, gemma, epi)[:3]
+    kernels = ((0, one_pass),) + (() if streamed is one_pass else ((streamed_from, streamed),))
+    return HostKernels(kernels, outputs=_fp8_core.host_outputs(n, scale, group_size, column_major))
+
+
+def rmsnorm_fp8_quant_host(input: Tensor, weight: Tensor, eps: float = 1e-6, scale: Optional[Tensor] = None,
+                           group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False):
+    return _quant_host(input, weight, False, False, scale, group_size, column_major_scales, scale_ue8m0)
+
+
+def gemma_rmsnorm_fp8_quant_host(input: Tensor, weight: Tensor, eps: float = 1e-6, scale: Optional[Tensor] = None,
+                                 group_size: int = -1, column_major_scales: bool = False, scale_ue8m0: bool = False):
+    return _quant_host(input, weight, False, True, scale, group_size, column_major_scales, scale_ue8m0)
+
+
+def fused_add_rmsnorm_fp8_quant_host(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
+                                     scale: Optional[Tensor] = None, group_size: int = -1,
+                                     column_major_scales: bool = False, scale_ue8m0: bool = False):
+    return _quant_host(input, weight, True, False, scale, group_size, column_major_scales, scale_ue8m0)
+
+
+def gemma_fused_add_rmsnorm_fp8_quant_host(input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6,
+                                           scale: Optional[Tensor] = None, group_size: int = -1,
+                                           column_major_scales: bool = False, scale_ue8m0: bool = False):
+    return _quant_host(input, weight, True, True, scale, group_size, column_major_scales, scale_ue8m0)
 
 
 def ci_kernels() -> Iterator[tuple]:
