@@ -12,6 +12,7 @@ selection is asked again."""
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 
@@ -87,7 +88,7 @@ def test_host_call_is_validated():
     HostCall("rwfoibb", "p", (0, 1, -1, -2, 3, 2))
     HostCall("rs", "h", (0, -1))
     for roles, output, order, words in (("wf", "r", (0, -1, 1), "at least one 'r' or 't'"),
-                                        ("rx", "", (0, 1), "letters of rwftcoibs"),
+                                        ("rx", "", (0, 1), "letters of rwfetcoibs"),
                                         ("ro", "p", (0, 1), "order must hold"),
                                         ("ro", "p", (0, 1, -2), "order must hold each of [-2, -1, 0, 1] once"),
                                         ("ros", "p", (0, 1, 2, -1), "order must hold each of [-1, 0, 1] once"),
@@ -126,7 +127,7 @@ def test_each_host_call_fits_its_schema(op):
     """What ``install`` checks in C++ at import, checked here without the library."""
     call, schema = _call_of(op), _overload(op)._schema
     assert len(call.roles) == len(schema.arguments)
-    types = {"f": torch.FloatType, "i": torch.IntType, "b": torch.BoolType, "s": torch.StringType}
+    types = {"f": torch.FloatType, "e": torch.FloatType, "i": torch.IntType, "b": torch.BoolType, "s": torch.StringType}
     for role, arg in zip(call.roles, schema.arguments):
         t = arg.type.getElementType() if role in "wto" and isinstance(arg.type, torch.OptionalType) else arg.type
         assert isinstance(t, types.get(role, torch.TensorType)), (role, arg)
@@ -373,6 +374,7 @@ for args, words in (((next(iter(fast_path.SERVED)), "r", "h", [0, -1]), "install
                     (("read", "rib", "", [0]), "argument 'roles': 'i' for argument 'weight'"),
                     (("read", "rcf", "", [0, 1, 2]), "argument 'roles': 'f' for argument 'n'"),
                     (("read", "rws", "", [0, 1]), "argument 'roles': 's' for argument 'n'"),
+                    (("read", "rwe", "", [0, 1, 2]), "argument 'roles': 'e' for argument 'n'"),
                     (("named", "rs", "r", [0, 1, -1]), "argument 'call'"),
                     (("pairs", "roi", "r", [0, 1, -1]), "argument 'output' 'r'"),
                     (("pairs", "rfi", "p", [0, 1, -1, -2]), "argument 'roles': 'f' for argument 'scale'"),
@@ -395,6 +397,9 @@ for args, words in (((next(iter(fast_path.SERVED)), "r", "h", [0, -1]), "install
 assert "fast_path.cpp" not in torch._C._dispatch_dump("deepinfer::toy")  # refused: nothing registered
 install("toy", "rwf", "", [2, 1, 0])
 install("named", "rs", "h", [0, -1])
+for lib in (ops, twins):
+    lib.define("specialised(Tensor(a!) input, float eps) -> ()")
+install("specialised", "re", "", [1, 0])
 install("pairs", "roi", "p", [-2, 0, -1, 1])
 for lib in (ops, twins):
     lib.define("pair(Tensor input) -> Tensor")
@@ -472,6 +477,13 @@ for outs, words in (((), "'out_dtypes' and 'out_shapes' must hold 2 and 4"),
                     (([fp8, torch.float32], [0, 64, 1, 2]), "(1 for layouts 1 and 2)")):
     try:
         torch.ops.deepinfer_fast_path.publish(laid, tensors, 64, 0, [0], [1], laid_facts, place, *outs)
+    except RuntimeError as e:
+        assert words in str(e), e
+    else:
+        raise AssertionError(f"{outs}: no error")
+for outs, words in ((([fp8, torch.float32], [0, 64, 1, 1]), "'max_tokens' must be >= 0"),):
+    try:
+        torch.ops.deepinfer_fast_path.publish(laid, tensors, 64, 0, [0], [1], laid_facts, place, *outs, max_tokens=-1)
     except RuntimeError as e:
         assert words in str(e), e
     else:
@@ -807,15 +819,27 @@ def test_a_string_argument_is_part_of_the_signature(tilelang_entry):
 
 
 def _quant_args(op, shape, dtype):
-    """An FP8 op's rows, weight and eps as a layer passes them (the quant arguments go by keyword)."""
-    roles = _call_of(op).roles
-    return [torch.randn(shape, dtype=dtype, device="cuda") if r == "r" else
-            torch.randn(shape[-1], dtype=dtype, device="cuda") if r == "w" else 1e-6 for r in roles if r in "rwf"]
+    """An op's tensors by name, as a layer passes them: rows of ``shape`` and a weight of its width (the
+    other arguments go by keyword, at their defaults unless a mode sets them)."""
+    schema = _overload(op)._schema.arguments
+    return {a.name: torch.randn(shape if r == "r" else shape[-1:], dtype=dtype, device="cuda")
+            for a, r in zip(schema, _call_of(op).roles) if r in "rw"}
 
 
-#: each quant mode is a signature of its own: dynamic per token, per group row- and column-major, UE8M0, static
-QUANT_MODES = [{}, {"group_size": 128}, {"group_size": 128, "column_major_scales": True},
-               {"group_size": 64, "scale_ue8m0": True}, {"scale": 0.0625}]
+def _quant_modes(op):
+    """``(mode, published)``: each quant mode of the op, a signature of its own, and whether the entry serves it."""
+    names = [a.name for a in _overload(op)._schema.arguments]
+    if "per_token" in names:  # the dynamic per-tensor scale takes two kernels: never published
+        return [({"scale": 0.0625}, True), ({"per_token": True}, True), ({"per_token": True, "scale_ub": 1.5}, True),
+                ({}, False), ({"scale": 0.0625, "scale_ub": 1.5}, False)]
+    groups = [{"group_size": 128}, {"group_size": 128, "column_major_scales": True}, {"group_size": 64, "scale_ue8m0": True}]
+    if "scale" in names:  # the fused ops: per token by default, or static
+        return [(m, True) for m in [{}] + groups + [{"scale": 0.0625}]]
+    return [(m, True) for m in groups + [{"group_size": 128, "eps": 1e-35}]]  # eps under 2^-100: exact division
+
+
+def _kwargs(mode):
+    return {k: torch.tensor([v], device="cuda") if k in ("scale", "scale_ub") else v for k, v in mode.items()}
 
 
 def _same(got, want):
@@ -826,73 +850,84 @@ def _same(got, want):
                            w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
 
 
+def _twin(op):
+    return getattr(getattr(torch.ops, fast_path.TWIN_NAMESPACE), op).default
+
+
+def _written_names(op):
+    return [_overload(op)._schema.arguments[i].name for i in _written(op)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", LAID_OUT_OPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_quant_calls_are_served_bit_for_bit_the_python_kernels(op, dtype, tilelang_entry):
     """The first call of each quant mode publishes its signature with q's and the scales' layout; the next
     ones are served in C++ by each kernel the host publishes, q, the scales (column-major ones included)
-    and a written residual bit for bit what the Python kernels (the twin) return, with 3-D rows too."""
-    f, twin = getattr(torch.ops.deepinfer, op), getattr(getattr(torch.ops, fast_path.TWIN_NAMESPACE), op).default
-    width = 2 * 2048 if _call_of(op).output == "p" and "w" not in _call_of(op).roles else 2048
-    for mode in QUANT_MODES:
-        kw = {k: torch.tensor([v], device="cuda") if k == "scale" else v for k, v in mode.items()}
+    and a written residual bit for bit what the Python kernels (the twin) return, 3-D rows too. A mode
+    the host declines is passed on every time."""
+    f = getattr(torch.ops.deepinfer, op)
+    width = 2 * 2048 if _call_of(op).output == "p" and op.startswith("silu") else 2048
+    for mode, served in _quant_modes(op):
+        kw = _kwargs(mode)
         before = fast_path.counters()
-        f(*_quant_args(op, (3, width), dtype), **kw)  # publishes
+        f(**_quant_args(op, (3, width), dtype), **kw)  # publishes
         published = fast_path.counters()
-        assert published["signatures"] == before["signatures"] + 1, (mode, published)
-        starts = [start for start, _ in fast_path.SERVED[op].load_host()(*_quant_args(op, (3, width), dtype), **kw).kernels]
+        assert published["signatures"] == before["signatures"] + served, (mode, published)
+        host = fast_path.SERVED[op].load_host()(**_quant_args(op, (3, width), dtype), **kw)
+        starts = [start for start, _ in host.kernels] if served else [0]
         shapes = [(1, width), (7, width), (2, 3, width)] + [(t, width) for start in starts[1:] for t in (start - 1, start + 3)]
         for shape in shapes:
             args = _quant_args(op, shape, dtype)
-            copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-            got = f(*args, **kw)
-            want = twin(*copies, **kw)
-            _same(got + tuple(args[i] for i in _written(op)), want + tuple(copies[i] for i in _written(op)))
+            copies = {k: a.clone() for k, a in args.items()}
+            got, want = f(**args, **kw), _twin(op)(**copies, **kw)
+            _same(got + tuple(args[k] for k in _written_names(op)), want + tuple(copies[k] for k in _written_names(op)))
         after = fast_path.counters()
-        assert after["served"] == published["served"] + len(shapes) and after["passed_on"] == published["passed_on"], after
+        assert after["served"] == published["served"] + (len(shapes) if served else 0), (mode, after)
+        assert after["passed_on"] == published["passed_on"] + (0 if served else len(shapes)), (mode, after)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", LAID_OUT_OPS)
 def test_quant_calls_it_does_not_serve_reach_the_python_kernels(op, tilelang_entry):
-    """No tokens, a scale of another dtype or shape: passed on, where validation names the op and the
-    argument; a scale overlapping the written residual goes on too. Served in a CUDA graph, replayed."""
-    f, width = getattr(torch.ops.deepinfer, op), (2 * 1024 if "w" not in _call_of(op).roles else 1024)
-    scale = torch.tensor([0.5], device="cuda")
-    f(*_quant_args(op, (4, width), torch.bfloat16), scale=scale)  # publishes the static signature
-    cases = [(_quant_args(op, (0, width), torch.bfloat16), scale, None),
-             (_quant_args(op, (4, width), torch.bfloat16), scale.double(), TypeError),
-             (_quant_args(op, (4, width), torch.bfloat16), torch.ones(2, device="cuda"), ValueError)]
-    if _written(op):  # a scale in the bytes of the written residual
-        args = _quant_args(op, (4, width), torch.bfloat16)
-        inside = args[_written(op)[0]].view(-1)[:4].view(torch.float32)[:1]
-        inside.fill_(0.5)
-        cases.append((args, inside, ValueError))
-    for args, s, error in cases:
-        kept = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    """No tokens, a scale of another dtype or shape, a scale in the bytes of the written residual: passed
+    on, where validation names the op and the argument, nothing written. Served in a CUDA graph, replayed."""
+    f, width = getattr(torch.ops.deepinfer, op), 2 * 1024 if op.startswith("silu") else 1024
+    mode = _kwargs(next(m for m, served in reversed(_quant_modes(op)) if served))
+    f(**_quant_args(op, (4, width), torch.bfloat16), **mode)  # publishes
+    cases = [(_quant_args(op, (0, width), torch.bfloat16), mode, None)]
+    if "scale" in mode:
+        cases += [(_quant_args(op, (4, width), torch.bfloat16), {**mode, "scale": mode["scale"].double()}, TypeError),
+                  (_quant_args(op, (4, width), torch.bfloat16), {**mode, "scale": torch.ones(2, device="cuda")}, ValueError)]
+        if _written(op):
+            args = _quant_args(op, (4, width), torch.bfloat16)
+            inside = args[_written_names(op)[0]].view(-1)[:4].view(torch.float32)[:1]
+            inside.fill_(0.5)
+            cases.append((args, {**mode, "scale": inside}, ValueError))
+    for args, kw, error in cases:
+        kept = {k: a.clone() for k, a in args.items()}
         before = fast_path.counters()
         if error:
             with pytest.raises(error, match=f"deepinfer::{op}: argument 'scale'"):
-                f(*args, scale=s)
-            assert all(torch.equal(a, k) for a, k in zip(args, kept) if isinstance(a, torch.Tensor))
+                f(**args, **kw)
+            assert all(torch.equal(args[k], kept[k]) for k in args)
         else:
-            f(*args, scale=s)
+            f(**args, **kw)
         after = fast_path.counters()
-        assert after["passed_on"] == before["passed_on"] + 1 and after["served"] == before["served"], (s, after)
+        assert after["passed_on"] == before["passed_on"] + 1 and after["served"] == before["served"], (kw, after)
 
     static = _quant_args(op, (8, width), torch.bfloat16)
     graph, served = torch.cuda.CUDAGraph(), fast_path.counters()["served"]
     with torch.cuda.graph(graph):
-        q, scales = f(*static, scale=scale)
+        got = f(**static, **mode)
     assert fast_path.counters()["served"] == served + 1
+    data = _overload(op)._schema.arguments[_call_of(op).data].name
     for _ in range(2):  # fresh data each replay
-        static[0].copy_(torch.randn_like(static[0]))
-        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in static]
-        want = getattr(getattr(torch.ops, fast_path.TWIN_NAMESPACE), op).default(*copies, scale=scale)
+        static[data].copy_(torch.randn_like(static[data]))
+        want = _twin(op)(**{k: a.clone() for k, a in static.items()}, **mode)
         graph.replay()
         torch.cuda.synchronize()
-        _same((q, scales), want)
+        _same(got, want)
 
 
 def test_offer_publishes_the_outputs_each_signature_lays_out(monkeypatch):
@@ -910,16 +945,20 @@ def test_offer_publishes_the_outputs_each_signature_lays_out(monkeypatch):
     for op in LAID_OUT_OPS:
         roles = _call_of(op).roles
         values = {"r": lambda: torch.randn(2, 64, dtype=torch.bfloat16), "w": lambda: torch.randn(64),
-                  "f": lambda: 1e-6, "o": lambda: torch.ones(()), "i": lambda: 16, "b": lambda: True}
+                  "f": lambda: 1e-6, "e": lambda: 0.5, "o": lambda: torch.ones(()), "i": lambda: 16, "b": lambda: True}
         args = [values[r]() for r in roles]
         fast_path.offer(op, fast_path.SERVED[op], tuple(args))
-        facts = [{"o": 1, "i": 16, "b": 1}[r] for r in roles if r in "oib"]
+        facts = [{"o": 1, "i": 16, "b": 1, "e": 0x3FE0000000000000}[r] for r in roles if r in "oibe"]  # 0.5's bits
         assert published[-1][-4:] == (facts, [0] * len(roles), [torch.float8_e4m3fn, torch.float32], [0, 64, 3, 4])
         count = len(published)
-        fast_path.offer(op, fast_path.SERVED[op], tuple(None if r == "o" else a for a, r in zip(args, roles)))
-        assert len(published) == count + 1 and published[-1][-4][0] == 0  # no scale: a signature of its own
-        fast_path.offer(op, fast_path.SERVED[op], tuple(a for a, r in zip(args, roles) if r in "rw"))  # defaults left out
-        assert published[-1][-4] == [0 if r == "o" else int(_default(op, i)) for i, r in enumerate(roles) if r in "oib"]
+        if "o" in roles:
+            fast_path.offer(op, fast_path.SERVED[op], tuple(None if r == "o" else a for a, r in zip(args, roles)))
+            assert len(published) == count + 1 and published[-1][-4][0] == 0  # no scale: a signature of its own
+        required = max(i for i, a in enumerate(_overload(op)._schema.arguments) if not a.has_default_value())
+        fast_path.offer(op, fast_path.SERVED[op], tuple(args[:required + 1]))  # defaults left out
+        assert published[-1][-4] == [facts[k] if i <= required else 0 if r == "o" else int(_default(op, i)) if r in "ib"
+                                     else struct.unpack("<q", struct.pack("<d", _default(op, i)))[0]
+                                     for k, (i, r) in enumerate((i, r) for i, r in enumerate(roles) if r in "oibe")]
 
 
 class _HostFunction:

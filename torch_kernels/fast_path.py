@@ -42,6 +42,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -324,7 +325,7 @@ def offer(op: str, spec: Optional[KernelSpec], args: tuple) -> None:
                                                      for v in (OUTPUT_LAYOUTS.index(layout), width)]) if outputs else ()
     _publish(op, dtypes, hidden, x.device.index, [start for start, _ in published.kernels],
              [fn.__chandle__() for _, fn in published.kernels], list(facts), list(published.granules) or [0] * len(call.roles),
-             *laid_out)
+             *laid_out, **({"max_tokens": published.max_tokens} if published.max_tokens else {}))
     _published.add(key)
 
 
@@ -332,7 +333,7 @@ def _facts(op: str, call: HostCall, args: tuple) -> Optional[Tuple[int, ...]]:
     """The call's signature beyond its dtypes and width, as the entry reads it from a call (``csrc``'s
     ``serve``): per ``t`` tensor its dimensions and its second size (0 for one dimension), per ``c``
     tensor its two sizes, per int and bool its value, per string its number in the entry (``intern``), per
-    optional scalar whether it is given; ``None`` for a call the entry never serves (a
+    optional scalar whether it is given, per float in the signature its bits; ``None`` for a call the entry never serves (a
     tensor of more dimensions)."""
     out = []
     for i, role in enumerate(call.roles):
@@ -341,6 +342,9 @@ def _facts(op: str, call: HostCall, args: tuple) -> Optional[Tuple[int, ...]]:
             out.append(_intern(value) if role == "s" else int(value))
         elif role == "o":
             out.append(int(i < len(args) and args[i] is not None))
+        elif role == "e":
+            value = float(args[i] if i < len(args) else _default(op, i))
+            out.append(struct.unpack("<q", struct.pack("<d", value))[0])
         elif role in "tc":
             t = args[i]
             if t.dim() not in ((1, 2) if role == "t" else (2,)):
@@ -363,8 +367,8 @@ def _default(op: str, i: int):
     return getattr(torch.ops.deepinfer, op).default._schema.arguments[i].default_value
 
 
-def _publish(op: str, dtypes: tuple, *entry: Any) -> None:
-    torch.ops.deepinfer_fast_path.publish(op, list(dtypes), *entry)
+def _publish(op: str, dtypes: tuple, *entry: Any, **limits: int) -> None:
+    torch.ops.deepinfer_fast_path.publish(op, list(dtypes), *entry, **limits)
 
 
 def clear() -> None:

@@ -126,11 +126,11 @@ def _cc(cc: Tuple[int, int]) -> str:
     return f"{cc[0]}.{cc[1]}"
 
 
-#: :attr:`HostCall.roles`: rows shaped like the data argument, a vector of its last dimension, a float >= 0;
-#: a tensor of the call's tokens and one of a fixed shape, each passed as it is (strided); an optional
+#: :attr:`HostCall.roles`: rows shaped like the data argument, a vector of its last dimension, a float >= 0
+#: and one whose value is part of the signature too (a kernel specialised on it); a tensor of the call's tokens and one of a fixed shape, each passed as it is (strided); an optional
 #: one-element float32 tensor (a static scale), passed when given; an int, a bool and a string, whose
 #: values are part of the signature and are not passed
-HOST_ROLES = {"r": "rows", "w": "vector", "f": "float", "t": "token tensor", "c": "fixed tensor", "o": "optional scalar",
+HOST_ROLES = {"r": "rows", "w": "vector", "f": "float", "e": "float in the signature", "t": "token tensor", "c": "fixed tensor", "o": "optional scalar",
               "i": "int", "b": "bool", "s": "string"}
 #: the roles whose argument the host function does not take (the compiled function is specialised on it)
 HOST_FIXED = ("i", "b", "s")
@@ -150,7 +150,8 @@ class HostCall:
     ``roles`` has one letter per schema argument (:data:`HOST_ROLES`): ``r`` rows shaped like the data
     argument (the first ``r``, else the first ``t``), ``w`` a 1-D vector of its last dimension (both
     contiguous and 16-byte aligned; a ``Tensor?`` one passed as ``None`` sends the call to the Python
-    kernels), ``f`` a float that must be >= 0, passed by value; ``t`` a tensor of one or two dimensions
+    kernels), ``f`` a float that must be >= 0, passed by value, ``e`` the same with its value part of the
+    signature; ``t`` a tensor of one or two dimensions
     whose first is the call's tokens, and ``c`` a 2-D tensor of a fixed shape, each passed with its own
     strides (its last one 1), its trailing (``t``) or whole (``c``) shape part of the signature, its data
     pointer and strides multiples of the granule its host publishes; ``o`` an optional one-element
@@ -197,12 +198,14 @@ class HostKernels:
     four), and per schema argument the granule, in elements, that a ``t`` or ``c`` tensor's data pointer
     and strides must be multiples of for these functions (``0``: none; other roles ``0``); for an op
     whose :attr:`HostCall.output` is ``p``, per output its ``(layout, dtype, width)`` (:data:`OUTPUT_LAYOUTS`;
-    width 1 for ``token`` and ``one``). A host may also return the pairs alone (no granules, no outputs),
-    or ``()`` for a call it does not publish."""
+    width 1 for ``token`` and ``one``); the most tokens a call of these functions may have (``0``: no
+    limit). A host may also return the pairs alone (no granules, no outputs), or ``()`` for a call it
+    does not publish."""
 
     kernels: Tuple[Tuple[int, Any], ...]
     granules: Tuple[int, ...] = ()
     outputs: Tuple[Tuple[str, Any, int], ...] = ()
+    max_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@
 //
 // It knows no op. ``install(op, roles, output, call)`` registers the op's kernels from its manifest's
 // HostCall: per schema argument a role (r rows like the data argument, w a vector of its width, f a float
-// >= 0; t a tensor of the call's tokens and c one of a fixed shape, both passed with their strides; o an
+// >= 0, e one whose value is part of the signature too; t a tensor of the call's tokens and c one of a fixed shape, both passed with their strides; o an
 // optional one-element float32 tensor, passed as (1,) when given; i an int, b a bool and s a string, not
 // passed), the output (none, r rows, h rows of half the width, p the schema's returns laid out as each
 // signature publishes them) and the host function's argument order (-1 - k output k); the arguments the
@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -85,6 +86,7 @@ struct Entry {
   int64_t facts[kMaxFacts];  // OpState::num_facts of them
   int64_t granule[kMaxArgs];  // per schema argument: what a t or c tensor's pointer and strides are multiples of
   int num_kernels;
+  int64_t max_tokens;  // the most a call may have (0: no limit)
   int64_t from[kMaxKernels];  // ascending, from[0] == 0: kernel k serves from[k] tokens up to from[k + 1]
   void* kernel[kMaxKernels];  // TVM-FFI function handles (one reference each, held for the process)
   // output 'p': each output's layout (OutputLayout), dtype and last dimension
@@ -346,8 +348,9 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
   int num_facts = 0;
   for (int i = 0; i < s.num_args; ++i) {
     const char role = s.roles[i];
-    if (role == 'f') {
+    if (role == 'f' || role == 'e') {
       if (!(args[i].isDouble() && args[i].toDouble() >= 0.0)) return false;
+      if (role == 'e') facts[num_facts++] = std::bit_cast<int64_t>(args[i].toDouble());
       continue;
     }
     if (role == 'i' || role == 'b') {
@@ -395,7 +398,7 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
   }
   if (device.index() != c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index()) return false;
   const Entry* e = find(s, t, hidden, device.index(), facts);
-  if (e == nullptr) return false;
+  if (e == nullptr || (e->max_tokens > 0 && tokens > e->max_tokens)) return false;
   for (int k = 0; k < s.num_tensors; ++k) {
     if (!on_granule(*t[s.tensors[k]], e->granule[s.tensors[k]])) return false;
   }
@@ -451,7 +454,7 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
     } else if (s.roles[i] == 'o') {
       if (!given(args[i])) continue;  // left out of the host function's arguments
       views[num_call].view(args[i].toTensor(), -1, 1);
-    } else if (s.roles[i] == 'f') {
+    } else if (s.roles[i] == 'f' || s.roles[i] == 'e') {
       call_args[num_call++] = float_arg(args[i].toDouble());
       continue;
     } else if (s.roles[i] == 't' || s.roles[i] == 'c') {
@@ -534,13 +537,13 @@ void install(const std::string& name, const std::string& roles, const std::strin
                           arguments[i].type()->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType;
     const bool tensor = kind == c10::TypeKind::TensorType || ((r == 'w' || r == 't') && optional);
     TORCH_CHECK(((r == 'r' || r == 'w' || r == 't' || r == 'c') && tensor) || (r == 'o' && optional) ||
-                    (r == 'f' && kind == c10::TypeKind::FloatType) ||
+                    ((r == 'f' || r == 'e') && kind == c10::TypeKind::FloatType) ||
                     (r == 'i' && kind == c10::TypeKind::IntType) || (r == 'b' && kind == c10::TypeKind::BoolType) ||
                     (r == 's' && kind == c10::TypeKind::StringType),
                 where, "argument 'roles': '", r, "' for argument '", arguments[i].name(), "' of type ", arguments[i].type()->str());
     s.roles[i] = r;
     if (tensor) s.tensors[s.num_tensors++] = i;
-    s.num_facts += r == 't' || r == 'c' ? 2 : r == 'i' || r == 'b' || r == 's' || r == 'o' ? 1 : 0;
+    s.num_facts += r == 't' || r == 'c' ? 2 : r == 'i' || r == 'b' || r == 's' || r == 'o' || r == 'e' ? 1 : 0;
     if (arguments[i].alias_info() != nullptr && arguments[i].alias_info()->isWrite()) {
       TORCH_CHECK(r == 'r' || r == 't', where, "argument 'roles': the written argument '", arguments[i].name(),
                   "' must be rows (r) or a token tensor (t), got '", r, "'");
@@ -631,7 +634,7 @@ void install_out(const std::string& name) {
 void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes, int64_t hidden, int64_t device,
              const std::vector<int64_t>& from, const std::vector<int64_t>& kernels, const std::vector<int64_t>& facts,
              const std::vector<int64_t>& granules, const std::optional<std::vector<c10::ScalarType>>& laid_dtypes,
-             const std::optional<std::vector<int64_t>>& laid_shapes) {
+             const std::optional<std::vector<int64_t>>& laid_shapes, int64_t max_tokens) {
   // None for an op of one output or none (an empty ScalarType[] cannot be passed: it arrives as int[])
   const std::vector<c10::ScalarType> out_dtypes = laid_dtypes.value_or(std::vector<c10::ScalarType>());
   const std::vector<int64_t> out_shapes = laid_shapes.value_or(std::vector<int64_t>());
@@ -650,7 +653,8 @@ void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes
   TORCH_CHECK(static_cast<int>(facts.size()) == s.num_facts && static_cast<int>(granules.size()) == s.num_args,
               "deepinfer_fast_path::publish: arguments 'facts' and 'granules' must hold ", s.num_facts, " and ", s.num_args,
               " values for ", name, ", got ", facts.size(), " and ", granules.size());
-  Entry entry{s.index, hidden, static_cast<c10::DeviceIndex>(device), {}, {}, {}, n, {}, {}, {}, {}, {}};
+  TORCH_CHECK(max_tokens >= 0, "deepinfer_fast_path::publish: argument 'max_tokens' must be >= 0 (0: no limit), for ", name);
+  Entry entry{s.index, hidden, static_cast<c10::DeviceIndex>(device), {}, {}, {}, n, max_tokens, {}, {}, {}, {}, {}};
   for (int o = 0; o < outputs; ++o) {
     const c10::ScalarType t = out_dtypes[o];
     const int64_t layout = out_shapes[2 * o], width = out_shapes[2 * o + 1];
@@ -718,7 +722,7 @@ TORCH_LIBRARY(deepinfer_fast_path, m) {
   m.def("install(str op, str roles, str output, int[] call) -> ()", &install);
   m.def("install_out(str op) -> ()", &install_out);
   m.def("publish(str op, ScalarType[] dtypes, int hidden, int device, int[] from, int[] kernels, int[] facts, "
-        "int[] granules, ScalarType[]? out_dtypes=None, int[]? out_shapes=None) -> ()", &publish);
+        "int[] granules, ScalarType[]? out_dtypes=None, int[]? out_shapes=None, int max_tokens=0) -> ()", &publish);
   m.def("intern(str value) -> int", &intern);
   m.def("clear() -> ()", &clear);
   m.def("counters() -> int[]", &counters);  // [signatures published, calls served, calls passed on]

@@ -1,11 +1,15 @@
 """The quant family's inventory: who implements which op, and how each op compiles."""
 
 from ...manifest import kernels, reference
-from ...spec import INDUCTOR_TRITON, OPAQUE, Backend, Family, OpInfo
+from ...spec import INDUCTOR_TRITON, OPAQUE, Backend, Family, HostCall, OpInfo
 
 OPS = ("per_token_group_quant_fp8", "scaled_fp8_quant")
 TRITON_OPS = ("per_token_group_quant_fp8", "scaled_fp8_quant")
 TILELANG_OPS = ("per_token_group_quant_fp8", "scaled_fp8_quant")
+# how the C++ entry calls TileLang's host functions: group quant (X, Q, S, eps), eps in the signature (it picks
+# the kernel); scaled quant (X, Q, S[, static scale or bound]); q and the scales laid out per signature
+_HOST_CALLS = {"per_token_group_quant_fp8": HostCall("riebb", "p", (0, -1, -2, 2)),
+               "scaled_fp8_quant": HostCall("robo", "p", (0, -1, -2, 1, 3))}
 
 FAMILY = Family(
     __package__,
@@ -22,6 +26,6 @@ FAMILY = Family(
         *kernels(__package__, Backend.TILELANG, TILELANG_OPS,
                  "group quant 16 values a thread in 16-byte vectors, a group's lanes reduce by shfl.xor; scaled quant "
                  "row kernels, per tensor an atomic max then a quantising pass; hardware e4m3 cvt; every size and stride",
-                 out_ops=TILELANG_OPS),
+                 host_calls=_HOST_CALLS, out_ops=TILELANG_OPS),
     ),
 )

@@ -40,6 +40,7 @@ from .reference import empty_outputs
 from ... import fp8 as _fp8_core
 from ...backends import tilelang_fp8 as _fp8, tilelang_jit as _jit
 from ...backends.rows import rows
+from ...spec import HostKernels
 
 _NAME = "per_token_group_quant_fp8"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -186,6 +187,18 @@ def per_token_group_quant_fp8(input: Tensor, group_size: int, eps: float = 1e-10
     return q, s
 
 
+def per_token_group_quant_fp8_host(input: Tensor, group_size: int, eps: float = 1e-10,
+                                   column_major_scales: bool = False, scale_ue8m0: bool = False) -> HostKernels:
+    """The C++ entry's host: the kernel the launcher calls for contiguous 16-byte-aligned rows like
+    ``input``'s, q and the scales' layout, and the rows one launch may take."""
+    H, dtype = input.shape[-1], _DTYPES[input.dtype]
+    vec = _vec(group_size, dtype)
+    aligned = H % vec == 0 and 16 % (vec * input.element_size()) == 0
+    fn = _function(group_size, dtype, bool(scale_ue8m0), eps < _EXACT_DIV_EPS, aligned)
+    return HostKernels(((0, fn),), outputs=_fp8_core.host_outputs(H, None, group_size, column_major_scales),
+                       max_tokens=_MAX_PAIRS // (H // group_size))
+
+
 # ----------------------------------------------------------------------------------------------
 # scaled_fp8_quant: one row kernel per (hidden size, dtype, mode) with the shared epilogue
 # (backends/tilelang_fp8.py); the dynamic per-tensor scale takes a first kernel, the max of the
@@ -321,6 +334,21 @@ def scaled_fp8_quant(input: Tensor, scale: Optional[Tensor] = None, per_token: b
         _absmax_function(n, dtype)(x, amax)
         _scaled_function(n, dtype, _TENSOR)(x, q2, s, amax.view(torch.float32))
     return q, s
+
+
+def scaled_fp8_quant_host(input: Tensor, scale: Optional[Tensor] = None, per_token: bool = False,
+                          scale_ub: Optional[Tensor] = None):
+    """The C++ entry's host: the one row kernel of the static and per-token modes, q and the scales'
+    layout; none for the dynamic per-tensor scale (two kernels) or a static scale with a bound."""
+    n, dtype = input.shape[-1], _DTYPES[input.dtype]
+    if scale is not None:
+        epi = _STATIC if scale_ub is None else None
+    else:
+        epi = (_TOKEN if scale_ub is None else _TOKEN_UB) if per_token else None
+    if epi is None:
+        return ()
+    return HostKernels(((0, _scaled_function(n, dtype, epi)),),
+                       outputs=_fp8_core.host_outputs(n, scale, _fp8_core.PER_TOKEN, False))
 
 
 _STATIC, _TENSOR = _fp8.Epilogue("static"), _fp8.Epilogue("tensor")
