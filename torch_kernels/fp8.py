@@ -75,18 +75,6 @@ def empty_outputs(input: Tensor, hidden: int, scale: Optional[Tensor], group_siz
     return q, input.new_empty(s_shape, dtype=torch.float32)
 
 
-def host_outputs(hidden: int, scale: Optional[Tensor], group_size: int, column_major: bool) -> tuple:
-    """q and the scales as :func:`empty_outputs` lays them, for the C++ entry (``spec.OUTPUT_LAYOUTS``):
-    what a backend's ``host`` publishes for an op with a quantising epilogue."""
-    if scale is not None:
-        scales = ("one", torch.float32, 1)
-    elif group_size == PER_TOKEN:
-        scales = ("token", torch.float32, 1)
-    else:
-        scales = ("column" if column_major else "rows", torch.float32, hidden // group_size)
-    return ("rows", FP8, hidden), scales
-
-
 # ----------------------------------------------------------------------------------------------
 # Argument checks of the quantising epilogue, shared by every op that has one
 

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ... import fp8 as _fp8_core, outputs
 from ...backends import tilelang_fp8 as _fp8, tilelang_jit as _jit
+from ...backends.host_outputs import fp8_outputs
 from ...spec import HostKernels
 
 _NAME = "act_and_mul"
@@ -409,7 +410,7 @@ def silu_and_mul_fp8_quant_host(input: Tensor, scale: Optional[Tensor] = None, g
     """The C++ entry's host: the kernel silu_and_mul_fp8_quant calls, q and the scales' layout."""
     d = input.shape[-1] // 2
     fn = _quant_function(d, _DTYPES[input.dtype], _fp8.Epilogue.of(scale, group_size, scale_ue8m0))
-    return HostKernels(((0, fn),), outputs=_fp8_core.host_outputs(d, scale, group_size, column_major_scales))
+    return HostKernels(((0, fn),), outputs=fp8_outputs(d, scale is not None, group_size, column_major_scales))
 
 
 def ci_kernels() -> Iterator[tuple]:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ... import fp8 as _fp8_core, outputs
 from ...backends.rows import rows_view
+from ...backends.host_outputs import fp8_outputs
 from ...spec import HostKernels
 from ...backends import norm_rows as _rows, tilelang_fp8 as _fp8, tilelang_jit as _jit
 from .unit_weight import ones_like_row
@@ -808,7 +809,7 @@ def _quant_host(input: Tensor, weight: Tensor, fused: bool, gemma: bool, scale: 
     epi = _fp8.Epilogue.of(scale, group_size, ue8m0)
     one_pass, streamed, streamed_from = _quant_kernels(n, input.dtype, weight.dtype, fused, gemma, epi)[:3]
     kernels = ((0, one_pass),) + (() if streamed is one_pass else ((streamed_from, streamed),))
-    return HostKernels(kernels, outputs=_fp8_core.host_outputs(n, scale, group_size, column_major))
+    return HostKernels(kernels, outputs=fp8_outputs(n, scale is not None, group_size, column_major))
 
 
 def rmsnorm_fp8_quant_host(input: Tensor, weight: Tensor, eps: float = 1e-6, scale: Optional[Tensor] = None,

@@ -40,6 +40,7 @@ from .reference import empty_outputs
 from ... import fp8 as _fp8_core
 from ...backends import tilelang_fp8 as _fp8, tilelang_jit as _jit
 from ...backends.rows import rows
+from ...backends.host_outputs import fp8_outputs
 from ...spec import HostKernels
 
 _NAME = "per_token_group_quant_fp8"
@@ -195,7 +196,7 @@ def per_token_group_quant_fp8_host(input: Tensor, group_size: int, eps: float = 
     vec = _vec(group_size, dtype)
     aligned = H % vec == 0 and 16 % (vec * input.element_size()) == 0
     fn = _function(group_size, dtype, bool(scale_ue8m0), eps < _EXACT_DIV_EPS, aligned)
-    return HostKernels(((0, fn),), outputs=_fp8_core.host_outputs(H, None, group_size, column_major_scales),
+    return HostKernels(((0, fn),), outputs=fp8_outputs(H, False, group_size, column_major_scales),
                        max_tokens=_MAX_PAIRS // (H // group_size))
 
 
@@ -348,7 +349,7 @@ def scaled_fp8_quant_host(input: Tensor, scale: Optional[Tensor] = None, per_tok
     if epi is None:
         return ()
     return HostKernels(((0, _scaled_function(n, dtype, epi)),),
-                       outputs=_fp8_core.host_outputs(n, scale, _fp8_core.PER_TOKEN, False))
+                       outputs=fp8_outputs(n, scale is not None, _fp8_core.PER_TOKEN, False))
 
 
 _STATIC, _TENSOR = _fp8.Epilogue("static"), _fp8.Epilogue("tensor")
