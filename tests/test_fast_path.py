@@ -49,9 +49,11 @@ def _default(op, i):
 #: by role (a string at its default)
 ROW_OPS = [op for op in SERVED if set(_call_of(op).roles) <= set("rwfs")]
 #: the others, with tensors passed as they are (t, c) and ints and bools in the signature: rope
-AS_GIVEN_OPS = [op for op in SERVED if set(_call_of(op).roles) & set("tc")]
-#: the ops whose outputs each signature lays out (q and the scales of the FP8 ops)
-LAID_OUT_OPS = [op for op in SERVED if _call_of(op).output == "p"]
+AS_GIVEN_OPS = [op for op in SERVED if set(_call_of(op).roles) & set("tc") and not _call_of(op).output]
+#: the ops whose outputs each signature lays out over their rows (q and the scales of the FP8 ops)
+LAID_OUT_OPS = [op for op in SERVED if _call_of(op).output == "p" and "r" in _call_of(op).roles]
+#: the ops whose outputs take the shapes of tensors passed as they are (merge_attn_states)
+SHAPED_LIKE_OPS = [op for op in SERVED if _call_of(op).output == "p" and "r" not in _call_of(op).roles]
 IN_PLACE = [op for op in ROW_OPS if _written(op)]
 #: the served ops with an out overload: the entry serves it too
 WITH_OUT = [op for op in SERVED if OP_DEFS[op].out_names and fast_path.serves_out(op)]
@@ -158,7 +160,7 @@ def test_built_library_carries_the_cuda_and_autograd_kernels_of_the_served_ops()
     others = [op for op in registry.OPS if op not in fast_path.SERVED]
     assert others and not any(f"deepinfer {op} CUDA fast_path.cpp" in lines or f"deepinfer {op}.out CUDA fast_path.cpp"
                               in lines for op in others)
-    for op in LAID_OUT_OPS:  # several outputs: the out overload stays with the Python kernels, on the op itself
+    for op in LAID_OUT_OPS + SHAPED_LIKE_OPS:  # several outputs: the out overload stays with the Python kernels
         assert OP_DEFS[op].out_names and f"deepinfer {op}.out CUDA fast_path.cpp" not in lines, op
 
 
@@ -435,7 +437,7 @@ half = next(op for op, c in served.items() if c.output == "h")
 given = next(op for op, c in served.items() if "t" in c.roles)  # tensors as given, ints and bools: rope
 n, m, g = len(served[op].tensors), len(served[half].tensors), served[given]
 none = lambda o: ([], [0] * len(served[o].roles))  # noqa: E731  (no facts, no granules)
-facts = [1, 0, 2, 256, 2, 64, 64, 4096, 64, 1]  # positions (T,), q (T, 256), k (T, 64), head 64, cache, neox
+facts = [1, 0, 0, 2, 256, 0, 2, 64, 0, 64, 4096, 64, 1]  # positions (T,), q (T, 256), k (T, 64), head 64, cache, neox
 granules = [0, 8, 8, 0, 8, 0]
 index = [torch.int64 if r == "t" and i == 0 else torch.float32 if r == "c" else torch.bfloat16
          for i, r in enumerate(g.roles) if r in "tc"]
@@ -474,7 +476,8 @@ for outs, words in (((), "'out_dtypes' and 'out_shapes' must hold 2 and 4"),
                     (([torch.float64, torch.float32], [0, 64, 1, 1]), "an output is float16"),
                     (([fp8, torch.float32], [0, 64, 4, 1]), "of layout 0-3"),
                     (([fp8, torch.float32], [0, 0, 1, 1]), "width >= 1"),
-                    (([fp8, torch.float32], [0, 64, 1, 2]), "(1 for layouts 1 and 2)")):
+                    (([fp8, torch.float32], [0, 64, 1, 2]), "(1 for layouts 1 and 2)"),
+                    (([fp8, torch.float32], [0, 64, 4, 0]), "or of layout 4 like a t argument")):
     try:
         torch.ops.deepinfer_fast_path.publish(laid, tensors, 64, 0, [0], [1], laid_facts, place, *outs)
     except RuntimeError as e:
@@ -494,6 +497,15 @@ except RuntimeError as e:
     assert "must hold 0 and 0" in str(e), e
 else:
     raise AssertionError("outputs for an op of one: no error")
+like = next(op for op, c in served.items() if c.output == "p" and "r" not in c.roles)  # merge: t arguments
+for shapes, words in (([0, 0, 4, 0], "of layout 0-3 over rows"), ([4, 0, 4, 9], "layout 4 like a t argument")):
+    try:
+        torch.ops.deepinfer_fast_path.publish(like, [bf16, torch.float32] * 2, 0, 0, [0], [1], [0] * 12, [0] * 4,
+                                              [bf16, torch.float32], shapes)
+    except RuntimeError as e:
+        assert words in str(e), e
+    else:
+        raise AssertionError(f"{shapes}: no error")
 assert torch.ops.deepinfer_fast_path.counters() == [0, 0, 0]
 import tvm_ffi  # a real TVM-FFI function handle: publishing holds a reference, clearing drops the entry
 handle = tvm_ffi.get_global_func("ffi.String").__chandle__()
@@ -589,7 +601,8 @@ def test_twin_calls_run_the_python_kernels(op, tilelang_entry):
     """A call of the twin (as the entry passes calls on, or a benchmark times the Python kernels) runs
     the Python kernels even for a published signature: its Autograd kernel goes on to the twin's CUDA
     kernel, not back to the op's C++ one."""
-    args = _rope_args(4, torch.bfloat16, "cuda") if op in AS_GIVEN_OPS else _args(op, (4, 1024), torch.bfloat16)
+    args = (_rope_args(4, torch.bfloat16, "cuda") if op in AS_GIVEN_OPS else _merge_args(4) if op in SHAPED_LIKE_OPS
+            else _args(op, (4, 1024), torch.bfloat16))
     getattr(torch.ops.deepinfer, op)(*args)  # publishes
     before = fast_path.counters()
     getattr(getattr(torch.ops, fast_path.TWIN_NAMESPACE), op).default(*args)
@@ -930,6 +943,74 @@ def test_quant_calls_it_does_not_serve_reach_the_python_kernels(op, tilelang_ent
         _same(got, want)
 
 
+def _merge_args(tokens, dtype=torch.bfloat16, heads=8, head_size=128, device="cuda"):
+    """``merge_attn_states``' partials and their LSEs, ``(T, H, D)`` and ``(T, H)``, some heads empty (-inf)."""
+    v_a, v_b = (torch.randn(tokens, heads, head_size, dtype=dtype, device=device) for _ in range(2))
+    lse_a, lse_b = (torch.randn(tokens, heads, device=device) * 4 for _ in range(2))
+    if tokens:
+        lse_a[0, 0] = float("-inf")
+    return [v_a, lse_a, v_b, lse_b]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", SHAPED_LIKE_OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_merge_calls_are_served_bit_for_bit_the_python_kernels(op, dtype, tilelang_entry):
+    """Partials of each head size publish their signature on the first call; later ones are served in C++,
+    the outputs shaped like the partial and its LSE, bit for bit the Python kernels' (the twin's), and so
+    are partials sliced from a wider buffer on the vector; partials off the vector, a transposed LSE and
+    no tokens go on to Python."""
+    f = getattr(torch.ops.deepinfer, op)
+    for heads, head_size in ((8, 128), (4, 64), (5, 40)):
+        before = fast_path.counters()
+        f(*_merge_args(3, dtype, heads, head_size))  # publishes
+        published = fast_path.counters()
+        assert published["signatures"] == before["signatures"] + 1, published
+        wide = torch.randn(7, heads, head_size + 16, dtype=dtype, device="cuda")
+        served = [_merge_args(t, dtype, heads, head_size) for t in (1, 7, 300)]
+        served.append([wide[..., :head_size], served[1][1], wide[..., 16:], served[1][3]])  # sliced, on the vector
+        passed = [_merge_args(0, dtype, heads, head_size),
+                  [wide[..., 1:head_size + 1], served[1][1], served[1][2], served[1][3]],  # off the vector
+                  [served[1][0], served[1][1].t().contiguous().t(), served[1][2], served[1][3]]]  # LSE (H, T) seen as (T, H)
+        for args in served + passed:
+            copies = [a.clone() if a.is_contiguous() else a for a in args]
+            _same(f(*args), _twin(op)(*copies))
+        after = fast_path.counters()
+        assert after["served"] == published["served"] + len(served), after
+        assert after["passed_on"] == published["passed_on"] + len(passed), after
+
+    static = _merge_args(16, dtype)
+    f(*static)
+    graph, count = torch.cuda.CUDAGraph(), fast_path.counters()["served"]
+    with torch.cuda.graph(graph):
+        got = f(*static)
+    assert fast_path.counters()["served"] == count + 1
+    for _ in range(2):  # fresh data each replay
+        for a, b in zip(static, _merge_args(16, dtype)):
+            a.copy_(b)
+        want = _twin(op)(*[a.clone() for a in static])
+        graph.replay()
+        torch.cuda.synchronize()
+        _same(got, want)
+
+
+def test_offer_publishes_outputs_shaped_like_an_argument(monkeypatch):
+    """merge_attn_states: the signature holds each partial's and LSE's dims and trailing sizes, and the host's
+    granules, outputs (shaped like arguments 0 and 1) and the tokens one launch takes go to the entry."""
+    published = []
+    monkeypatch.setattr(fast_path, "loaded", lambda: True)
+    monkeypatch.setattr(fast_path, "_published", set())
+    monkeypatch.setattr(fast_path, "_publish", lambda *entry, **limits: published.append((entry, limits)))
+    host = HostKernels(((0, _HostFunction(5)),), (8, 0, 8, 0), (("like", torch.bfloat16, 0), ("like", torch.float32, 1)), 1000)
+    monkeypatch.setattr(KernelSpec, "load_host", lambda spec: lambda *args: host)
+    assert SHAPED_LIKE_OPS
+    for op in SHAPED_LIKE_OPS:
+        fast_path.offer(op, fast_path.SERVED[op], tuple(_merge_args(3, device="cpu")))
+        entry, limits = published[-1]
+        assert entry[-4:] == ([3, 8, 128, 2, 8, 0] * 2, [8, 0, 8, 0], [torch.bfloat16, torch.float32], [4, 0, 4, 1])
+        assert limits == {"max_tokens": 1000}
+
+
 def test_offer_publishes_the_outputs_each_signature_lays_out(monkeypatch):
     """An op whose outputs each signature lays out (the FP8 ops): the signature holds whether the static
     scale is given, the group size and the flags, and carries q's and the scales' dtype, layout and width
@@ -1029,7 +1110,7 @@ def test_offer_reads_the_shapes_ints_and_bools_of_tensors_passed_as_given(monkey
     """A ``t``/``c`` op (rope): the signature holds its tensors' dtypes (int positions among them), the
     trailing shapes of the token tensors, the cache's shape, head_size and is_neox, and the granules
     the host returns; a call the host declines is not published (a later one is asked again), one the
-    entry never serves (3-D q) not even asked."""
+    entry never serves (4-D q) not even asked."""
     published, answers = [], []
     monkeypatch.setattr(fast_path, "loaded", lambda: True)
     monkeypatch.setattr(fast_path, "_published", set())
@@ -1044,11 +1125,10 @@ def test_offer_reads_the_shapes_ints_and_bools_of_tensors_passed_as_given(monkey
         fast_path.offer(op, spec, tuple(args))
         fast_path.offer(op, spec, tuple(args))  # published already: the host is not asked
         assert published == [(op, (torch.int64, torch.bfloat16, torch.bfloat16, torch.float32), 0, None, [0], [7],
-                               [1, 0, 2, 256, 2, 128, 64, 256, 64, 1], [0, 8, 8, 0, 4, 0])]
-        three_d = list(args)
-        three_d[1] = args[1].view(3, 4, 64)
-        fast_path.offer(op, spec, tuple(three_d))  # never served: 3-D
-        args[1] = args[1].view(3, 4, 64)
+                               [1, 0, 0, 2, 256, 0, 2, 128, 0, 64, 256, 64, 1], [0, 8, 8, 0, 4, 0])]
+        four_d = list(args)
+        four_d[1] = args[1].view(3, 2, 2, 64)
+        fast_path.offer(op, spec, tuple(four_d))  # never served: 4-D
         assert not answers and len(published) == 1
 
 

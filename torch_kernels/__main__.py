@@ -4,7 +4,7 @@
   fresh random inputs. Exits 1 on a mismatch.
 * ``inventory``: the platform, the selection, what this platform can run, and one row per op (the
   backends that implement it, the order in which they serve it here, its route under torch.compile).
-* ``build``: compile the C++ entry of the norm, activation and rope ops (``fast_path.py``) for this torch
+* ``build``: compile the C++ entry of the TileLang-served ops (``fast_path.py``) for this torch
   and TVM-FFI; later imports load it.
 * ``docs``: the op reference from the registered schemas and the wrappers' docstrings: written to
   ``docs/ops.md`` of a source checkout, else printed (``--output FILE`` writes it there); ``--check``
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("check", help="the inventory, then a self-check of every usable backend (the default)")
     sub.add_parser("inventory", help="platform, selection and one row per op, without the self-check")
-    b = sub.add_parser("build", help="compile the C++ entry of the norm, activation and rope ops for this torch and TVM-FFI")
+    b = sub.add_parser("build", help="compile the C++ entry of the TileLang-served ops for this torch and TVM-FFI")
     b.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     d = sub.add_parser("docs", help="the op reference: docs/ops.md of a source checkout, else printed")
     d.add_argument("--output", metavar="FILE", help="write it to FILE ('-': print it) instead")

@@ -331,10 +331,10 @@ def offer(op: str, spec: Optional[KernelSpec], args: tuple) -> None:
 
 def _facts(op: str, call: HostCall, args: tuple) -> Optional[Tuple[int, ...]]:
     """The call's signature beyond its dtypes and width, as the entry reads it from a call (``csrc``'s
-    ``serve``): per ``t`` tensor its dimensions and its second size (0 for one dimension), per ``c``
-    tensor its two sizes, per int and bool its value, per string its number in the entry (``intern``), per
-    optional scalar whether it is given, per float in the signature its bits; ``None`` for a call the entry never serves (a
-    tensor of more dimensions)."""
+    ``serve``): per ``t`` tensor its dimensions and its second and third sizes (0 where it has fewer
+    dimensions), per ``c`` tensor its two sizes, per int and bool its value, per string its number in
+    the entry (``intern``), per optional scalar whether it is given, per float in the signature its bits;
+    ``None`` for a call the entry never serves (a tensor of more dimensions)."""
     out = []
     for i, role in enumerate(call.roles):
         if role in "ibs":
@@ -347,9 +347,9 @@ def _facts(op: str, call: HostCall, args: tuple) -> Optional[Tuple[int, ...]]:
             out.append(struct.unpack("<q", struct.pack("<d", value))[0])
         elif role in "tc":
             t = args[i]
-            if t.dim() not in ((1, 2) if role == "t" else (2,)):
+            if t.dim() not in ((1, 2, 3) if role == "t" else (2,)):
                 return None
-            out += [t.dim(), t.shape[1] if t.dim() == 2 else 0] if role == "t" else [t.shape[0], t.shape[1]]
+            out += [t.dim(), *(t.shape[d] if t.dim() > d else 0 for d in (1, 2))] if role == "t" else [t.shape[0], t.shape[1]]
     return tuple(out)
 
 

@@ -137,10 +137,11 @@ HOST_FIXED = ("i", "b", "s")
 #: :attr:`HostCall.output`: none (in place), rows like the data argument, rows of half its last dimension,
 #: the schema's returns laid out as the host publishes them with each signature (:attr:`HostKernels.outputs`)
 HOST_OUTPUTS = {"": "none", "r": "rows", "h": "half rows", "p": "published"}
-#: :attr:`HostKernels.outputs` layouts over the data argument's leading dims (T tokens in all), each with how
-#: the host function takes it: ``(*lead, width)`` contiguous as ``(T, width)``; ``(*lead, 1)`` as ``(T,)``;
-#: ``(1,)``; ``(*lead, width)`` over storage ``(width, *lead)`` (column-major) as ``(T, width)``
-OUTPUT_LAYOUTS = ("rows", "token", "one", "column")
+#: :attr:`HostKernels.outputs` layouts over the rows of the data argument's leading dims (T tokens in all),
+#: each with how the host function takes it: ``(*lead, width)`` contiguous as ``(T, width)``; ``(*lead, 1)``
+#: as ``(T,)``; ``(1,)``; ``(*lead, width)`` over storage ``(width, *lead)`` (column-major) as ``(T, width)``;
+#: and ``like``, contiguous in the shape of the ``t`` argument whose index stands for the width, as it is
+OUTPUT_LAYOUTS = ("rows", "token", "one", "column", "like")
 
 
 @dataclass(frozen=True)
@@ -151,8 +152,8 @@ class HostCall:
     argument (the first ``r``, else the first ``t``), ``w`` a 1-D vector of its last dimension (both
     contiguous and 16-byte aligned; a ``Tensor?`` one passed as ``None`` sends the call to the Python
     kernels), ``f`` a float that must be >= 0, passed by value, ``e`` the same with its value part of the
-    signature; ``t`` a tensor of one or two dimensions
-    whose first is the call's tokens, and ``c`` a 2-D tensor of a fixed shape, each passed with its own
+    signature; ``t`` a tensor of one to three dimensions whose first is the call's tokens, and ``c`` a 2-D
+    tensor of a fixed shape, each passed with its own
     strides (its last one 1), its trailing (``t``) or whole (``c``) shape part of the signature, its data
     pointer and strides multiples of the granule its host publishes; ``o`` an optional one-element
     float32 tensor, whether given part of the signature, passed as ``(1,)`` when given and left out of the
@@ -173,7 +174,7 @@ class HostCall:
                              f"got {self.roles!r}")
         if self.output not in HOST_OUTPUTS:
             raise ValueError(f"HostCall: output must be one of {tuple(HOST_OUTPUTS)}, got {self.output!r}")
-        if self.output and "r" not in self.roles:
+        if self.output and self.output != "p" and "r" not in self.roles:
             raise ValueError(f"HostCall: an output is shaped like rows: roles must hold an 'r', got {self.roles!r}")
         outputs = -min(self.order, default=0) if self.output == "p" else 1 if self.output else 0
         wanted = list(range(-outputs, 0)) + [i for i, r in enumerate(self.roles) if r not in HOST_FIXED]

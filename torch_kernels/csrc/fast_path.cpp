@@ -7,16 +7,17 @@
 //
 // It knows no op. ``install(op, roles, output, call)`` registers the op's kernels from its manifest's
 // HostCall: per schema argument a role (r rows like the data argument, w a vector of its width, f a float
-// >= 0, e one whose value is part of the signature too; t a tensor of the call's tokens and c one of a fixed shape, both passed with their strides; o an
-// optional one-element float32 tensor, passed as (1,) when given; i an int, b a bool and s a string, not
-// passed), the output (none, r rows, h rows of half the width, p the schema's returns laid out as each
-// signature publishes them) and the host function's argument order (-1 - k output k); the arguments the
-// schema marks written are read from it.
+// >= 0, e one whose value is part of the signature too; t a tensor of 1-3 dims whose first is the call's
+// tokens and c a 2-D one of a fixed shape, both passed with their strides; o an optional one-element
+// float32 tensor, passed as (1,) when given; i an int, b a bool and s a string, not passed), the output
+// (none, r rows, h rows of half the width, p the schema's returns laid out as each signature publishes
+// them) and the host function's argument order (-1 - k output k); the arguments the schema marks
+// written are read from it.
 // ``install_out(op)`` then registers the same on the op's ``out`` overload, whose last argument is the
 // output. Per call:
 //   CUDA:     tensors given and shaped as their roles say, on the current device (r and w contiguous and
-//             16-byte aligned; t and c of one or two dimensions, the last of stride 1, their data pointer
-//             and other strides multiples of the granule published); floats >= 0; a token at least;
+//             16-byte aligned; t of one to three dimensions and c of two, the last of stride 1, their data
+//             pointer and other strides multiples of the granule published); floats >= 0; a token at least;
 //             written tensors proven apart from every other; the shapes, ints and bools of a published
 //             signature (a string by its number from ``intern``, an o tensor by whether it is given)
 //             -> allocate the outputs (``out``: take the given one, which must be
@@ -57,7 +58,7 @@ namespace {
 
 // At most this many schema arguments (the served ops have up to 6): the per-call arrays stay on the stack.
 constexpr int kMaxArgs = 8;
-constexpr int kMaxFacts = 2 * kMaxArgs;  // two a t or c tensor (its dims, or its sizes), one an int, bool or string
+constexpr int kMaxFacts = 3 * kMaxArgs;  // three a t tensor (its dims and sizes), two a c, one an int, bool or string
 constexpr int kMaxKernels = 4;  // host functions a signature, each from a token count
 constexpr int kMaxOutputs = 2;  // of an op whose outputs a signature lays out (output 'p')
 
@@ -102,6 +103,7 @@ enum OutputLayout : int8_t {
   kToken = 1,   // (*lead, 1) contiguous; passed as (T,)
   kOne = 2,     // (1,); passed so
   kColumn = 3,  // (*lead, width) over storage (width, *lead); passed as (T, width) of strides (1, T)
+  kLike = 4,    // the shape of the argument `width` (a t tensor), contiguous; passed so
 };
 
 // Readers take the current table without a lock; a publish or clear swaps in a new one and keeps the
@@ -201,8 +203,8 @@ DLDataType dl_dtype(c10::ScalarType t) {
 // A DLTensor over a contiguous tensor viewed as (rows, width), or as a vector when rows < 0.
 struct Rows {
   DLTensor t;
-  int64_t shape[2];
-  int64_t strides[2];
+  int64_t shape[3];
+  int64_t strides[3];
   void view(const at::Tensor& x, int64_t rows, int64_t width) {
     t.data = x.data_ptr();
     t.device = {kDLCUDA, x.device().index()};
@@ -216,13 +218,21 @@ struct Rows {
       t.ndim = 2; shape[0] = rows; shape[1] = width; strides[0] = width; strides[1] = 1;
     }
   }
-  // a t or c tensor as it is (one or two dimensions)
+  // a t or c tensor as it is (one to three dimensions)
   void as_is(const at::Tensor& x) {
-    view(x, x.dim() == 1 ? -1 : x.size(0), x.size(-1));
-    for (int d = 0; d < t.ndim; ++d) strides[d] = x.stride(d);
+    view(x, -1, 1);
+    t.ndim = static_cast<int32_t>(x.dim());
+    for (int d = 0; d < t.ndim; ++d) {
+      shape[d] = x.size(d);
+      strides[d] = x.stride(d);
+    }
   }
   // a published output as its layout says the host function takes it
   void output(const at::Tensor& x, OutputLayout layout, int64_t tokens, int64_t width) {
+    if (layout == kLike) {
+      as_is(x);
+      return;
+    }
     if (layout == kToken || layout == kOne) {
       view(x, -1, layout == kToken ? tokens : 1);
       return;
@@ -282,7 +292,7 @@ bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_p
 // None for a Tensor argument (it arrives undefined): Python's validation names the argument.
 bool given(const c10::IValue& v) { return v.isTensor() && v.toTensor().defined(); }
 
-// The bytes a tensor of one or two dimensions (the last of stride 1) covers: `rows` runs of `run` bytes,
+// The bytes a tensor of one to three dimensions (the last of stride 1) covers: `rows` runs of `run` bytes,
 // `stride` bytes apart (one run for a contiguous tensor).
 struct Span {
   int64_t start, run, rows, stride;
@@ -292,7 +302,12 @@ Span span_of(const at::Tensor& a) {
   const int64_t isz = a.element_size(), start = static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.data_ptr()));
   if (a.is_contiguous()) return {start, static_cast<int64_t>(a.nbytes()), 1, 0};
   if (a.dim() == 1) return {start, isz, a.size(0), a.stride(0) * isz};
-  return {start, a.size(1) * isz, a.size(0), a.stride(0) * isz};
+  if (a.dim() == 2) return {start, a.size(1) * isz, a.size(0), a.stride(0) * isz};
+  if (a.size(1) <= 1 || a.stride(1) == a.size(2)) return {start, a.size(1) * a.size(2) * isz, a.size(0), a.stride(0) * isz};
+  // other 3-D layouts: their whole extent, marked as rows that meet (never written, apart only by extent)
+  int64_t extent = isz;
+  for (int d = 0; d < 3; ++d) extent += (a.size(d) - 1) * a.stride(d) * isz;
+  return {start, extent, 2, 0};
 }
 
 int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
@@ -324,7 +339,10 @@ bool rows_apart(const Span& a) { return a.rows <= 1 || a.stride >= a.run; }
 bool on_granule(const at::Tensor& a, int64_t granule) {
   if (granule <= 1) return true;
   if ((reinterpret_cast<uintptr_t>(a.data_ptr()) / a.element_size()) % granule != 0) return false;
-  return a.dim() == 1 || a.size(0) <= 1 || a.stride(0) % granule == 0;
+  for (int64_t d = 0; d + 1 < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) % granule != 0) return false;
+  }
+  return true;
 }
 
 // Serves the call on `stack` when it is plain and its signature published; false (the stack untouched)
@@ -374,12 +392,18 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
     const at::Tensor& a = *t[i];
     if (a.device() != device) return false;
     if (role == 't' || role == 'c') {
-      if (a.dim() < 1 || a.dim() > 2 || (a.dim() == 2 && a.stride(1) != 1) ||
+      if (a.dim() < 1 || a.dim() > (role == 't' ? 3 : 2) || (a.dim() >= 2 && a.stride(-1) != 1) ||
           (role == 't' ? a.size(0) != tokens : a.dim() != 2)) {
         return false;
       }
-      facts[num_facts++] = role == 't' ? a.dim() : a.size(0);
-      facts[num_facts++] = a.dim() == 2 ? a.size(1) : 0;
+      if (role == 't') {
+        facts[num_facts++] = a.dim();
+        facts[num_facts++] = a.dim() >= 2 ? a.size(1) : 0;
+        facts[num_facts++] = a.dim() == 3 ? a.size(2) : 0;
+      } else {
+        facts[num_facts++] = a.size(0);
+        facts[num_facts++] = a.size(1);
+      }
       continue;
     }
     const bool shaped = role == 'w' ? a.dim() == 1 && a.size(0) == hidden : i == s.data || a.sizes() == x.sizes();
@@ -430,7 +454,9 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
       const auto options = x.options().dtype(e->out_dtype[o]);
       const int64_t width = e->out_width[o];
       c10::DimVector sizes(x.sizes().begin(), x.sizes().end() - 1);
-      if (e->out_layout[o] == kOne) {
+      if (e->out_layout[o] == kLike) {
+        outs[o] = at::empty(t[width]->sizes(), options);
+      } else if (e->out_layout[o] == kOne) {
         outs[o] = at::empty({1}, options);
       } else if (e->out_layout[o] == kColumn) {
         sizes.insert(sizes.begin(), width);
@@ -543,7 +569,7 @@ void install(const std::string& name, const std::string& roles, const std::strin
                 where, "argument 'roles': '", r, "' for argument '", arguments[i].name(), "' of type ", arguments[i].type()->str());
     s.roles[i] = r;
     if (tensor) s.tensors[s.num_tensors++] = i;
-    s.num_facts += r == 't' || r == 'c' ? 2 : r == 'i' || r == 'b' || r == 's' || r == 'o' || r == 'e' ? 1 : 0;
+    s.num_facts += r == 't' ? 3 : r == 'c' ? 2 : r == 'i' || r == 'b' || r == 's' || r == 'o' || r == 'e' ? 1 : 0;
     if (arguments[i].alias_info() != nullptr && arguments[i].alias_info()->isWrite()) {
       TORCH_CHECK(r == 'r' || r == 't', where, "argument 'roles': the written argument '", arguments[i].name(),
                   "' must be rows (r) or a token tensor (t), got '", r, "'");
@@ -556,7 +582,8 @@ void install(const std::string& name, const std::string& roles, const std::strin
     }
   }
   TORCH_CHECK(s.data >= 0, where, "argument 'roles' has no 'r' or 't' (the data argument)");
-  TORCH_CHECK(output.empty() || s.roles[s.data] == 'r', where, "an output is shaped like rows: argument 'roles' needs an 'r'");
+  TORCH_CHECK(output.empty() || output == "p" || s.roles[s.data] == 'r', where,
+              "an output is shaped like rows: argument 'roles' needs an 'r'");
   const bool all_tensors = std::all_of(returns.begin(), returns.end(),
                                        [](const c10::Argument& a) { return a.type()->kind() == c10::TypeKind::TensorType; });
   TORCH_CHECK((output.empty() && returns.empty()) || ((output == "r" || output == "h") && returns.size() == 1 && all_tensors) ||
@@ -658,11 +685,13 @@ void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes
   for (int o = 0; o < outputs; ++o) {
     const c10::ScalarType t = out_dtypes[o];
     const int64_t layout = out_shapes[2 * o], width = out_shapes[2 * o + 1];
+    const bool shaped = layout == kLike ? width >= 0 && width < s.num_args && s.roles[width] == 't'
+                                        : layout >= kRows && layout <= kColumn && s.roles[s.data] == 'r' && width >= 1 &&
+                                              ((layout != kToken && layout != kOne) || width == 1);
     TORCH_CHECK((t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Half || t == c10::ScalarType::Float ||
-                 t == c10::ScalarType::Float8_e4m3fn) &&
-                    layout >= kRows && layout <= kColumn && width >= 1 && ((layout != kToken && layout != kOne) || width == 1),
+                 t == c10::ScalarType::Float8_e4m3fn) && shaped,
                 "deepinfer_fast_path::publish: an output is float16, bfloat16, float32 or float8_e4m3fn, of layout 0-3 "
-                "and width >= 1 (1 for layouts 1 and 2), for ", name);
+                "over rows with width >= 1 (1 for layouts 1 and 2) or of layout 4 like a t argument, for ", name);
     entry.out_dtype[o] = t;
     entry.out_layout[o] = static_cast<int8_t>(layout);
     entry.out_width[o] = width;

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ... import outputs
 from ...backends import tilelang_jit as _jit
+from ...spec import HostKernels
 
 _NAME = "merge_attn_states"
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -175,6 +176,17 @@ def merge_attn_states(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor, *,
             c = slice(t, t + per_launch)
             fn(v_a[c], lse_a[c], v_b[c], lse_b[c], out[c], out_lse[c])
     return out, out_lse
+
+
+def merge_attn_states_host(v_a: Tensor, lse_a: Tensor, v_b: Tensor, lse_b: Tensor) -> HostKernels:
+    """The C++ entry's host: the aligned kernel (partials on its vector: the granules), the outputs shaped
+    like ``v_a`` and ``lse_a``, and the tokens one launch takes."""
+    _, H, D = v_a.shape
+    dtype = _DTYPES[v_a.dtype]
+    vec = _vec(D, dtype)
+    return HostKernels(((0, _function(H, D, dtype, True)),), (vec, 0, vec, 0),
+                       outputs=(("like", v_a.dtype, 0), ("like", torch.float32, 1)),
+                       max_tokens=_MAX_THREADS // (H * (D // _per_thread(D))))
 
 
 def ci_kernels() -> Iterator[tuple]:
