@@ -9,13 +9,13 @@ the ops it serves: those with a TileLang :class:`~torch_kernels.spec.KernelSpec`
   role, the output, the host function's argument order); ``library.py`` puts the op's Python kernels
   on a twin ``deepinfer_py::<op>`` first;
 * the first call of each signature (op, dtypes of its tensors, width or shapes, ints, bools and strings,
-  device) goes on to the twin,
-  which validates, selects and launches exactly as without the entry; when that call was served by the
-  spec that takes every call of its dtypes, and it has a ``host``, the selection *publishes* the
-  signature with the compiled host functions its ``host`` returns (:func:`offer`);
+  device) goes on to the twin, which validates, selects and launches exactly as without the entry;
+  when that call was served by the spec that takes every call of its dtypes, and it has a ``host``,
+  the selection *publishes* the signature with the compiled host functions its ``host`` returns and
+  the layout of the outputs (:func:`offer`);
 * a later call with a published signature, plain as its roles ask (rows contiguous and 16-byte
   aligned, tensors passed as they are on their granule, written ones proven apart), is served
-  in C++: allocation, torch's current stream handed to TVM-FFI, the host function called through
+  in C++: allocations, torch's current stream handed to TVM-FFI, the host function called through
   TVM-FFI's C ABI (the one the ``host`` published for the call's token count). Every other call
   goes to the Python kernels as before;
 * :func:`install_out` does the same for the op's ``out`` overload, into the given tensor when it is
@@ -349,7 +349,7 @@ def _facts(op: str, call: HostCall, args: tuple) -> Optional[Tuple[int, ...]]:
             t = args[i]
             if t.dim() not in ((1, 2, 3) if role == "t" else (2,)):
                 return None
-            out += [t.dim(), *(t.shape[d] if t.dim() > d else 0 for d in (1, 2))] if role == "t" else [t.shape[0], t.shape[1]]
+            out += [t.dim(), *(t.shape[d] if t.dim() > d else 0 for d in (1, 2))] if role == "t" else list(t.shape)
     return tuple(out)
 
 

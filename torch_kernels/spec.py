@@ -127,11 +127,12 @@ def _cc(cc: Tuple[int, int]) -> str:
 
 
 #: :attr:`HostCall.roles`: rows shaped like the data argument, a vector of its last dimension, a float >= 0
-#: and one whose value is part of the signature too (a kernel specialised on it); a tensor of the call's tokens and one of a fixed shape, each passed as it is (strided); an optional
-#: one-element float32 tensor (a static scale), passed when given; an int, a bool and a string, whose
-#: values are part of the signature and are not passed
-HOST_ROLES = {"r": "rows", "w": "vector", "f": "float", "e": "float in the signature", "t": "token tensor", "c": "fixed tensor", "o": "optional scalar",
-              "i": "int", "b": "bool", "s": "string"}
+#: and one whose value is part of the signature too (a kernel specialised on it); a tensor of the call's
+#: tokens and one of a fixed shape, each passed as it is (strided); an optional one-element float32 tensor
+#: (a static scale), passed when given; an int, a bool and a string, whose values are part of the
+#: signature and are not passed
+HOST_ROLES = {"r": "rows", "w": "vector", "f": "float", "e": "float in the signature", "t": "token tensor",
+              "c": "fixed tensor", "o": "optional scalar", "i": "int", "b": "bool", "s": "string"}
 #: the roles whose argument the host function does not take (the compiled function is specialised on it)
 HOST_FIXED = ("i", "b", "s")
 #: :attr:`HostCall.output`: none (in place), rows like the data argument, rows of half its last dimension,
@@ -153,9 +154,9 @@ class HostCall:
     contiguous and 16-byte aligned; a ``Tensor?`` one passed as ``None`` sends the call to the Python
     kernels), ``f`` a float that must be >= 0, passed by value, ``e`` the same with its value part of the
     signature; ``t`` a tensor of one to three dimensions whose first is the call's tokens, and ``c`` a 2-D
-    tensor of a fixed shape, each passed with its own
-    strides (its last one 1), its trailing (``t``) or whole (``c``) shape part of the signature, its data
-    pointer and strides multiples of the granule its host publishes; ``o`` an optional one-element
+    tensor of a fixed shape, each passed with its own strides (its last one 1), its trailing (``t``) or
+    whole (``c``) shape part of the signature, its data pointer and strides multiples of the granule its
+    host publishes; ``o`` an optional one-element
     float32 tensor, whether given part of the signature, passed as ``(1,)`` when given and left out of the
     host function's arguments when not; ``i`` an int, ``b`` a bool and ``s`` a string, part of the
     signature and not passed. ``output`` is what the entry allocates (:data:`HOST_OUTPUTS`). ``order`` is
