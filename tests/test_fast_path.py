@@ -605,7 +605,7 @@ def test_twin_calls_run_the_python_kernels(op, tilelang_entry):
             else _args(op, (4, 1024), torch.bfloat16))
     getattr(torch.ops.deepinfer, op)(*args)  # publishes
     before = fast_path.counters()
-    getattr(getattr(torch.ops, fast_path.TWIN_NAMESPACE), op).default(*args)
+    _twin(op)(*args)
     assert fast_path.counters() == before
 
 
@@ -815,7 +815,7 @@ def test_gradients_on_cuda_take_the_backward_formula(op, tilelang_entry):
 def test_a_string_argument_is_part_of_the_signature(tilelang_entry):
     """gelu_and_mul's approximate: "none" and "tanh" are two signatures, each served by its own kernel bit
     for bit as the Python kernels serve it; a string no signature holds goes on to Python's validation."""
-    f, twin = torch.ops.deepinfer.gelu_and_mul, getattr(torch.ops, fast_path.TWIN_NAMESPACE).gelu_and_mul
+    f, twin = torch.ops.deepinfer.gelu_and_mul, _twin("gelu_and_mul")
     x = torch.randn(7, 2 * 1024, dtype=torch.bfloat16, device="cuda")
     for approximate in ("none", "tanh"):
         before = fast_path.counters()
@@ -823,7 +823,7 @@ def test_a_string_argument_is_part_of_the_signature(tilelang_entry):
         got = f(x, approximate)
         after = fast_path.counters()
         assert after["signatures"] == before["signatures"] + 1 and after["served"] == before["served"] + 1, after
-        assert torch.equal(got, twin.default(x, approximate))
+        assert torch.equal(got, twin(x, approximate))
     assert not torch.equal(f(x, "none"), f(x, "tanh"))
     before = fast_path.counters()
     with pytest.raises(ValueError, match="deepinfer::gelu_and_mul: argument 'approximate'"):

@@ -56,7 +56,7 @@
 
 namespace {
 
-// At most this many schema arguments (the served ops have up to 6): the per-call arrays stay on the stack.
+// At most this many schema arguments (the served ops have up to 8): the per-call arrays stay on the stack.
 constexpr int kMaxArgs = 8;
 constexpr int kMaxFacts = 3 * kMaxArgs;  // three a t tensor (its dims and sizes), two a c, one an int, bool or string
 constexpr int kMaxKernels = 4;  // host functions a signature, each from a token count
@@ -133,12 +133,20 @@ std::vector<std::unique_ptr<OpState>> g_ops;
 std::unique_ptr<torch::Library> g_cuda_library, g_autograd_library;
 
 // A publish or clear: `edit` changes a copy of the current table, which then replaces it.
+// `edit` changes a copy of `current`'s list, which then replaces it; the old one is kept alive for readers
+// still holding it. Under g_write.
+template <typename T, typename Edit>
+void swap_in(std::atomic<const std::vector<T>*>& current, std::vector<std::unique_ptr<const std::vector<T>>>& retired,
+             Edit edit) {
+  auto next = std::make_unique<std::vector<T>>(*current.load());
+  edit(*next);
+  retired.emplace_back(current.exchange(next.release()));
+}
+
 template <typename Edit>
 void edit_table(Edit edit) {
   std::lock_guard<std::mutex> lock(g_write);
-  auto next = std::make_unique<std::vector<Entry>>(*g_table.load());
-  edit(*next);
-  g_retired.emplace_back(g_table.exchange(next.release()));
+  swap_in(g_table, g_retired, edit);
 }
 
 const Entry* find(const OpState& s, const at::Tensor* const* t, int64_t hidden, c10::DeviceIndex device,
@@ -196,7 +204,7 @@ DLDataType dl_dtype(c10::ScalarType t) {
     case c10::ScalarType::Int: return {kDLInt, 32, 1};
     case c10::ScalarType::Long: return {kDLInt, 64, 1};
     case c10::ScalarType::Float8_e4m3fn: return {kDLFloat8_e4m3fn, 8, 1};
-    default: return {kDLFloat, 32, 1};  // publish() accepts these five only
+    default: return {kDLFloat, 32, 1};  // publish() accepts these six only
   }
 }
 
@@ -383,8 +391,9 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
       continue;
     }
     if (role == 'o') {
-      facts[num_facts++] = given(args[i]);
-      if (!given(args[i])) continue;
+      const bool present = given(args[i]);
+      facts[num_facts++] = present;
+      if (!present) continue;
       const at::Tensor& o = args[i].toTensor();
       if (o.device() != device || o.scalar_type() != c10::ScalarType::Float || o.dim() > 1 || o.numel() != 1) return false;
       continue;
@@ -409,15 +418,14 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
     const bool shaped = role == 'w' ? a.dim() == 1 && a.size(0) == hidden : i == s.data || a.sizes() == x.sizes();
     if (!shaped || !a.is_contiguous() || !aligned(a)) return false;
   }
-  // each written tensor apart from itself (rows) and from every other tensor argument
+  // each written tensor apart from itself (rows) and from every other tensor argument given (o ones too)
   for (int w = 0; w < s.num_written; ++w) {
     const Span written = span_of(*t[s.written[w]]);
     if (!rows_apart(written)) return false;
-    for (int k = 0; k < s.num_tensors; ++k) {
-      if (s.tensors[k] != s.written[w] && !apart(written, span_of(*t[s.tensors[k]]))) return false;
-    }
     for (int i = 0; i < s.num_args; ++i) {
-      if (s.roles[i] == 'o' && given(args[i]) && !apart(written, span_of(args[i].toTensor()))) return false;
+      const char r = s.roles[i];
+      const bool tensor = r == 'o' ? given(args[i]) : r == 'r' || r == 'w' || r == 't' || r == 'c';
+      if (tensor && i != s.written[w] && !apart(written, span_of(args[i].toTensor()))) return false;
     }
   }
   if (device.index() != c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index()) return false;
@@ -730,11 +738,8 @@ int64_t intern(const std::string& value) {
   std::lock_guard<std::mutex> lock(g_write);
   const int64_t found = string_fact(value);
   if (found >= 0) return found;
-  auto next = std::make_unique<std::vector<std::string>>(*g_strings.load());
-  next->push_back(value);
-  const int64_t index = static_cast<int64_t>(next->size()) - 1;
-  g_retired_strings.emplace_back(g_strings.exchange(next.release()));
-  return index;
+  swap_in(g_strings, g_retired_strings, [&](std::vector<std::string>& strings) { strings.push_back(value); });
+  return static_cast<int64_t>(g_strings.load()->size()) - 1;
 }
 
 void clear() {
