@@ -124,6 +124,11 @@ def test_the_served_ops_are_the_tilelang_specs_with_a_host():
     assert fast_path.SERVED == {k.op: k for k in with_host}
 
 
+def test_the_recorded_ops_are_the_other_ops_with_a_triton_kernel():
+    triton = {k.op for k in registry.KERNELS if k.backend is Backend.TRITON}
+    assert set(fast_path.RECORDED) == triton - set(fast_path.SERVED) and fast_path.RECORDED
+
+
 @pytest.mark.parametrize("op", SERVED)
 def test_each_host_call_fits_its_schema(op):
     """What ``install`` checks in C++ at import, checked here without the library."""
@@ -157,7 +162,14 @@ def test_built_library_carries_the_cuda_and_autograd_kernels_of_the_served_ops()
         for key in ("CUDA", "Autograd[alias]"):
             assert f"deepinfer {op} {key} fast_path.cpp" in lines
             assert f"deepinfer_py {op} {key} library.py" in lines
-    others = [op for op in registry.OPS if op not in fast_path.SERVED]
+    recorded = [op for op in fast_path.RECORDED] + [f"{op}.out" for op in fast_path.RECORDED if OP_DEFS[op].out_names
+                                                    and any(k.out for k in registry.BY_OP[op].values())]
+    assert len(recorded) > len(fast_path.RECORDED)
+    for op in recorded:
+        for key in ("CUDA", "Autograd[alias]"):
+            assert f"deepinfer {op} {key} fast_path.cpp" in lines
+            assert f"deepinfer_py {op} {key} library.py" in lines
+    others = [op for op in registry.OPS if op not in fast_path.SERVED and op not in fast_path.RECORDED]
     assert others and not any(f"deepinfer {op} CUDA fast_path.cpp" in lines or f"deepinfer {op}.out CUDA fast_path.cpp"
                               in lines for op in others)
     for op in LAID_OUT_OPS + SHAPED_LIKE_OPS:  # several outputs: the out overload stays with the Python kernels
@@ -1284,3 +1296,230 @@ def test_rope_served_on_the_current_stream_and_in_a_cuda_graph(tilelang_entry):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static[1], want[0]) and torch.equal(static[2], want[1])
+
+
+# ---- recorded launches: the ops with a Triton kernel and no host function ----
+
+RECORDED = list(fast_path.RECORDED)
+
+
+@pytest.fixture
+def triton_entry():
+    if not fast_path.loaded():
+        pytest.skip(f"the C++ entry is not loaded: {fast_path.status()}")
+    previous = dispatch.configure(backend="triton", strict=True)
+    yield
+    dispatch.configure(previous)
+
+
+def _fresh(args):
+    """The arguments again in new memory, strides kept."""
+    from torch_kernels.testing import clone_keep_strides
+    return tuple(clone_keep_strides(a) for a in args)
+
+
+def _produced(op, overload, args):
+    out = overload(*args)
+    outs = [] if out is None else list(out) if isinstance(out, (tuple, list)) else [out]
+    return outs + [args[i] for i in mutated_args(getattr(torch.ops.deepinfer, op).default)]
+
+
+def _bitwise(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.stride() == w.stride() and g.dtype == w.dtype, (g.shape, w.shape, g.stride(), w.stride())
+        g, w = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (g, w))
+        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+
+
+def test_record_refuses_what_it_cannot_replay():
+    """``record``'s arguments are checked before anything is kept (on any machine: no driver is needed
+    to refuse them)."""
+    fast_path.build()
+    _python("""
+import torch, torch_kernels
+from torch_kernels import fast_path
+op = fast_path.RECORDED[0]
+served = next(iter(fast_path.SERVED))
+launch = [1, 1, 1, 1, 128, 0, 2, 1]  # function 1, grid (1,1,1), 128 threads, no shared memory, 2 slots, 1 patch
+for args, words in (((served, 0, [1], [], None, [], [], [], []), "served by its HostCall"),
+                    ((op, 0, [], [], None, [], [], [], []), "argument 'key' is empty"),
+                    ((op, 0, [1], [2, 4, 4, 1], None, [], [], [], []), "one dtype per allocation"),
+                    ((op, 0, [1], [9] + [1] * 18, [torch.float32], [], [], [], []), "dims must be 0 to 8"),
+                    ((op, 0, [1], [], None, [-1, 0, 0], [], [], []), "a bad source or offset"),
+                    ((op, 0, [1], [], None, [99, 0, 0], [], [], []), "a bad source or offset"),
+                    ((op, 0, [1], [], None, [], [0] + launch[1:], [0, 0, 8, 8], [0, 0, 0]), "needs a function"),
+                    ((op, 0, [1], [], None, [], launch[:4] + [2048] + launch[5:], [0, 0, 8, 8], [0, 0, 0]), "1-1024 threads"),
+                    ((op, 0, [1], [], None, [], launch, [0, 0, 8, 3], [0, 0, 0]), "1, 2, 4 or 8 bytes"),
+                    ((op, 0, [1], [], None, [], launch, [0, 0, 8, 8], [2, 0, 0]), "a bad parameter or source"),
+                    ((op, 0, [1], [], None, [], launch, [0, 0, 8, 8], [0, -1, 0]), "a bad parameter or source"),
+                    ((op, 0, [1], [], None, [], launch, [0, 0, 8], [0, 0, 0]), "argument 'slots' ends early"),
+                    ((op, 0, [1], [], None, [], launch, [0, 0, 8, 8, 1], [0, 0, 0]), "hold more than the launches take")):
+    try:
+        torch.ops.deepinfer_fast_path.record(*args)
+    except RuntimeError as e:
+        assert words in str(e), (words, str(e))
+    else:
+        raise AssertionError(f"{words}: no error")
+assert torch.ops.deepinfer_fast_path.pending(op) is None  # no call of it is under way
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", RECORDED)
+def test_recorded_calls_replay_the_python_kernels_bit_for_bit(op, triton_entry):
+    """A recorded op's call is recorded the first time its signature is seen and replayed from C++ after:
+    on fresh data in new memory, its returns and written arguments are the Python kernels' (the twin's)
+    bit for bit, for every dtype and sample shape; at least one of its calls is replayed."""
+    overload, twin = getattr(torch.ops.deepinfer, op).default, _twin(op)
+    spec = registry.BY_OP[op][Backend.TRITON]
+    replayed = 0
+    for dtype in (getattr(torch, d) for d in spec.dtypes or ("float32",)):
+        for args in OP_DEFS[op].samples("cuda", dtype):
+            overload(*_fresh(args))  # recorded, when it can be
+            fresh = _fresh(args)
+            want = _produced(op, twin, _fresh(fresh))
+            before = fast_path.counters()["served"]
+            got = _produced(op, overload, fresh)
+            replayed += fast_path.counters()["served"] - before
+            _bitwise(got, want)
+    assert replayed, f"no call of {op} was replayed: {fast_path.not_recorded().get(op)}"
+
+
+@pytest.mark.gpu
+def test_recorded_out_calls_write_the_given_outputs(triton_entry):
+    ops = [op for op in RECORDED if fast_path.serves_out(op) and OP_DEFS[op].out_names
+           and any(k.out for k in registry.BY_OP[op].values())]
+    assert ops
+    replayed = 0
+    for op in ops:
+        overload = getattr(torch.ops.deepinfer, op)
+        for args in OP_DEFS[op].samples("cuda", torch.float32):
+            want = _produced(op, overload.default, _fresh(args))[:len(OP_DEFS[op].out_names)]
+            outs = {n: torch.empty_like(t) for n, t in zip(OP_DEFS[op].out_names, want)}
+            for _ in range(2):
+                fresh, given = _fresh(args), {n: torch.empty_like(t) for n, t in outs.items()}
+                before = fast_path.counters()["served"]
+                got = overload.out(*fresh, **given)
+                replayed += fast_path.counters()["served"] - before
+                got = [got] if isinstance(got, torch.Tensor) else list(got)
+                assert all(g is given[n] or g.data_ptr() == given[n].data_ptr() for g, n in zip(got, given))
+                expected = _produced(op, overload.default, _fresh(fresh))[:len(got)]
+                _bitwise(got, expected)
+    assert replayed, fast_path.not_recorded()
+
+
+def _cache_args():
+    sample = next(iter(OP_DEFS["reshape_and_cache_flash"].samples("cuda", torch.bfloat16)))
+    return list(_fresh(sample))
+
+
+@pytest.mark.gpu
+def test_a_recorded_call_with_overlapping_written_arguments_goes_to_python(triton_entry):
+    f = torch.ops.deepinfer.reshape_and_cache_flash.default
+    for _ in range(2):
+        f(*_cache_args())
+    args = _cache_args()
+    args[3] = args[2]  # value_cache is key_cache
+    before = fast_path.counters()
+    with pytest.raises((ValueError, RuntimeError), match="reshape_and_cache_flash"):
+        f(*args)
+    assert fast_path.counters()["served"] == before["served"]
+
+
+@pytest.mark.gpu
+def test_recorded_calls_run_on_the_current_stream_and_in_a_cuda_graph(triton_entry):
+    f = torch.ops.deepinfer.reshape_and_cache_flash.default
+    f(*_cache_args())  # recorded
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        args = _cache_args()
+        want = _produced("reshape_and_cache_flash", _twin("reshape_and_cache_flash"), _fresh(args))
+        torch.cuda._sleep(10_000_000)  # a kernel on another stream would read the copies below unwritten
+        copies = _fresh(args)
+        served = fast_path.counters()["served"]
+        f(*copies)
+        assert fast_path.counters()["served"] == served + 1
+    torch.cuda.current_stream().wait_stream(side)
+    _bitwise([copies[2], copies[3]], want)
+
+    static = _cache_args()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        f(*static)
+    for _ in range(2):  # fresh data each replay
+        for i in (0, 1):
+            static[i].copy_(torch.randn_like(static[i]))
+        want = _produced("reshape_and_cache_flash", _twin("reshape_and_cache_flash"), _fresh(static))
+        graph.replay()
+        torch.cuda.synchronize()
+        _bitwise([static[2], static[3]], want)
+
+
+@pytest.mark.gpu
+def test_a_call_that_checks_its_indices_is_not_recorded(triton_entry):
+    previous = dispatch.configure(check_indices=True)
+    try:
+        f = torch.ops.deepinfer.reshape_and_cache_flash.default
+        before = fast_path.counters()
+        for _ in range(3):
+            f(*_cache_args())
+        after = fast_path.counters()
+        assert after["served"] == before["served"] and after["signatures"] == before["signatures"]
+    finally:
+        dispatch.configure(previous)
+
+
+def _fake_kernel(signature, scratch=0, num_ctas=1):
+    """What ``launch_record`` reads of a Triton ``CompiledKernel``."""
+    from types import SimpleNamespace
+    meta = SimpleNamespace(num_warps=4, shared=128, num_ctas=num_ctas, global_scratch_size=scratch, profile_scratch_size=0)
+    return SimpleNamespace(name="k", metadata=meta, function=0x1234, _init_handles=lambda: None,
+                           run=SimpleNamespace(global_scratch_size=scratch, profile_scratch_size=0),
+                           src=SimpleNamespace(signature=signature))
+
+
+def test_a_recording_holds_each_launch_as_triton_passes_it():
+    """Slots in the launcher's order (non-constexpr arguments, then the two scratch pointers), floats as
+    their fp32 bits, ints as two's complement; pointers as (slot, source, byte offset): an argument's
+    data exactly, an allocation, or inside the one argument that holds them."""
+    from torch_kernels import launch_record
+    x, out = torch.randn(4, 8), torch.empty(4, 8)
+    signature = {"x": "*fp32", "row": "*fp32", "out": "*fp32", "n": "i32", "eps": "fp32", "BLOCK": "constexpr", "flag": "i1"}
+    launches = [(_fake_kernel(signature), (3,), None, (x, x[1:], out[:, 2:], -7, 0.5, 128, True))]
+    rec = launch_record.replayable(out[1:], {0: x}, [out], launches, None)
+    assert rec.allocations == [2, 4, 8, 8, 1] and rec.allocation_dtypes == [torch.float32]
+    assert rec.returns == [-1, 2, 3, 8, 8, 1, 8]
+    assert rec.launches == [0x1234, 3, 1, 1, 128, 128, 8, 3]
+    fp32 = struct.unpack("<i", struct.pack("<f", 0.5))[0]
+    assert rec.slots == [0, 0, 0, -7, fp32, 1, 0, 0] + [8, 8, 8, 4, 4, 1, 8, 8]
+    assert rec.patches == [0, 0, 0, 1, 0, 32, 2, -1, 8]
+    assert launch_record.replayable(x, {0: x}, [], launches[:0] + [(_fake_kernel({"x": "*fp32"}), (1, 2), None, (x,))],
+                                    None).returns == [0, 0, 0]
+
+
+@pytest.mark.parametrize("why, case", [
+    ("lies in no argument or allocation", lambda x: ((_fake_kernel({"p": "*fp32"}), (1,), None, (torch.randn(2),)),)),
+    ("data of several arguments", lambda x: ((_fake_kernel({"p": "*fp32"}), (1,), None, (x,)),)),
+    ("needs scratch memory", lambda x: ((_fake_kernel({"p": "*fp32"}, scratch=64), (1,), None, (x,)),)),
+    ("with a cluster", lambda x: ((_fake_kernel({"p": "*fp32"}, num_ctas=2), (1,), None, (x,)),)),
+    ("takes a nvTmaDesc", lambda x: ((_fake_kernel({"p": "nvTmaDesc"}), (1,), None, (x,)),)),
+    ("another stream", lambda x: ((_fake_kernel({"p": "*fp32"}), (1,), 7, (x,)),)),
+    ("launched no Triton kernel", lambda x: ()),
+])
+def test_a_call_not_replayable_says_why(why, case):
+    from torch_kernels import launch_record
+    x = torch.randn(4)
+    tensors = {0: x, 1: x} if "several" in why else {0: x}
+    with pytest.raises(launch_record.NotReplayable, match=why):
+        launch_record.replayable(None, tensors, [], list(case(x)), None)
+
+
+def test_a_call_running_other_aten_ops_is_not_replayable():
+    from torch_kernels import launch_record
+    x = torch.randn(4)
+    result, why = launch_record.record(lambda: x + 1, {0: x}, x.device)
+    assert torch.equal(result, x + 1) and isinstance(why, launch_record.NotReplayable) and "aten.add" in str(why)
+    _, why = launch_record.record(lambda: torch.empty(3).view(1, 3), {0: x}, x.device)
+    assert "launched no Triton kernel" in str(why)

@@ -4,7 +4,7 @@
   fresh random inputs. Exits 1 on a mismatch.
 * ``inventory``: the platform, the selection, what this platform can run, and one row per op (the
   backends that implement it, the order in which they serve it here, its route under torch.compile).
-* ``build``: compile the C++ entry of the TileLang-served ops (``fast_path.py``) for this torch
+* ``build``: compile the ops' C++ entry (``fast_path.py``) for this torch
   and TVM-FFI; later imports load it.
 * ``docs``: the op reference from the registered schemas and the wrappers' docstrings: written to
   ``docs/ops.md`` of a source checkout, else printed (``--output FILE`` writes it there); ``--check``
@@ -153,7 +153,8 @@ def inventory(platform: Platform) -> None:
     for note in _inventory_notes(platform) + [n for f in registry.FAMILIES for n in f.notes]:
         print(_wrap(note, "  note: "))
     print()
-    print(_wrap(f"C++ entry of {', '.join(fast_path.SERVED)} (eager CUDA calls TileLang serves): {fast_path.status()}"))
+    print(_wrap(f"C++ entry: {fast_path.status()}; serves the eager CUDA calls TileLang serves of {', '.join(fast_path.SERVED)}, "
+                f"and by recorded Triton launches those of {', '.join(fast_path.RECORDED)}"))
     written = [op for op in registry.OPS if any(k.out for k in registry.implementations(op))]
     print(_wrap(f"out overloads the CUDA kernels write themselves: {', '.join(written)}; the others, and calls "
                 "whose outputs are strided, misaligned or meet an input, copy the result (docs/ops.md)"))
@@ -342,7 +343,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("check", help="the inventory, then a self-check of every usable backend (the default)")
     sub.add_parser("inventory", help="platform, selection and one row per op, without the self-check")
-    b = sub.add_parser("build", help="compile the C++ entry of the TileLang-served ops for this torch and TVM-FFI")
+    b = sub.add_parser("build", help="compile the ops' C++ entry for this torch and TVM-FFI")
     b.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     d = sub.add_parser("docs", help="the op reference: docs/ops.md of a source checkout, else printed")
     d.add_argument("--output", metavar="FILE", help="write it to FILE ('-': print it) instead")

@@ -27,7 +27,18 @@ def index_check_runs(t: Tensor, default: bool) -> bool:
     ``configure(check_indices=)`` asks, else as the op's ``default`` says; never inside a CUDA graph
     capture (the read back would break it)."""
     asked = _index_checks[0]
-    return (default if asked is None else asked) and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    runs = (default if asked is None else asked) and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    _index_checks_run[0] += runs
+    return runs
+
+
+_index_checks_run = [0]
+
+
+def index_checks_run() -> int:
+    """How many index checks have run: a call during which one ran is not one the C++ entry may repeat
+    without it."""
+    return _index_checks_run[0]
 
 
 def _message(op: str, arg: str, message: str) -> str:

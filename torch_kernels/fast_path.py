@@ -59,6 +59,10 @@ ENV = "DEEPINFER_OPS_FAST_PATH"
 BACKEND = Backend.TILELANG
 #: the ops the entry serves, each with the spec whose ``host`` it calls
 SERVED: Dict[str, KernelSpec] = {k.op: k for k in registry.KERNELS if k.backend is BACKEND and k.host is not None}
+#: the ops it serves by recorded launches: those with a Triton kernel and no host function
+RECORDED = tuple(op for op, specs in registry.BY_OP.items() if op not in SERVED and Backend.TRITON in specs)
+#: signatures a recorded op's twin tries to record, at most (each distinct call that could not be)
+_MAX_TRIED = 256
 #: the namespace of the twin ops that carry the Python kernels while the library is loaded
 TWIN_NAMESPACE = "deepinfer_py"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fast_path.cpp"
@@ -274,26 +278,87 @@ def _compile(path: Path, verbose: bool) -> None:
 
 def serves(op: str) -> bool:
     """Whether the loaded entry serves ``op``: ``library.py`` then puts its Python kernels on the twin."""
-    return loaded() and op in SERVED
+    return loaded() and (op in SERVED or op in RECORDED)
+
+
+def records(op: str) -> bool:
+    """Whether the entry serves ``op`` by recorded launches: its twin's CUDA kernel then runs the Python
+    kernels through :func:`run_recording`."""
+    return loaded() and op in RECORDED
 
 
 def install(op: str) -> None:
     """Register ``op``'s CUDA and Autograd kernels in C++ (after ``deepinfer::<op>`` and its twin are defined)."""
+    if op in RECORDED:
+        torch.ops.deepinfer_fast_path.install_recorded(op, "")
+        return
     call = SERVED[op].host_call
     torch.ops.deepinfer_fast_path.install(op, call.roles, call.output, list(call.order))
 
 
 def serves_out(op: str) -> bool:
     """Whether the loaded entry serves ``op``'s ``out`` overload: an op of one output (an op whose
-    outputs each signature lays out keeps its ``out`` overload in Python)."""
-    return serves(op) and SERVED[op].host_call.output in ("r", "h")
+    outputs each signature lays out keeps its ``out`` overload in Python), or a recorded op."""
+    return serves(op) and (op in RECORDED or SERVED[op].host_call.output in ("r", "h"))
 
 
 def install_out(op: str) -> None:
     """Register the CUDA and Autograd kernels of ``op``'s ``out`` overload in C++ (after :func:`install`,
     and after ``deepinfer::<op>.out`` and its twin are defined): served by the signatures published for
-    the op, its output the given tensor."""
+    the op, its output the given tensor (a recorded op: by the signatures recorded for the overload)."""
+    if op in RECORDED:
+        torch.ops.deepinfer_fast_path.install_recorded(op, "out")
+        return
     torch.ops.deepinfer_fast_path.install_out(op)
+
+
+_tried: Dict[str, set] = {}
+_unreplayable: Dict[str, str] = {}  # per op overload, the last reason a call of it was not recorded
+_refused: Dict[str, str] = {}
+_held: list = []  # the Triton kernels recordings launch: their CUfunctions live as long as they do
+
+
+def run_recording(name: str, entry, server, args: tuple, outs: dict):
+    """The twin's CUDA kernel of a recorded op (``name``: ``op`` or ``op.out``): ``entry(*args, **outs)``,
+    the Python kernels, recorded when the entry passed this call on with a signature it may record (not
+    yet tried), and published when the call turns out replayable (``launch_record``), was served by a
+    Triton kernel that serves every call of its signature (``server()``) and ran no index check."""
+    key = torch.ops.deepinfer_fast_path.pending(name)
+    tried = _tried.setdefault(name, set())
+    if key is None or tuple(key) in tried or len(tried) >= _MAX_TRIED:
+        return entry(*args, **outs)
+    from . import checks, launch_record
+
+    tried.add(tuple(key))
+    schema = getattr(torch.ops.deepinfer, name.split(".")[0]).out._schema if outs else None
+    n = len(schema.arguments) - len(outs) if outs else 0
+    tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    tensors.update({n + j: outs[a.name] for j, a in enumerate(schema.arguments[n:])} if outs else {})
+    device = next(t.device for t in tensors.values() if t.is_cuda)
+    checks_before = checks.index_checks_run()
+    result, recorded = launch_record.record(lambda: entry(*args, **outs), tensors, device)
+    spec = server()
+    if isinstance(recorded, launch_record.NotReplayable):
+        _unreplayable[name] = str(recorded)
+    elif spec is None or spec.backend is not Backend.TRITON or checks.index_checks_run() != checks_before:
+        _unreplayable[name] = "not served by a Triton kernel for every call of its signature, or it checked its indices"
+    else:
+        try:
+            torch.ops.deepinfer_fast_path.record(name, device.index, key, recorded.allocations,
+                                                 recorded.allocation_dtypes or None, recorded.returns,
+                                                 recorded.launches, recorded.slots, recorded.patches)
+            _held.extend(recorded.kernels)
+        except RuntimeError as e:  # the driver disagrees with the recorded parameters: say so once, stay in Python
+            if name not in _refused:
+                print(f"[deepinfer] the C++ entry refused a recording of {name}; its Python kernels serve it: {e}",
+                      file=sys.stderr, flush=True)
+            _refused[name] = _unreplayable[name] = str(e)
+    return result
+
+
+def not_recorded() -> Dict[str, str]:
+    """Per recorded op overload, why its last call that was tried was not recorded."""
+    return dict(_unreplayable)
 
 
 def offer(op: str, spec: Optional[KernelSpec], args: tuple) -> None:
@@ -376,6 +441,7 @@ def clear() -> None:
     if loaded():
         torch.ops.deepinfer_fast_path.clear()
         _published.clear()
+        _tried.clear()
 
 
 def counters() -> Dict[str, int]:

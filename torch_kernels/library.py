@@ -22,9 +22,10 @@ Per op:
   (``inductor_triton``, what ``torch.library.triton_op`` does inside), or the op itself
   (``opaque``). Eager calls never meet the mode.
 With the C++ entry built (``fast_path.py``), the ``CUDA`` and ``Autograd`` kernels of the ops it serves
-(``fast_path.serves``: a TileLang spec with a ``host`` in the op's manifest) are C++ ones; the Python
-kernels above move to a twin op ``deepinfer_py::<op>`` of the same schema, which the C++ kernels call for
-every call they do not serve themselves.
+(``fast_path.serves``: a TileLang spec with a ``host`` in the op's manifest, or a Triton kernel whose
+launches the entry records) are C++ ones; the Python kernels above move to a twin op
+``deepinfer_py::<op>`` of the same schema, which the C++ kernels call for every call they do not serve
+themselves.
 Every entry validates its arguments with the op definition's ``validate`` before any kernel runs;
 under ``torch.compile`` Dynamo has run the fake function, which validates, before the rule runs.
 
@@ -73,11 +74,21 @@ def _offering_cuda_entry(op: OpDef, slot: dispatch.OpSlot):
     validate = op.validate
 
     def cuda_entry(*args):
+        checks_before = check.index_checks_run()
         validate(*args)
         out = slot.call(*args)
-        fast_path.offer(op.name, slot.sole_server(args), args)
+        if check.index_checks_run() == checks_before:  # a checked call's signature would be served unchecked
+            fast_path.offer(op.name, slot.sole_server(args), args)
         return out
     return cuda_entry
+
+
+def _recording_cuda_entry(name: str, entry, slot: dispatch.OpSlot):
+    """The twin's CUDA kernel of an op the C++ entry serves by recorded launches (``name``: the op or
+    ``op.out``): ``entry``, the Python one, recorded where the entry asks for it."""
+    def recording_entry(*args, **outs):
+        return fast_path.run_recording(name, entry, lambda: slot.signature_server(args), args, outs)
+    return recording_entry
 
 
 def _autograd_entry(op: OpDef, namespace: str = NAMESPACE):
@@ -299,13 +310,14 @@ def _cuda_out_entry(op: OpDef, slot: dispatch.OpSlot, copied, offer: bool = Fals
     out_copies[op.name] = 0
 
     def cuda_out_entry(*args, **outs):
+        checks_before = check.index_checks_run()
         validate(*args)
         given = tuple(outs[n] for n in names)
         impl = slot.server(args) if _apart(given, args) else None
         if impl is not None and impl.spec.out:
             try:
                 impl.fn(*args, out=given)
-                if offer:
+                if offer and check.index_checks_run() == checks_before:
                     fast_path.offer(op.name, slot.sole_server(args), args)
                 return given[0] if len(given) == 1 else given
             except outputs.Restage:
@@ -327,7 +339,10 @@ def _register_out(op: OpDef) -> None:
     slot = dispatch.slot(op.name, op.data_arg)
     if TWINS is not None and fast_path.serves_out(op.name):  # as the default overload: C++ kernels, these on the twin
         TWINS.define(op.out_schema)
-        TWINS.impl(f"{op.name}.out", _cuda_out_entry(op, slot, kernel, offer=True) if writes else kernel, "CUDA")
+        entry = _cuda_out_entry(op, slot, kernel, offer=not fast_path.records(op.name)) if writes else kernel
+        if fast_path.records(op.name):
+            entry = _recording_cuda_entry(f"{op.name}.out", entry, slot)
+        TWINS.impl(f"{op.name}.out", entry, "CUDA")
         TWINS.impl(f"{op.name}.out", _out_autograd_entry(op, fast_path.TWIN_NAMESPACE), "Autograd", with_keyset=True)
         fast_path.install_out(op.name)
     else:
@@ -350,7 +365,8 @@ def _register(op: OpDef) -> None:
     slot = dispatch.slot(op.name, op.data_arg)
     if TWINS is not None and fast_path.serves(op.name):  # the C++ kernels sit on the op, these on its twin
         TWINS.define(op.schema)
-        TWINS.impl(op.name, _offering_cuda_entry(op, slot), "CUDA")
+        TWINS.impl(op.name, _recording_cuda_entry(op.name, _cuda_entry(op.validate, slot), slot)
+                   if fast_path.records(op.name) else _offering_cuda_entry(op, slot), "CUDA")
         TWINS.impl(op.name, _autograd_entry(op, fast_path.TWIN_NAMESPACE), "Autograd", with_keyset=True)
         fast_path.install(op.name)
     else:

@@ -33,6 +33,7 @@
 #include <ATen/core/stack.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/DimVector.h>
@@ -44,6 +45,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <bit>
 #include <memory>
@@ -56,8 +58,8 @@
 
 namespace {
 
-// At most this many schema arguments (the served ops have up to 8): the per-call arrays stay on the stack.
-constexpr int kMaxArgs = 8;
+// At most this many schema arguments (the served ops have up to 13, 16 with outputs): per-call arrays stay on the stack.
+constexpr int kMaxArgs = 16;
 constexpr int kMaxFacts = 3 * kMaxArgs;  // three a t tensor (its dims and sizes), two a c, one an int, bool or string
 constexpr int kMaxKernels = 4;  // host functions a signature, each from a token count
 constexpr int kMaxOutputs = 2;  // of an op whose outputs a signature lays out (output 'p')
@@ -69,6 +71,7 @@ struct OpState {
   c10::OperatorHandle twin;
   int num_args = 0, data = -1;  // the schema arguments before an out overload's output
   bool given_output = false;  // the out overload: the output is the argument after them
+  bool recorded = false;  // served by recorded launches (install_recorded), not by a HostCall
   char roles[kMaxArgs] = {};
   char output = 0;  // 0 none, 'r' rows like the data argument, 'h' rows of half its width, 'p' published
   int num_outputs = 0;
@@ -126,6 +129,8 @@ int64_t string_fact(std::string_view value) {
   }
   return -1;
 }
+
+int64_t intern(const std::string& value);
 
 // The installed ops (each kernel holds its own's address) and the two libraries holding their kernels.
 std::mutex g_install;
@@ -511,9 +516,191 @@ bool serve(const OpState& s, torch::jit::Stack* stack) {
   return true;
 }
 
+
+// ---- Recorded launches: the ops without a host function ----
+//
+// The first calls of such an op go to its twin, which runs the Python kernels under a recorder: when all
+// they did was allocate tensors and launch Triton kernels, the twin publishes that (``record``) under the
+// call's signature as the entry read it (``signature_of``: every argument's type, dtype, shape, strides,
+// device, 16-byte alignment and value), and a later call of that signature allocates the same and launches
+// the same kernels with the parameters recorded, each pointer moved to the same offset in the argument or
+// allocation it pointed into.
+
+// One kernel launch as recorded: the CUfunction, its geometry and one 8-byte slot per kernel parameter.
+struct Launch {
+  void* function;
+  unsigned grid[3], block, shared;
+  std::vector<int64_t> slots;
+  std::vector<std::array<int64_t, 3>> patches;  // (slot, source, byte offset): source i >= 0 argument i, -1 - k allocation k
+};
+
+struct Allocation {
+  c10::ScalarType dtype;
+  std::vector<int64_t> sizes, strides;
+};
+
+struct Return {
+  int64_t source;  // -1 - k: a view of allocation k; i >= 0: argument i as it is
+  std::vector<int64_t> sizes, strides;
+  int64_t offset;  // elements from the allocation's start
+};
+
+struct Recording {
+  int op;
+  c10::DeviceIndex device;
+  std::vector<int64_t> key;
+  std::vector<Allocation> allocations;
+  std::vector<Return> returns;
+  std::vector<Launch> launches;
+};
+
+// At most this many signatures an op (a decode loop's batch sizes); further calls stay with Python.
+constexpr int kMaxRecordings = 64;
+
+std::atomic<const std::vector<Recording>*> g_recordings{new std::vector<Recording>()};
+std::vector<std::unique_ptr<const std::vector<Recording>>> g_retired_recordings;
+
+using Key = c10::SmallVector<int64_t, 64>;
+
+// The call's signature: per argument a tag and what a recorded call depends on. False: an argument of a
+// type the entry does not read (the call stays with Python), or a string no signature holds unless `intern`.
+bool signature_of(c10::ArrayRef<c10::IValue> args, bool intern_strings, Key& key);
+
+// The calls of recorded ops passed on to their twins on this thread, innermost last: ``pending`` hands
+// the twin its call's signature.
+thread_local std::vector<std::pair<const OpState*, Key>> t_pending;
+
+struct Pending {
+  Pending(const OpState* s, Key&& key) { t_pending.emplace_back(s, std::move(key)); }
+  ~Pending() { t_pending.pop_back(); }
+};
+
+using LaunchKernel = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**, void**);
+using FuncGetParamInfo = int (*)(void*, size_t, size_t*, size_t*);
+LaunchKernel g_launch = nullptr;
+FuncGetParamInfo g_param_info = nullptr;  // CUDA 12.4 drivers on: checks a recording's parameters
+std::once_flag g_driver_once;
+
+void bind_driver() {
+  std::call_once(g_driver_once, [] {
+    // loaded by then: Triton launched the kernels being recorded through it
+    void* cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (cuda == nullptr) return;
+    g_param_info = reinterpret_cast<FuncGetParamInfo>(dlsym(cuda, "cuFuncGetParamInfo"));
+    g_launch = reinterpret_cast<LaunchKernel>(dlsym(cuda, "cuLaunchKernel"));
+  });
+  TORCH_CHECK(g_launch != nullptr, "deepinfer_fast_path::record: the CUDA driver (libcuda.so.1) is not loaded in this process");
+}
+
+bool signature_of(c10::ArrayRef<c10::IValue> args, bool intern_strings, Key& key) {
+  for (const c10::IValue& v : args) {
+    if (v.isNone() || (v.isTensor() && !v.toTensor().defined())) {
+      key.push_back(0);
+    } else if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      key.append({1, static_cast<int64_t>(t.scalar_type()), static_cast<int64_t>(t.device().type()), t.device().index(),
+                  t.dim(), aligned(t)});
+      key.append(t.sizes().begin(), t.sizes().end());
+      key.append(t.strides().begin(), t.strides().end());
+    } else if (v.isInt()) {
+      key.append({2, v.toInt()});
+    } else if (v.isDouble()) {
+      key.append({3, std::bit_cast<int64_t>(v.toDouble())});
+    } else if (v.isBool()) {
+      key.append({4, v.toBool()});
+    } else if (v.isString()) {
+      const int64_t fact = intern_strings ? intern(std::string(v.toStringView())) : string_fact(v.toStringView());
+      if (fact < 0) return false;
+      key.append({5, fact});
+    } else if (v.isIntList()) {
+      const auto list = v.toIntVector();
+      key.append({6, static_cast<int64_t>(list.size())});
+      key.append(list.begin(), list.end());
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The bytes a tensor covers, for apart(): span_of's where it reads the layout, else its whole extent (never
+// apart from what lies inside it). Negative strides: nullopt (not proven apart).
+std::optional<Span> extent_of(const at::Tensor& a) {
+  if (a.is_contiguous() || (a.dim() >= 1 && a.dim() <= 3 && a.stride(-1) == 1)) return span_of(a);
+  int64_t extent = a.element_size();
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.stride(d) < 0) return std::nullopt;
+    extent += (a.size(d) - 1) * a.stride(d) * a.element_size();
+  }
+  return Span{static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.data_ptr())), a.numel() == 0 ? 0 : extent, 2, 0};
+}
+
+const Recording* find_recording(const OpState& s, const Key& key) {
+  for (const Recording& r : *g_recordings.load(std::memory_order_acquire)) {
+    if (r.op == s.index && r.key.size() == key.size() && std::equal(key.begin(), key.end(), r.key.begin())) return &r;
+  }
+  return nullptr;
+}
+
+// Replays the recording of the call on `stack` when there is one and the call is plain: every CUDA tensor
+// on the current device, each written argument proven apart from every other tensor argument.
+bool replay(const OpState& s, torch::jit::Stack* stack, Key& key) {
+  const auto args = torch::jit::last(*stack, s.num_args);
+  if (!signature_of(args, false, key)) return false;
+  const Recording* r = find_recording(s, key);
+  if (r == nullptr) return false;
+  if (r->device != c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index()) return false;
+  for (int w = 0; w < s.num_written; ++w) {
+    if (!given(args[s.written[w]])) continue;
+    const auto written = extent_of(args[s.written[w]].toTensor());
+    if (!written) return false;
+    for (int i = 0; i < s.num_args; ++i) {
+      if (i == s.written[w] || !given(args[i])) continue;
+      const auto other = extent_of(args[i].toTensor());
+      if (!other || !apart(*written, *other)) return false;
+    }
+  }
+  const at::TensorOptions on_device = at::TensorOptions().device(c10::DeviceType::CUDA, r->device);
+  c10::SmallVector<at::Tensor, 4> allocated;
+  for (const Allocation& a : r->allocations) allocated.push_back(at::empty_strided(a.sizes, a.strides, on_device.dtype(a.dtype)));
+  const auto base = [&](int64_t source) {
+    return reinterpret_cast<int64_t>(source >= 0 ? args[source].toTensor().data_ptr() : allocated[-1 - source].data_ptr());
+  };
+  void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(c10::Device(c10::DeviceType::CUDA, r->device)).native_handle();
+  for (const Launch& l : r->launches) {
+    c10::SmallVector<int64_t, 32> slots(l.slots.begin(), l.slots.end());
+    for (const auto& [slot, source, offset] : l.patches) slots[slot] = base(source) + offset;
+    c10::SmallVector<void*, 32> params;
+    for (int64_t& slot : slots) params.push_back(&slot);
+    const int rc = g_launch(l.function, l.grid[0], l.grid[1], l.grid[2], l.block, 1, 1, l.shared, stream, params.data(), nullptr);
+    TORCH_CHECK(rc == 0, "deepinfer::", s.name, ": launching a recorded kernel failed (CUDA driver error ", rc, ")");
+  }
+  c10::SmallVector<at::Tensor, 2> returns;
+  for (const Return& ret : r->returns) {
+    returns.push_back(ret.source >= 0 ? args[ret.source].toTensor()
+                                      : allocated[-1 - ret.source].as_strided(ret.sizes, ret.strides, ret.offset));
+  }
+  torch::jit::drop(*stack, s.num_args);
+  for (at::Tensor& t : returns) torch::jit::push(*stack, std::move(t));
+  return true;
+}
+
 struct CudaKernel final : c10::OperatorKernel {
   explicit CudaKernel(const OpState* s) : s(s) {}
   void operator()(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    if (s->recorded) {
+      Key key;
+      if (replay(*s, stack, key)) {
+        g_hits.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+      g_misses.fetch_add(1, std::memory_order_relaxed);
+      key.clear();
+      if (!signature_of(torch::jit::last(*stack, s->num_args), true, key)) key.clear();
+      Pending pending(s, std::move(key));  // an empty signature: not to be recorded
+      s->twin.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CUDA), stack);
+      return;
+    }
     if (serve(*s, stack)) {
       g_hits.fetch_add(1, std::memory_order_relaxed);
       return;
@@ -666,6 +853,151 @@ void install_out(const std::string& name) {
                            torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(held)));
 }
 
+
+// Registers the CUDA and Autograd kernels of ``deepinfer::<op>`` (``overload``: that overload of it) served
+// by recorded launches, after the op and its twin are defined.
+void install_recorded(const std::string& name, const std::string& overload) {
+  std::lock_guard<std::mutex> lock(g_install);
+  const std::string full = overload.empty() ? name : name + "." + overload;
+  const std::string where = "deepinfer_fast_path::install_recorded(" + full + "): ";
+  TORCH_CHECK(find_installed(full) == nullptr, where, "installed already");
+  const c10::OperatorHandle op = defined("deepinfer::" + name, overload);
+  auto state = std::make_unique<OpState>(static_cast<int>(g_ops.size()), full, defined("deepinfer_py::" + name, overload));
+  const auto& arguments = op.schema().arguments();
+  TORCH_CHECK(arguments.size() <= static_cast<size_t>(kMaxArgs) && state->twin.schema().arguments().size() == arguments.size(),
+              where, "at most ", kMaxArgs, " arguments, the twin's as many");
+  for (const c10::Argument& r : op.schema().returns()) {
+    TORCH_CHECK(r.type()->kind() == c10::TypeKind::TensorType, where, "every return must be a tensor");
+  }
+  OpState& s = *state;
+  s.recorded = true;
+  s.num_args = static_cast<int>(arguments.size());
+  s.num_outputs = static_cast<int>(op.schema().returns().size());
+  for (int i = 0; i < s.num_args; ++i) {
+    if (arguments[i].alias_info() != nullptr && arguments[i].alias_info()->isWrite()) {
+      const c10::TypeKind kind = arguments[i].type()->kind();
+      TORCH_CHECK(kind == c10::TypeKind::TensorType ||
+                      (kind == c10::TypeKind::OptionalType &&
+                       arguments[i].type()->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType),
+                  where, "a written argument must be a Tensor or Tensor?");
+      s.written[s.num_written++] = i;
+    }
+  }
+  if (!g_cuda_library) {
+    g_cuda_library = std::make_unique<torch::Library>(torch::Library::IMPL, "deepinfer", c10::DispatchKey::CUDA, __FILE__, __LINE__);
+    g_autograd_library = std::make_unique<torch::Library>(torch::Library::IMPL, "deepinfer", c10::DispatchKey::Autograd, __FILE__, __LINE__);
+  }
+  const OpState* held = state.get();
+  g_ops.push_back(std::move(state));
+  g_cuda_library->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CudaKernel>(held)));
+  g_autograd_library->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(held)));
+}
+
+// The signature of the innermost call of `op` passed on to its twin on this thread, when it may be recorded
+// (the call's arguments all read, fewer than kMaxRecordings signatures recorded for the op); else None.
+std::optional<std::vector<int64_t>> pending(const std::string& name) {
+  for (auto it = t_pending.rbegin(); it != t_pending.rend(); ++it) {
+    if (it->first->name != name) continue;
+    if (it->second.empty()) return std::nullopt;
+    int count = 0;
+    for (const Recording& r : *g_recordings.load(std::memory_order_acquire)) count += r.op == it->first->index;
+    if (count >= kMaxRecordings) return std::nullopt;
+    return std::vector<int64_t>(it->second.begin(), it->second.end());
+  }
+  return std::nullopt;
+}
+
+// Publishes what the twin recorded for the pending call of `op` (its signature from ``pending``):
+//   allocations: per allocation its dims n, n sizes, n strides (dtypes in `allocation_dtypes`);
+//   returns:     per schema return its source (-1 - k allocation k, i argument i), dims n, n sizes, n strides,
+//                offset in elements;
+//   launches:    per launch its CUfunction, grid x, y, z, threads, shared bytes, parameters p, patches q;
+//   slots:       per launch its p parameters' recorded values, then their p sizes in bytes (checked against
+//                the function where the driver tells them);
+//   patches:     per launch q (parameter, source, byte offset): the pointer parameters.
+void record(const std::string& name, int64_t device, const std::vector<int64_t>& key, const std::vector<int64_t>& allocations,
+            const std::optional<std::vector<c10::ScalarType>>& allocation_dtypes, const std::vector<int64_t>& returns,
+            const std::vector<int64_t>& launches, const std::vector<int64_t>& slots, const std::vector<int64_t>& patches) {
+  const OpState& s = installed(name);
+  const std::string where = "deepinfer_fast_path::record(" + name + "): ";
+  TORCH_CHECK(s.recorded, where, "the op is served by its HostCall, not by recorded launches");
+  TORCH_CHECK(!key.empty(), where, "argument 'key' is empty");
+  Recording r{s.index, static_cast<c10::DeviceIndex>(device), key, {}, {}, {}};
+  const std::vector<c10::ScalarType> dtypes = allocation_dtypes.value_or(std::vector<c10::ScalarType>());
+  size_t at = 0;
+  const auto take = [&](const std::vector<int64_t>& from, size_t& pos, const char* what) {
+    TORCH_CHECK(pos < from.size(), where, "argument '", what, "' ends early");
+    return from[pos++];
+  };
+  const auto take_shape = [&](const std::vector<int64_t>& from, size_t& pos, const char* what, std::vector<int64_t>& sizes,
+                              std::vector<int64_t>& strides) {
+    const int64_t n = take(from, pos, what);
+    TORCH_CHECK(n >= 0 && n <= 8, where, "argument '", what, "': dims must be 0 to 8");
+    for (int64_t d = 0; d < n; ++d) sizes.push_back(take(from, pos, what));
+    for (int64_t d = 0; d < n; ++d) strides.push_back(take(from, pos, what));
+  };
+  for (size_t k = 0; at < allocations.size(); ++k) {
+    TORCH_CHECK(k < dtypes.size(), where, "argument 'allocation_dtypes' must hold one dtype per allocation");
+    Allocation a{dtypes[k], {}, {}};
+    take_shape(allocations, at, "allocations", a.sizes, a.strides);
+    r.allocations.push_back(std::move(a));
+  }
+  TORCH_CHECK(dtypes.size() == r.allocations.size(), where, "argument 'allocation_dtypes' must hold one dtype per allocation");
+  const int64_t num_allocations = static_cast<int64_t>(r.allocations.size());
+  const auto source_ok = [&](int64_t source) { return source >= -num_allocations && source < s.num_args; };
+  at = 0;
+  while (at < returns.size()) {
+    Return ret{take(returns, at, "returns"), {}, {}, 0};
+    take_shape(returns, at, "returns", ret.sizes, ret.strides);
+    ret.offset = take(returns, at, "returns");
+    TORCH_CHECK(source_ok(ret.source) && ret.offset >= 0, where, "argument 'returns': a bad source or offset");
+    r.returns.push_back(std::move(ret));
+  }
+  TORCH_CHECK(static_cast<int>(r.returns.size()) == s.num_outputs, where, "argument 'returns' must describe the op's ",
+              s.num_outputs, " returns, got ", r.returns.size());
+  size_t slot_at = 0, patch_at = 0;
+  std::vector<std::vector<int64_t>> slot_sizes;  // per launch, its parameters' sizes in bytes
+  at = 0;
+  while (at < launches.size()) {
+    Launch l{reinterpret_cast<void*>(take(launches, at, "launches")), {}, 0, 0, {}, {}};
+    for (unsigned& g : l.grid) g = static_cast<unsigned>(take(launches, at, "launches"));
+    l.block = static_cast<unsigned>(take(launches, at, "launches"));
+    l.shared = static_cast<unsigned>(take(launches, at, "launches"));
+    const int64_t num_slots = take(launches, at, "launches"), num_patches = take(launches, at, "launches");
+    TORCH_CHECK(l.function != nullptr && l.block >= 1 && l.block <= 1024 && num_slots >= 0 && num_slots <= 32 &&
+                    num_patches >= 0 && num_patches <= num_slots,
+                where, "argument 'launches': a launch needs a function, 1-1024 threads, at most 32 parameters");
+    for (int64_t p = 0; p < num_slots; ++p) l.slots.push_back(take(slots, slot_at, "slots"));
+    std::vector<int64_t>& sizes = slot_sizes.emplace_back();
+    for (int64_t p = 0; p < num_slots; ++p) {
+      sizes.push_back(take(slots, slot_at, "slots"));
+      TORCH_CHECK(sizes.back() == 1 || sizes.back() == 2 || sizes.back() == 4 || sizes.back() == 8, where,
+                  "argument 'slots': a parameter is 1, 2, 4 or 8 bytes");
+    }
+    for (int64_t q = 0; q < num_patches; ++q) {
+      std::array<int64_t, 3> patch{take(patches, patch_at, "patches"), take(patches, patch_at, "patches"),
+                                   take(patches, patch_at, "patches")};
+      TORCH_CHECK(patch[0] >= 0 && patch[0] < num_slots && source_ok(patch[1]), where, "argument 'patches': a bad parameter or source");
+      l.patches.push_back(patch);
+    }
+    r.launches.push_back(std::move(l));
+  }
+  TORCH_CHECK(slot_at == slots.size() && patch_at == patches.size(), where, "arguments 'slots' and 'patches' hold more than the launches take");
+  bind_driver();
+  for (size_t k = 0; k < r.launches.size() && g_param_info != nullptr; ++k) {  // the parameters as the driver has them
+    const auto& sizes = slot_sizes[k];
+    for (size_t p = 0; p <= sizes.size(); ++p) {
+      size_t offset = 0, bytes = 0;
+      const int rc = g_param_info(r.launches[k].function, p, &offset, &bytes);
+      TORCH_CHECK(p < sizes.size() ? rc == 0 && bytes == static_cast<size_t>(sizes[p]) : rc != 0, where, "parameter ", p,
+                  " of recorded kernel ", k, " is ", rc == 0 ? std::to_string(bytes) + " bytes" : std::string("not there"),
+                  ", recorded as ", p < sizes.size() ? std::to_string(sizes[p]) + " bytes" : std::string("not there"));
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_write);
+  swap_in(g_recordings, g_retired_recordings, [&](std::vector<Recording>& table) { table.push_back(std::move(r)); });
+}
+
 void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes, int64_t hidden, int64_t device,
              const std::vector<int64_t>& from, const std::vector<int64_t>& kernels, const std::vector<int64_t>& facts,
              const std::vector<int64_t>& granules, const std::optional<std::vector<c10::ScalarType>>& laid_dtypes,
@@ -674,6 +1006,8 @@ void publish(const std::string& name, const std::vector<c10::ScalarType>& dtypes
   const std::vector<c10::ScalarType> out_dtypes = laid_dtypes.value_or(std::vector<c10::ScalarType>());
   const std::vector<int64_t> out_shapes = laid_shapes.value_or(std::vector<int64_t>());
   const OpState& s = installed(name);
+  TORCH_CHECK(!s.recorded, "deepinfer_fast_path::publish: argument 'op' must be an op its HostCall serves, got '", name,
+              "' (served by recorded launches)");
   const int outputs = s.output == 'p' ? s.num_outputs : 0;
   TORCH_CHECK(static_cast<int>(out_dtypes.size()) == outputs && static_cast<int>(out_shapes.size()) == 2 * outputs,
               "deepinfer_fast_path::publish: arguments 'out_dtypes' and 'out_shapes' must hold ", outputs, " and ",
@@ -744,10 +1078,12 @@ int64_t intern(const std::string& value) {
 
 void clear() {
   edit_table([](std::vector<Entry>& table) { table.clear(); });
+  std::lock_guard<std::mutex> lock(g_write);
+  swap_in(g_recordings, g_retired_recordings, [](std::vector<Recording>& table) { table.clear(); });
 }
 
 std::vector<int64_t> counters() {
-  return {static_cast<int64_t>(g_table.load()->size()), g_hits.load(), g_misses.load()};
+  return {static_cast<int64_t>(g_table.load()->size() + g_recordings.load()->size()), g_hits.load(), g_misses.load()};
 }
 
 }  // namespace
@@ -758,6 +1094,10 @@ TORCH_LIBRARY(deepinfer_fast_path, m) {
   m.def("publish(str op, ScalarType[] dtypes, int hidden, int device, int[] from, int[] kernels, int[] facts, "
         "int[] granules, ScalarType[]? out_dtypes=None, int[]? out_shapes=None, int max_tokens=0) -> ()", &publish);
   m.def("intern(str value) -> int", &intern);
+  m.def("install_recorded(str op, str overload) -> ()", &install_recorded);
+  m.def("pending(str op) -> int[]?", &pending);
+  m.def("record(str op, int device, int[] key, int[] allocations, ScalarType[]? allocation_dtypes, int[] returns, "
+        "int[] launches, int[] slots, int[] patches) -> ()", &record);
   m.def("clear() -> ()", &clear);
   m.def("counters() -> int[]", &counters);  // [signatures published, calls served, calls passed on]
 }

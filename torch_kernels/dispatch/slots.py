@@ -129,6 +129,13 @@ class OpSlot:
             return None
         return first.spec if first.dtypes is None or args[self.data_arg].dtype in first.dtypes else None
 
+    def signature_server(self, args: tuple) -> Optional[KernelSpec]:
+        """The implementation that serves this call, the same for every call of its signature (dtypes,
+        shapes, strides, argument values: what each backend's check reads), or ``None`` under ``auto``:
+        what ``fast_path.run_recording`` may record."""
+        impl = None if self.under_auto else self.server(args)
+        return impl.spec if impl is not None else None
+
     def _auto(self) -> Optional[Callable[..., Any]]:
         """Under ``auto``: each call to the chain of its bucket's measured winner (the winner first, then
         the platform default's order; a stale entry's bucket to the platform default, said once), or
