@@ -49,8 +49,8 @@ def _flashinfer(op: str, args: tuple):
     return lambda: peer.fn(*peer_args)
 
 
-def measure(device: str = "cuda", names=None, rounds: int = 20, calls: int = 100) -> list:
-    """One row per (op, mode): our µs a call, FlashInfer's where it has the op, the C++ entry's part."""
+def measure(device: str = "cuda", names=None, rounds: int = 20, calls: int = 100, peers: bool = True) -> list:
+    """One row per (op, mode): our µs a call, FlashInfer's where it has the op (``peers``), the C++ entry's part."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
     for op in names or [d.name for d in ops.ALL]:
@@ -62,7 +62,7 @@ def measure(device: str = "cuda", names=None, rounds: int = 20, calls: int = 100
             for _ in range(2):
                 fn(*args)  # the first call publishes the signature to the C++ entry
             sync()
-        peer = _flashinfer(op, args) if device == "cuda" else "not timed off a GPU"
+        peer = "not asked (--no-peers)" if not peers else _flashinfer(op, args) if device == "cuda" else "not timed off a GPU"
         for mode, ctx in MODES:
             table = {"ours": lambda: fn(*args)}
             if callable(peer):
@@ -96,9 +96,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--calls", type=int, default=100, help="calls a round (their launches under CUDA's queue)")
     p.add_argument("--out", default=None, help="JSON file for the rows and the goals")
+    p.add_argument("--no-peers", action="store_true",
+                   help="time ours only (FlashInfer builds each module on first use: 30 s to minutes)")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
-    rows = measure(a.device, a.ops.split(",") if a.ops else None, a.rounds, a.calls)
+    rows = measure(a.device, a.ops.split(",") if a.ops else None, a.rounds, a.calls, peers=not a.no_peers)
     judged = goals(rows) if cuda else []
     if a.out:
         header = harness.header() if cuda else {"gpu": None, "versions": harness.versions()}
