@@ -323,18 +323,19 @@ def run_recording(name: str, entry, server, args: tuple, outs: dict):
     the Python kernels, recorded when the entry passed this call on with a signature it may record (not
     yet tried), and published when the call turns out replayable (``launch_record``), was served by a
     Triton kernel that serves every call of its signature (``server()``) and ran no index check."""
-    key = torch.ops.deepinfer_fast_path.pending(name)
-    tried = _tried.setdefault(name, set())
-    if key is None or tuple(key) in tried or len(tried) >= _MAX_TRIED:
-        return entry(*args, **outs)
     from . import checks, launch_record
 
+    key = torch.ops.deepinfer_fast_path.pending(name)
+    tried = _tried.setdefault(name, set())
+    devices = [a.device for a in (*args, *outs.values()) if isinstance(a, torch.Tensor) and a.is_cuda]
+    if key is None or tuple(key) in tried or len(tried) >= _MAX_TRIED or not devices or launch_record.recording():
+        return entry(*args, **outs)  # (inside a recording: part of that call, which is then not replayable)
     tried.add(tuple(key))
     schema = getattr(torch.ops.deepinfer, name.split(".")[0]).out._schema if outs else None
     n = len(schema.arguments) - len(outs) if outs else 0
     tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
     tensors.update({n + j: outs[a.name] for j, a in enumerate(schema.arguments[n:])} if outs else {})
-    device = next(t.device for t in tensors.values() if t.is_cuda)
+    device = devices[0]
     checks_before = checks.index_checks_run()
     result, recorded = launch_record.record(lambda: entry(*args, **outs), tensors, device)
     spec = server()

@@ -76,12 +76,21 @@ def _capturing_launch_metadata(self, grid, stream, *args):
     return _original[0](self, grid, stream, *args)
 
 
+_on_thread = threading.local()
+
+
+def recording() -> bool:
+    """Whether this thread is inside :func:`record` (a call it makes is part of the one recorded)."""
+    return getattr(_on_thread, "active", False)
+
+
 def record(call: Callable[[], Any], tensors: Dict[int, torch.Tensor], device: torch.device) -> Tuple[Any, Any]:
     """Run ``call`` (the Python kernels of one call; ``tensors``: its tensor arguments by schema index) and
     return ``(its result, a Recorded or the NotReplayable saying why not)``."""
     from triton.compiler.compiler import CompiledKernel
 
     with _lock:
+        _on_thread.active = True
         _launches[:] = [threading.get_ident()]
         _original[:] = [CompiledKernel.launch_metadata]
         CompiledKernel.launch_metadata = _capturing_launch_metadata
@@ -93,6 +102,7 @@ def record(call: Callable[[], Any], tensors: Dict[int, torch.Tensor], device: to
             CompiledKernel.launch_metadata = _original[0]
             launches = _launches[1:]
             _launches.clear()
+            _on_thread.active = False
     try:
         if watch.refused:
             raise NotReplayable(watch.refused)
