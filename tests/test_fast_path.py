@@ -1523,3 +1523,18 @@ def test_a_call_running_other_aten_ops_is_not_replayable():
     assert torch.equal(result, x + 1) and isinstance(why, launch_record.NotReplayable) and "aten.add" in str(why)
     _, why = launch_record.record(lambda: torch.empty(3).view(1, 3), {0: x}, x.device)
     assert "launched no Triton kernel" in str(why)
+
+
+def test_the_signature_server_is_the_kernel_that_takes_the_exact_call(cuda_platform):
+    """What ``run_recording`` asks before it records: the MoE kernel's per-call check reads the expert
+    count only, so the call's signature decides it; a call it refuses is the reference's; ``auto`` none."""
+    from torch_kernels.families.moe.triton import MAX_TILE
+    previous = dispatch.configure(backend="triton")
+    try:
+        slot = dispatch.slot("topk_softmax", 0)
+        assert slot.signature_server((torch.randn(4, 64), 2, False)).backend is Backend.TRITON
+        assert slot.signature_server((torch.randn(2, MAX_TILE + 1), 2, False)).backend is Backend.TORCH
+        dispatch.configure(backend="auto")
+        assert slot.signature_server((torch.randn(4, 64), 2, False)) is None
+    finally:
+        dispatch.configure(previous)

@@ -133,8 +133,8 @@ class OpSlot:
         """The implementation that serves this call, the same for every call of its signature (dtypes,
         shapes, strides, argument values: what each backend's check reads), or ``None`` under ``auto``:
         what ``fast_path.run_recording`` may record."""
-        impl = None if self.under_auto else self.server(args)
-        return impl.spec if impl is not None else None
+        impl = self.server(args)  # resolves first: under_auto is the resolved selection's
+        return impl.spec if impl is not None and not self.under_auto else None
 
     def _auto(self) -> Optional[Callable[..., Any]]:
         """Under ``auto``: each call to the chain of its bucket's measured winner (the winner first, then
