@@ -560,7 +560,7 @@ constexpr int kMaxRecordings = 64;
 std::atomic<const std::vector<Recording>*> g_recordings{new std::vector<Recording>()};
 std::vector<std::unique_ptr<const std::vector<Recording>>> g_retired_recordings;
 
-using Key = c10::SmallVector<int64_t, 64>;
+using Key = c10::SmallVector<int64_t, 128>;  // a 13-argument op of 4-D tensors: ~100 words
 
 // The call's signature: per argument a tag and what a recorded call depends on. False: an argument of a
 // type the entry does not read (the call stays with Python), or a string no signature holds unless `intern`.
