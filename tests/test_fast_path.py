@@ -1341,20 +1341,25 @@ import torch, torch_kernels
 from torch_kernels import fast_path
 op = fast_path.RECORDED[0]
 served = next(iter(fast_path.SERVED))
+n = len(getattr(torch.ops.deepinfer, op).default._schema.arguments)
+key = [1, 6, 1, 0, 1, 1, 4, 1] + [0] * (n - 1)  # a float tensor (4,) on cuda:0, aligned, then None
 launch = [1, 1, 1, 1, 128, 0, 2, 1]  # function 1, grid (1,1,1), 128 threads, no shared memory, 2 slots, 1 patch
-for args, words in (((served, 0, [1], [], None, [], [], [], []), "served by its HostCall"),
+for args, words in (((served, 0, key, [], None, [], [], [], []), "served by its HostCall"),
                     ((op, 0, [], [], None, [], [], [], []), "argument 'key' is empty"),
-                    ((op, 0, [1], [2, 4, 4, 1], None, [], [], [], []), "one dtype per allocation"),
-                    ((op, 0, [1], [9] + [1] * 18, [torch.float32], [], [], [], []), "dims must be 0 to 8"),
-                    ((op, 0, [1], [], None, [-1, 0, 0], [], [], []), "a bad source or offset"),
-                    ((op, 0, [1], [], None, [99, 0, 0], [], [], []), "a bad source or offset"),
-                    ((op, 0, [1], [], None, [], [0] + launch[1:], [0, 0, 8, 8], [0, 0, 0]), "needs a function"),
-                    ((op, 0, [1], [], None, [], launch[:4] + [2048] + launch[5:], [0, 0, 8, 8], [0, 0, 0]), "1-1024 threads"),
-                    ((op, 0, [1], [], None, [], launch, [0, 0, 8, 3], [0, 0, 0]), "1, 2, 4 or 8 bytes"),
-                    ((op, 0, [1], [], None, [], launch, [0, 0, 8, 8], [2, 0, 0]), "a bad parameter or source"),
-                    ((op, 0, [1], [], None, [], launch, [0, 0, 8, 8], [0, -1, 0]), "a bad parameter or source"),
-                    ((op, 0, [1], [], None, [], launch, [0, 0, 8], [0, 0, 0]), "argument 'slots' ends early"),
-                    ((op, 0, [1], [], None, [], launch, [0, 0, 8, 8, 1], [0, 0, 0]), "hold more than the launches take")):
+                    ((op, 0, key + [0], [], None, [], [], [], []), "is not a signature of"),
+                    ((op, 0, key[:-1], [], None, [], [], [], []), "argument 'key' ends early"),
+                    ((op, 0, [0] * n, [], None, [], launch, [0, 0, 8, 8], [0, 0, 0]), "a bad parameter or source"),
+                    ((op, 0, key, [2, 4, 4, 1], None, [], [], [], []), "one dtype per allocation"),
+                    ((op, 0, key, [9] + [1] * 18, [torch.float32], [], [], [], []), "dims must be 0 to 8"),
+                    ((op, 0, key, [], None, [-1, 0, 0], [], [], []), "a bad source or offset"),
+                    ((op, 0, key, [], None, [99, 0, 0], [], [], []), "a bad source or offset"),
+                    ((op, 0, key, [], None, [], [0] + launch[1:], [0, 0, 8, 8], [0, 0, 0]), "needs a function"),
+                    ((op, 0, key, [], None, [], launch[:4] + [2048] + launch[5:], [0, 0, 8, 8], [0, 0, 0]), "1-1024 threads"),
+                    ((op, 0, key, [], None, [], launch, [0, 0, 8, 3], [0, 0, 0]), "1, 2, 4 or 8 bytes"),
+                    ((op, 0, key, [], None, [], launch, [0, 0, 8, 8], [2, 0, 0]), "a bad parameter or source"),
+                    ((op, 0, key, [], None, [], launch, [0, 0, 8, 8], [0, -1, 0]), "a bad parameter or source"),
+                    ((op, 0, key, [], None, [], launch, [0, 0, 8], [0, 0, 0]), "argument 'slots' ends early"),
+                    ((op, 0, key, [], None, [], launch, [0, 0, 8, 8, 1], [0, 0, 0]), "hold more than the launches take")):
     try:
         torch.ops.deepinfer_fast_path.record(*args)
     except RuntimeError as e:

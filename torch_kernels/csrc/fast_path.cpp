@@ -562,8 +562,10 @@ std::vector<std::unique_ptr<const std::vector<Recording>>> g_retired_recordings;
 
 using Key = c10::SmallVector<int64_t, 128>;  // a 13-argument op of 4-D tensors: ~100 words
 
-// The call's signature: per argument a tag and what a recorded call depends on. False: an argument of a
-// type the entry does not read (the call stays with Python), or a string no signature holds unless `intern`.
+// The call's signature: per argument a tag and what a recorded call depends on (0 None; 1 a tensor: dtype,
+// device type and index, 16-byte aligned, dims, sizes, strides; 2 int, 3 float bits, 4 bool, 5 string number:
+// the value; 6 int list: length, values). False: an argument of a type the entry does not read (the call
+// stays with Python), or a string no signature holds unless `intern_strings`.
 bool signature_of(c10::ArrayRef<c10::IValue> args, bool intern_strings, Key& key);
 
 // The calls of recorded ops passed on to their twins on this thread, innermost last: ``pending`` hands
@@ -599,7 +601,7 @@ bool signature_of(c10::ArrayRef<c10::IValue> args, bool intern_strings, Key& key
     } else if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
       key.append({1, static_cast<int64_t>(t.scalar_type()), static_cast<int64_t>(t.device().type()), t.device().index(),
-                  t.dim(), aligned(t)});
+                  aligned(t), t.dim()});
       key.append(t.sizes().begin(), t.sizes().end());
       key.append(t.strides().begin(), t.strides().end());
     } else if (v.isInt()) {
@@ -943,8 +945,26 @@ void record(const std::string& name, int64_t device, const std::vector<int64_t>&
     r.allocations.push_back(std::move(a));
   }
   TORCH_CHECK(dtypes.size() == r.allocations.size(), where, "argument 'allocation_dtypes' must hold one dtype per allocation");
+  // which arguments the key says are tensors (a source >= 0 must be one)
+  std::vector<bool> tensor(s.num_args, false);
+  size_t word = 0;
+  for (int i = 0; i < s.num_args; ++i) {
+    const int64_t tag = take(key, word, "key");
+    tensor[i] = tag == 1;
+    const int64_t skip = tag == 1 ? 4 : tag == 6 ? take(key, word, "key") : tag == 0 ? 0 : 1;
+    TORCH_CHECK(tag >= 0 && tag <= 6 && skip >= 0, where, "argument 'key' is not a signature of ", s.num_args, " arguments");
+    word += skip;
+    if (tag == 1) {  // its dims, then its sizes and strides
+      const int64_t dims = take(key, word, "key");
+      TORCH_CHECK(dims >= 0, where, "argument 'key' is not a signature of ", s.num_args, " arguments");
+      word += 2 * dims;
+    }
+  }
+  TORCH_CHECK(word == key.size(), where, "argument 'key' is not a signature of ", s.num_args, " arguments");
   const int64_t num_allocations = static_cast<int64_t>(r.allocations.size());
-  const auto source_ok = [&](int64_t source) { return source >= -num_allocations && source < s.num_args; };
+  const auto source_ok = [&](int64_t source) {
+    return source >= -num_allocations && source < s.num_args && (source < 0 || tensor[source]);
+  };
   at = 0;
   while (at < returns.size()) {
     Return ret{take(returns, at, "returns"), {}, {}, 0};
