@@ -20,6 +20,10 @@ the ops it serves: those with a TileLang :class:`~torch_kernels.spec.KernelSpec`
   goes to the Python kernels as before;
 * :func:`install_out` does the same for the op's ``out`` overload, into the given tensor when it is
   contiguous, aligned and apart from the arguments; the twin's ``out`` kernel offers what it wrote;
+* the ops with a Triton kernel and no host (:data:`RECORDED`) are served by recorded launches: their
+  twin runs a signature's first call under :func:`run_recording`, which keeps what the Python kernels
+  did when that was only allocating and launching Triton kernels (``launch_record.py``), and the entry
+  does it again for later calls of that exact signature (shapes, strides and values included);
 * :func:`dispatch.configure <torch_kernels.dispatch.configure>` clears what was published, so a new
   selection is asked again; ``DEEPINFER_OPS_BACKEND=auto`` publishes nothing (it picks per shape).
 

@@ -730,6 +730,19 @@ struct AutogradKernel final : c10::OperatorKernel {
   const OpState* s;
 };
 
+// Keeps `state` for the process and registers its op's CUDA and Autograd kernels (`name`: op or op.overload).
+// Under g_install.
+void register_kernels(const std::string& name, std::unique_ptr<OpState> state) {
+  if (!g_cuda_library) {
+    g_cuda_library = std::make_unique<torch::Library>(torch::Library::IMPL, "deepinfer", c10::DispatchKey::CUDA, __FILE__, __LINE__);
+    g_autograd_library = std::make_unique<torch::Library>(torch::Library::IMPL, "deepinfer", c10::DispatchKey::Autograd, __FILE__, __LINE__);
+  }
+  const OpState* held = state.get();
+  g_ops.push_back(std::move(state));
+  g_cuda_library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CudaKernel>(held)));
+  g_autograd_library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(held)));
+}
+
 c10::OperatorHandle defined(const std::string& qualname, const std::string& overload = "") {
   auto handle = c10::Dispatcher::singleton().findSchema({qualname, overload});
   TORCH_CHECK(handle.has_value(), "deepinfer_fast_path::install: ", qualname, " is not defined (define the op and its twin first)");
@@ -801,15 +814,7 @@ void install(const std::string& name, const std::string& roles, const std::strin
   TORCH_CHECK(ok, where, "argument 'call' must hold every argument's index once but the ints', bools' and strings', and "
               "-1 - k for output k");
   s.num_call = static_cast<int>(call.size());
-
-  if (!g_cuda_library) {
-    g_cuda_library = std::make_unique<torch::Library>(torch::Library::IMPL, "deepinfer", c10::DispatchKey::CUDA, __FILE__, __LINE__);
-    g_autograd_library = std::make_unique<torch::Library>(torch::Library::IMPL, "deepinfer", c10::DispatchKey::Autograd, __FILE__, __LINE__);
-  }
-  const OpState* held = state.get();
-  g_ops.push_back(std::move(state));
-  g_cuda_library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CudaKernel>(held)));
-  g_autograd_library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(held)));
+  register_kernels(name, std::move(state));
 }
 
 const OpState* find_installed(const std::string& name) {
@@ -848,11 +853,7 @@ void install_out(const std::string& name) {
   state->name = name + ".out";
   state->twin = twin;
   state->given_output = true;
-  const OpState* held = state.get();
-  g_ops.push_back(std::move(state));
-  g_cuda_library->impl((name + ".out").c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CudaKernel>(held)));
-  g_autograd_library->impl((name + ".out").c_str(),
-                           torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(held)));
+  register_kernels(name + ".out", std::move(state));
 }
 
 
@@ -885,14 +886,7 @@ void install_recorded(const std::string& name, const std::string& overload) {
       s.written[s.num_written++] = i;
     }
   }
-  if (!g_cuda_library) {
-    g_cuda_library = std::make_unique<torch::Library>(torch::Library::IMPL, "deepinfer", c10::DispatchKey::CUDA, __FILE__, __LINE__);
-    g_autograd_library = std::make_unique<torch::Library>(torch::Library::IMPL, "deepinfer", c10::DispatchKey::Autograd, __FILE__, __LINE__);
-  }
-  const OpState* held = state.get();
-  g_ops.push_back(std::move(state));
-  g_cuda_library->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CudaKernel>(held)));
-  g_autograd_library->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(held)));
+  register_kernels(full, std::move(state));
 }
 
 // The signature of the innermost call of `op` passed on to its twin on this thread, when it may be recorded
