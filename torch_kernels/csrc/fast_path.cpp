@@ -670,6 +670,7 @@ bool replay(const OpState& s, torch::jit::Stack* stack, Key& key) {
   };
   void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(c10::Device(c10::DeviceType::CUDA, r->device)).native_handle();
   for (const Launch& l : r->launches) {
+    if (l.grid[0] == 0 || l.grid[1] == 0 || l.grid[2] == 0) continue;  // as Triton's launcher: an empty grid is no launch
     c10::SmallVector<int64_t, 32> slots(l.slots.begin(), l.slots.end());
     for (const auto& [slot, source, offset] : l.patches) slots[slot] = base(source) + offset;
     c10::SmallVector<void*, 32> params;
