@@ -319,7 +319,7 @@ def install_out(op: str) -> None:
 _tried: Dict[str, set] = {}
 _unreplayable: Dict[str, str] = {}  # per op overload, the last reason a call of it was not recorded
 _refused: Dict[str, str] = {}
-_held: list = []  # the Triton kernels recordings launch: their CUfunctions live as long as they do
+_held: set = set()  # the Triton kernels recordings launch: their CUfunctions live as long as they do
 
 
 def run_recording(name: str, entry, server, args: tuple, outs: dict):
@@ -352,7 +352,7 @@ def run_recording(name: str, entry, server, args: tuple, outs: dict):
             torch.ops.deepinfer_fast_path.record(name, device.index, key, recorded.allocations,
                                                  recorded.allocation_dtypes or None, recorded.returns,
                                                  recorded.launches, recorded.slots, recorded.patches)
-            _held.extend(recorded.kernels)
+            _held.update(recorded.kernels)
         except RuntimeError as e:  # the driver disagrees with the recorded parameters: say so once, stay in Python
             if name not in _refused:
                 print(f"[deepinfer] the C++ entry refused a recording of {name}; its Python kernels serve it: {e}",
