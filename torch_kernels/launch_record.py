@@ -65,23 +65,21 @@ class _Watch(TorchDispatchMode):
         return out
 
 
-_lock = threading.Lock()
-_launches: List[tuple] = []
+_lock = threading.Lock()  # one recording at a time: it patches Triton's class
+_on_thread = threading.local()  # .launches: this thread's recording, while it runs
 _original: List[Callable] = []
 
 
 def _capturing_launch_metadata(self, grid, stream, *args):
-    if threading.get_ident() == _launches[0]:
-        _launches.append((self, tuple(grid), stream, args))
+    launches = getattr(_on_thread, "launches", None)
+    if launches is not None:  # another thread's launches meanwhile are not this call's
+        launches.append((self, tuple(grid), stream, args))
     return _original[0](self, grid, stream, *args)
-
-
-_on_thread = threading.local()
 
 
 def recording() -> bool:
     """Whether this thread is inside :func:`record` (a call it makes is part of the one recorded)."""
-    return getattr(_on_thread, "active", False)
+    return getattr(_on_thread, "launches", None) is not None
 
 
 def record(call: Callable[[], Any], tensors: Dict[int, torch.Tensor], device: torch.device) -> Tuple[Any, Any]:
@@ -90,19 +88,17 @@ def record(call: Callable[[], Any], tensors: Dict[int, torch.Tensor], device: to
     from triton.compiler.compiler import CompiledKernel
 
     with _lock:
-        _on_thread.active = True
-        _launches[:] = [threading.get_ident()]
+        launches: List[tuple] = []
         _original[:] = [CompiledKernel.launch_metadata]
         CompiledKernel.launch_metadata = _capturing_launch_metadata
+        _on_thread.launches = launches
         watch = _Watch(device)
         try:
             with watch:
                 result = call()
         finally:
+            _on_thread.launches = None
             CompiledKernel.launch_metadata = _original[0]
-            launches = _launches[1:]
-            _launches.clear()
-            _on_thread.active = False
     try:
         if watch.refused:
             raise NotReplayable(watch.refused)
