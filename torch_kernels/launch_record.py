@@ -1,7 +1,7 @@
 """What a Python kernel did on the device, for the C++ entry to do again (``fast_path.run_recording``).
 
 :func:`record` runs a call with its aten ops watched (a ``TorchDispatchMode``) and its Triton launches
-captured (``CompiledKernel.launch_metadata``, which Triton 3.2 to 3.9 call right before each launch with the
+captured (``CompiledKernel.launch_metadata``, which Triton 3.6 and 3.9 (the releases read) call before each launch with the
 grid, the stream and the bound arguments). The call is *replayable* when all it did was allocate tensors
 on the call's device (``empty``, ``empty_strided``, ``empty_like``, ``new_empty``), take views and launch
 Triton kernels on the current stream whose every pointer lies in an argument or an allocation; then
