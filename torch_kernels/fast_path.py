@@ -54,7 +54,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from . import registry
+from . import checks, launch_record, registry
 from ._files import open_regular
 from .spec import OUTPUT_LAYOUTS, Backend, HostCall, HostKernels, KernelSpec
 
@@ -327,13 +327,13 @@ def run_recording(name: str, entry, server, args: tuple, outs: dict):
     the Python kernels, recorded when the entry passed this call on with a signature it may record (not
     yet tried), and published when the call turns out replayable (``launch_record``), was served by a
     Triton kernel that serves every call of its signature (``server()``) and ran no index check."""
-    from . import checks, launch_record
-
     key = torch.ops.deepinfer_fast_path.pending(name)
     tried = _tried.setdefault(name, set())
-    devices = [a.device for a in (*args, *outs.values()) if isinstance(a, torch.Tensor) and a.is_cuda]
-    if key is None or tuple(key) in tried or len(tried) >= _MAX_TRIED or not devices or launch_record.recording():
+    if key is None or tuple(key) in tried or len(tried) >= _MAX_TRIED or launch_record.recording():
         return entry(*args, **outs)  # (inside a recording: part of that call, which is then not replayable)
+    devices = [a.device for a in (*args, *outs.values()) if isinstance(a, torch.Tensor) and a.is_cuda]
+    if not devices:
+        return entry(*args, **outs)
     tried.add(tuple(key))
     schema = getattr(torch.ops.deepinfer, name.split(".")[0]).out._schema if outs else None
     n = len(schema.arguments) - len(outs) if outs else 0

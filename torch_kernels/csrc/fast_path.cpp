@@ -646,9 +646,8 @@ const Recording* find_recording(const OpState& s, const Key& key) {
 
 // Replays the recording of the call on `stack` when there is one and the call is plain: every CUDA tensor
 // on the current device, each written argument proven apart from every other tensor argument.
-bool replay(const OpState& s, torch::jit::Stack* stack, Key& key) {
+bool replay(const OpState& s, torch::jit::Stack* stack, const Key& key) {
   const auto args = torch::jit::last(*stack, s.num_args);
-  if (!signature_of(args, false, key)) return false;
   const Recording* r = find_recording(s, key);
   if (r == nullptr) return false;
   if (r->device != c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index()) return false;
@@ -693,13 +692,16 @@ struct CudaKernel final : c10::OperatorKernel {
   void operator()(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack* stack) {
     if (s->recorded) {
       Key key;
-      if (replay(*s, stack, key)) {
+      const bool read = signature_of(torch::jit::last(*stack, s->num_args), false, key);
+      if (read && replay(*s, stack, key)) {
         g_hits.fetch_add(1, std::memory_order_relaxed);
         return;
       }
       g_misses.fetch_add(1, std::memory_order_relaxed);
-      key.clear();
-      if (!signature_of(torch::jit::last(*stack, s->num_args), true, key)) key.clear();
+      if (!read) {  // a string no signature holds yet (interned now, for the recording), or an unread type
+        key.clear();
+        if (!signature_of(torch::jit::last(*stack, s->num_args), true, key)) key.clear();
+      }
       Pending pending(s, std::move(key));  // an empty signature: not to be recorded
       s->twin.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CUDA), stack);
       return;
