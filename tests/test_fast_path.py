@@ -23,6 +23,7 @@ from torch_kernels import dispatch, fast_path, library, manifest, registry
 from torch_kernels.library import mutated_args
 from torch_kernels.ops import ALL
 from torch_kernels.spec import Backend, HostCall, HostKernels, KernelSpec
+from torch_kernels.testing import clone_keep_strides, outputs_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVED = sorted(fast_path.SERVED)
@@ -540,12 +541,16 @@ def _reference(op):
     return registry.BY_OP[op][Backend.TORCH].load()
 
 
-@pytest.fixture
-def tilelang_entry():
+def _entry_under(backend: str):
     assert fast_path.loaded(), f"the C++ entry is {fast_path.status()}: run python -m torch_kernels build first"
-    previous = dispatch.configure(backend=fast_path.BACKEND.value, strict=True)
+    previous = dispatch.configure(backend=backend, strict=True)
     yield
     dispatch.configure(previous)
+
+
+@pytest.fixture
+def tilelang_entry():
+    yield from _entry_under(fast_path.BACKEND.value)
 
 
 def _args(op, shape, dtype, vector_dtype=None, eps=1e-5):
@@ -870,11 +875,12 @@ def _kwargs(mode):
 
 
 def _same(got, want):
-    """Bit for bit, in the same shape and strides (q compared as bytes)."""
+    """Bit for bit, in the same shape and strides (q compared as bytes, NaN where NaN)."""
+    assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.stride() == w.stride() and g.dtype == w.dtype, (g.shape, w.shape, g.stride(), w.stride())
-        assert torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
-                           w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
+        g, w = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (g, w))
+        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
 
 
 def _twin(op):
@@ -1305,31 +1311,17 @@ RECORDED = list(fast_path.RECORDED)
 
 @pytest.fixture
 def triton_entry():
-    if not fast_path.loaded():
-        pytest.skip(f"the C++ entry is not loaded: {fast_path.status()}")
-    previous = dispatch.configure(backend="triton", strict=True)
-    yield
-    dispatch.configure(previous)
+    yield from _entry_under("triton")
 
 
 def _fresh(args):
     """The arguments again in new memory, strides kept."""
-    from torch_kernels.testing import clone_keep_strides
     return tuple(clone_keep_strides(a) for a in args)
 
 
 def _produced(op, overload, args):
-    out = overload(*args)
-    outs = [] if out is None else list(out) if isinstance(out, (tuple, list)) else [out]
-    return outs + [args[i] for i in mutated_args(getattr(torch.ops.deepinfer, op).default)]
-
-
-def _bitwise(got, want):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and g.stride() == w.stride() and g.dtype == w.dtype, (g.shape, w.shape, g.stride(), w.stride())
-        g, w = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (g, w))
-        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    """Its returns, then the arguments it writes (on copies of those)."""
+    return outputs_of(overload, args, mutated_args(getattr(torch.ops.deepinfer, op).default))
 
 
 def test_record_refuses_what_it_cannot_replay():
@@ -1387,7 +1379,7 @@ def test_recorded_calls_replay_the_python_kernels_bit_for_bit(op, triton_entry):
             before = fast_path.counters()["served"]
             got = _produced(op, overload, fresh)
             replayed += fast_path.counters()["served"] - before
-            _bitwise(got, want)
+            _same(got, want)
     assert replayed, f"no call of {op} was replayed: {fast_path.not_recorded().get(op)}"
 
 
@@ -1410,7 +1402,7 @@ def test_recorded_out_calls_write_the_given_outputs(triton_entry):
                 got = [got] if isinstance(got, torch.Tensor) else list(got)
                 assert all(g is given[n] or g.data_ptr() == given[n].data_ptr() for g, n in zip(got, given))
                 expected = _produced(op, overload.default, _fresh(fresh))[:len(got)]
-                _bitwise(got, expected)
+                _same(got, expected)
     assert replayed, fast_path.not_recorded()
 
 
@@ -1447,7 +1439,7 @@ def test_recorded_calls_run_on_the_current_stream_and_in_a_cuda_graph(triton_ent
         f(*copies)
         assert fast_path.counters()["served"] == served + 1
     torch.cuda.current_stream().wait_stream(side)
-    _bitwise([copies[2], copies[3]], want)
+    _same([copies[2], copies[3]], want)
 
     static = _cache_args()
     graph = torch.cuda.CUDAGraph()
@@ -1459,7 +1451,7 @@ def test_recorded_calls_run_on_the_current_stream_and_in_a_cuda_graph(triton_ent
         want = _produced("reshape_and_cache_flash", _twin("reshape_and_cache_flash"), _fresh(static))
         graph.replay()
         torch.cuda.synchronize()
-        _bitwise([static[2], static[3]], want)
+        _same([static[2], static[3]], want)
 
 
 @pytest.mark.gpu
