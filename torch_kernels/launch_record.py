@@ -161,7 +161,7 @@ def _source(p: int, tensors: Dict[int, torch.Tensor], allocations: List[torch.Te
         start = a.untyped_storage().data_ptr()
         if start <= p < start + a.untyped_storage().nbytes():
             return -1 - k, p - a.data_ptr()
-    holding = [i for i, t in tensors.items() if _extent(t)[0] <= p < _extent(t)[1]]
+    holding = [i for i, (start, end) in ((i, _extent(t)) for i, t in tensors.items()) if start <= p < end]
     if len(holding) != 1:
         raise NotReplayable("a pointer lies in " + ("no argument or allocation" if not holding else "several arguments"))
     return holding[0], p - tensors[holding[0]].data_ptr()
