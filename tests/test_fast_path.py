@@ -21,6 +21,7 @@ import torch
 
 from torch_kernels import dispatch, fast_path, library, manifest, registry
 from torch_kernels.library import mutated_args
+from torch_kernels.bench import cases
 from torch_kernels.ops import ALL
 from torch_kernels.spec import Backend, HostCall, HostKernels, KernelSpec
 from torch_kernels.testing import clone_keep_strides, outputs_of
@@ -1381,6 +1382,25 @@ def test_recorded_calls_replay_the_python_kernels_bit_for_bit(op, triton_entry):
             replayed += fast_path.counters()["served"] - before
             _same(got, want)
     assert replayed, f"no call of {op} was replayed: {fast_path.not_recorded().get(op)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", RECORDED)
+def test_recorded_ops_replay_a_decode_steps_call(op, triton_entry):
+    """The call a decode step makes (one token, the benchmark case's bf16 arguments) is recorded and then
+    replayed, as the Python kernels compute it: a one-row route with an aten kernel between its launches
+    (a fill) would leave every decode call in Python."""
+    profile = cases.PROFILES["gpu"]
+    rows, hidden, _ = cases.shape_of(op, 1, cases.hidden_sizes(op, (), profile.hidden[:1], profile)[0], profile)
+    args = cases.build(op, rows, hidden, profile, "cuda", torch.bfloat16)
+    overload = getattr(torch.ops.deepinfer, op).default
+    overload(*_fresh(args))
+    fresh = _fresh(args)
+    want = _produced(op, _twin(op), _fresh(fresh))
+    before = fast_path.counters()["served"]
+    got = _produced(op, overload, fresh)
+    assert fast_path.counters()["served"] > before, f"{op}: {fast_path.not_recorded().get(op)}"
+    _same(got, want)
 
 
 @pytest.mark.gpu

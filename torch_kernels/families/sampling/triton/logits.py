@@ -303,9 +303,13 @@ def _mask_threshold_kernel(k_ptr, k_val, buf_ptr, meta_ptr, state_ptr, counts_pt
 
 
 @triton.jit
-def _radix_init_kernel(k_ptr, k_val, state_ptr, V, HAS_K: tl.constexpr):
-    """``state[row] = (prefix 0, k)``; ``k`` 0 for a row that keeps every value (k outside (0, V))."""
+def _radix_init_kernel(k_ptr, k_val, state_ptr, counts_ptr, V, HAS_K: tl.constexpr, PASSES: tl.constexpr):
+    """``state[row] = (prefix 0, k)``; ``k`` 0 for a row that keeps every value (k outside (0, V)); the
+    row's ``PASSES`` radix counts cleared (here, not by an aten fill: a call of Triton launches only is
+    one the C++ entry replays)."""
     row = tl.program_id(0).to(tl.int64)
+    for p in tl.static_range(PASSES):
+        tl.store(counts_ptr + (row * PASSES + p) * 256 + tl.arange(0, 256), tl.zeros((256,), tl.int32))
     tl.store(state_ptr + 2 * row, tl.zeros((), tl.int64))
     tl.store(state_ptr + 2 * row + 1, _row_k(k_ptr, k_val, row, V, HAS_K))
 
@@ -411,8 +415,8 @@ def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0, 
     keeps_all = not has_k and not 0 < k_val < V
     S = triton.cdiv(V, _MASK_SLICE)
     if keeps_all:
-        state.zero_()
         counts = torch.empty(0, dtype=torch.int32, device=logits.device)  # no row is a radix row
+        _radix_init_kernel[(B,)](k_arg, k_val, state, counts, V, HAS_K=has_k, PASSES=0)
     # radix alone at one row (14-15 against 19-23 µs at 1 x 128256, k 50-1000) and where a scalar k fills a
     # quarter of the slots (115 against 204 at 256 x 32000, k = 1000: the bounds overflow, then radix runs)
     elif S <= _MASK_MAX_SLICES and B > 1 and (has_k or 4 * k_val <= _MASK_CAP * S):
@@ -425,8 +429,8 @@ def top_k_mask_logits(logits: Tensor, maybe_top_k_arr=None, top_k_val: int = 0, 
         _mask_threshold_kernel[(B,)](k_arg, k_val, buf, meta, state, counts, V, S, PASSES=passes, HAS_K=has_k,
                                      BLOCK_S=triton.next_power_of_2(S), CAP=_MASK_CAP, SLICE=_MASK_SLICE, num_warps=4)
     else:
-        counts = torch.zeros((B, passes, 256), dtype=torch.int32, device=logits.device)
-        _radix_init_kernel[(B,)](k_arg, k_val, state, V, HAS_K=has_k)
+        counts = torch.empty((B, passes, 256), dtype=torch.int32, device=logits.device)
+        _radix_init_kernel[(B,)](k_arg, k_val, state, counts, V, HAS_K=has_k, PASSES=passes)
     if not keeps_all:  # the rows the bound route finished (most) return at once
         for p in range(passes):
             _radix_count_kernel[grid](logits, logits.stride(0), state, counts, V, slice_len, PASSES=passes, PASS=p,
