@@ -1337,6 +1337,7 @@ served = next(iter(fast_path.SERVED))
 n = len(getattr(torch.ops.deepinfer, op).default._schema.arguments)
 key = [1, 6, 1, 0, 1, 1, 4, 1] + [0] * (n - 1)  # a float tensor (4,) on cuda:0, aligned, then None
 launch = [1, 1, 1, 1, 128, 0, 2, 1]  # function 1, grid (1,1,1), 128 threads, no shared memory, 2 slots, 1 patch
+as_is = [0, 1, 4, 1, 0] * len(getattr(torch.ops.deepinfer, op).default._schema.returns)  # each return: argument 0
 for args, words in (((served, 0, key, [], None, [], [], [], []), "served by its HostCall"),
                     ((op, 0, [], [], None, [], [], [], []), "argument 'key' is empty"),
                     ((op, 0, key + [0], [], None, [], [], [], []), "is not a signature of"),
@@ -1345,6 +1346,7 @@ for args, words in (((served, 0, key, [], None, [], [], [], []), "served by its 
                     ((op, 0, key, [2, 4, 4, 1], None, [], [], [], []), "one dtype per allocation"),
                     ((op, 0, key, [9] + [1] * 18, [torch.float32], [], [], [], []), "dims must be 0 to 8"),
                     ((op, 0, key, [], None, [-1, 0, 0], [], [], []), "a bad source or offset"),
+                    ((op, 0, key, [1, 4, -1], [torch.float32], as_is, [], [], []), "negative sizes or strides"),
                     ((op, 0, key, [], None, [99, 0, 0], [], [], []), "a bad source or offset"),
                     ((op, 0, key, [], None, [], [0] + launch[1:], [0, 0, 8, 8], [0, 0, 0]), "needs a function"),
                     ((op, 0, key, [], None, [], launch[:4] + [2048] + launch[5:], [0, 0, 8, 8], [0, 0, 0]), "1-1024 threads"),

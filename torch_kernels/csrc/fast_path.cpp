@@ -537,6 +537,7 @@ struct Launch {
 struct Allocation {
   c10::ScalarType dtype;
   std::vector<int64_t> sizes, strides;
+  int64_t scratch_offset = -1;  // bytes into the call's scratch buffer; -1: a tensor of its own (a return views it)
 };
 
 struct Return {
@@ -552,7 +553,12 @@ struct Recording {
   std::vector<Allocation> allocations;
   std::vector<Return> returns;
   std::vector<Launch> launches;
+  int64_t scratch_bytes = 0;  // one buffer for the allocations no return views (10 of 11 in a top-p renorm)
 };
+
+// Scratch allocations start this far apart in the buffer: the alignment Triton specialised their pointers on
+// (16 bytes) and more.
+constexpr int64_t kScratchAlign = 256;
 
 // At most this many signatures an op (a decode loop's batch sizes); further calls stay with Python.
 constexpr int kMaxRecordings = 64;
@@ -662,10 +668,17 @@ bool replay(const OpState& s, torch::jit::Stack* stack, const Key& key) {
     }
   }
   const at::TensorOptions on_device = at::TensorOptions().device(c10::DeviceType::CUDA, r->device);
+  // an allocation per return's source, one buffer for the others: an at::empty costs about as much as a launch
+  const at::Tensor scratch = r->scratch_bytes > 0 ? at::empty({r->scratch_bytes}, on_device.dtype(at::kByte)) : at::Tensor();
   c10::SmallVector<at::Tensor, 4> allocated;
-  for (const Allocation& a : r->allocations) allocated.push_back(at::empty_strided(a.sizes, a.strides, on_device.dtype(a.dtype)));
+  for (const Allocation& a : r->allocations) {
+    allocated.push_back(a.scratch_offset < 0 ? at::empty_strided(a.sizes, a.strides, on_device.dtype(a.dtype)) : at::Tensor());
+  }
   const auto base = [&](int64_t source) {
-    return reinterpret_cast<int64_t>(source >= 0 ? args[source].toTensor().data_ptr() : allocated[-1 - source].data_ptr());
+    if (source >= 0) return reinterpret_cast<int64_t>(args[source].toTensor().data_ptr());
+    const Allocation& a = r->allocations[-1 - source];
+    return a.scratch_offset < 0 ? reinterpret_cast<int64_t>(allocated[-1 - source].data_ptr())
+                                : reinterpret_cast<int64_t>(scratch.data_ptr()) + a.scratch_offset;
   };
   void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(c10::Device(c10::DeviceType::CUDA, r->device)).native_handle();
   for (const Launch& l : r->launches) {
@@ -972,6 +985,19 @@ void record(const std::string& name, int64_t device, const std::vector<int64_t>&
   }
   TORCH_CHECK(static_cast<int>(r.returns.size()) == s.num_outputs, where, "argument 'returns' must describe the op's ",
               s.num_outputs, " returns, got ", r.returns.size());
+  for (int64_t k = 0; k < num_allocations; ++k) {
+    Allocation& a = r.allocations[k];
+    if (std::any_of(r.returns.begin(), r.returns.end(), [&](const Return& ret) { return ret.source == -1 - k; })) continue;
+    int64_t bytes = 1;  // the extent of its strided layout: its last element's offset + 1, in elements
+    for (size_t d = 0; d < a.sizes.size(); ++d) {
+      TORCH_CHECK(a.sizes[d] >= 0 && a.strides[d] >= 0, where, "argument 'allocations': negative sizes or strides");
+      bytes = a.sizes[d] == 0 ? 0 : bytes + (a.sizes[d] - 1) * a.strides[d];
+      if (bytes == 0) break;
+    }
+    bytes *= static_cast<int64_t>(c10::elementSize(a.dtype));
+    a.scratch_offset = r.scratch_bytes;
+    r.scratch_bytes += (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
+  }
   size_t slot_at = 0, patch_at = 0;
   std::vector<std::vector<int64_t>> slot_sizes;  // per launch, its parameters' sizes in bytes
   at = 0;
