@@ -20,9 +20,10 @@ events (the host included: what a caller without CUDA graphs pays), and ``device
 replayed from a CUDA graph (eager and compiled; reduce-overhead replays graphs already). The goals of
 the whole-layer issue are judged per layer and token count: ours compiled at most plain compiled, ours
 eager at most 1.2x plain compiled at 1 and 32 tokens, ours reduce-overhead at most plain's. ``--profile``
-adds, per call, our ops' host µs, the copies made outside them (Inductor's around in-place ops among
-them), the costliest other outermost aten ops, on CUDA the kernels launched, and the calls the C++ entry
-served and passed on to Python (eager against compiled: whether compiled code reaches it). On the CPU
+adds, per call, our ops' host µs and the costliest calls inside them, the copies made outside them
+(Inductor's around in-place ops among them), the costliest other outermost aten ops, on CUDA the kernels
+launched, and the calls the C++ entry served and passed on to Python (eager against compiled: whether
+compiled code reaches it). On the CPU
 only the wall clock is taken, which says nothing of a GPU, and no goal is judged.
 """
 
@@ -138,9 +139,11 @@ def _under(event, prefixes) -> bool:
 
 def profile_of(fn, calls: int = 5, cuda: bool = False) -> dict:
     """What separates the columns, per call of ``fn``: our ops called and each one's host µs (inclusive),
-    the copies made outside our ops (Inductor's around in-place ops among them), the host µs of the
-    costliest other outermost aten ops, on CUDA the kernels launched (copies and memsets included), and
-    the calls the C++ entry served and passed on to Python (where it is loaded)."""
+    the costliest calls directly inside them (on a GPU the CUDA runtime's and driver's: a launch, an
+    allocation, or a wait that would explain an op slower in compiled code than eager), the copies made
+    outside our ops (Inductor's around in-place ops among them), the host µs of the costliest other
+    outermost aten ops, on CUDA the kernels launched (copies and memsets included), and the calls the C++
+    entry served and passed on to Python (where it is loaded)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -156,9 +159,11 @@ def profile_of(fn, calls: int = 5, cuda: bool = False) -> dict:
     entry = {k: (v - entry[k]) / calls for k, v in fast_path.counters().items() if k != "signatures"}
     events = prof.events()
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
-    ours, top, copies = {}, {}, {}
+    ours, top, copies, inside = {}, {}, {}, {}
     for e in cpu:
         if _under(e, ("deepinfer::",)):
+            if e.cpu_parent is not None and e.cpu_parent.name.startswith("deepinfer::"):  # a launch, an allocation, a wait
+                inside[e.name] = inside.get(e.name, 0.0) + e.cpu_time_total / calls
             continue
         if e.name.startswith("deepinfer::"):
             ours[e.name] = ours.get(e.name, 0.0) + e.cpu_time_total / calls
@@ -167,6 +172,7 @@ def profile_of(fn, calls: int = 5, cuda: bool = False) -> dict:
         elif e.name.startswith("aten::") and not _under(e, ("aten::",)):  # the outermost, compiled code's too
             top[e.name] = top.get(e.name, 0.0) + e.cpu_time_total / calls
     out = {"our ops": {k: round(v, 1) for k, v in sorted(ours.items())},
+           "inside our ops": dict(sorted(((k, round(v, 1)) for k, v in inside.items()), key=lambda kv: -kv[1])[:4]),
            "copies": {k: round(v, 2) for k, v in sorted(copies.items())},
            "outermost aten host us": dict(sorted(((k, round(v, 1)) for k, v in top.items()), key=lambda kv: -kv[1])[:5])}
     if cuda:
@@ -276,9 +282,9 @@ def main(argv=None) -> int:
     profiled = [{**{k: r[k] for k in ("layer", "tokens", "impl", "mode")}, **{k: _inline(v) for k, v in r["profile"].items()}}
                 for r in rows if "profile" in r]
     if profiled:
-        text += ("\n## Per call: our ops (host µs), copies outside them, costliest other ops (host µs), kernels, "
-                 "C++ entry calls\n\n")
-        text += harness.markdown(profiled, ["layer", "tokens", "impl", "mode", "our ops", "copies",
+        text += ("\n## Per call: our ops (host µs), the costliest calls directly inside them (host µs), copies "
+                 "outside them, costliest other ops (host µs), kernels, C++ entry calls\n\n")
+        text += harness.markdown(profiled, ["layer", "tokens", "impl", "mode", "our ops", "inside our ops", "copies",
                                             "outermost aten host us", "kernels", "C++ entry"]) + "\n"
     if judged:
         text += "\n## Goals (wall µs)\n\n" + harness.markdown(judged, ["layer", "tokens", "goal", "ours / plain", "met"]) + "\n"
