@@ -631,16 +631,26 @@ bool signature_of(c10::ArrayRef<c10::IValue> args, bool intern_strings, Key& key
   return true;
 }
 
+// Bytes from a strided layout's first element to just past its last (0 when it holds none); nullopt for a
+// negative size or stride.
+std::optional<int64_t> layout_bytes(c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t element_size) {
+  int64_t last = 0;
+  bool empty = false;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] < 0 || strides[d] < 0) return std::nullopt;
+    empty = empty || sizes[d] == 0;
+    last += (sizes[d] - 1) * strides[d];
+  }
+  return empty ? 0 : (last + 1) * element_size;
+}
+
 // The bytes a tensor covers, for apart(): span_of's where it reads the layout, else its whole extent (never
 // apart from what lies inside it). Negative strides: nullopt (not proven apart).
 std::optional<Span> extent_of(const at::Tensor& a) {
   if (a.is_contiguous() || (a.dim() >= 1 && a.dim() <= 3 && a.stride(-1) == 1)) return span_of(a);
-  int64_t extent = a.element_size();
-  for (int64_t d = 0; d < a.dim(); ++d) {
-    if (a.stride(d) < 0) return std::nullopt;
-    extent += (a.size(d) - 1) * a.stride(d) * a.element_size();
-  }
-  return Span{static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.data_ptr())), a.numel() == 0 ? 0 : extent, 2, 0};
+  const auto bytes = layout_bytes(a.sizes(), a.strides(), a.element_size());
+  if (!bytes) return std::nullopt;
+  return Span{static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.data_ptr())), *bytes, 2, 0};
 }
 
 const Recording* find_recording(const OpState& s, const Key& key) {
@@ -988,15 +998,10 @@ void record(const std::string& name, int64_t device, const std::vector<int64_t>&
   for (int64_t k = 0; k < num_allocations; ++k) {
     Allocation& a = r.allocations[k];
     if (std::any_of(r.returns.begin(), r.returns.end(), [&](const Return& ret) { return ret.source == -1 - k; })) continue;
-    int64_t bytes = 1;  // the extent of its strided layout: its last element's offset + 1, in elements
-    for (size_t d = 0; d < a.sizes.size(); ++d) {
-      TORCH_CHECK(a.sizes[d] >= 0 && a.strides[d] >= 0, where, "argument 'allocations': negative sizes or strides");
-      bytes = a.sizes[d] == 0 ? 0 : bytes + (a.sizes[d] - 1) * a.strides[d];
-      if (bytes == 0) break;
-    }
-    bytes *= static_cast<int64_t>(c10::elementSize(a.dtype));
+    const auto bytes = layout_bytes(a.sizes, a.strides, static_cast<int64_t>(c10::elementSize(a.dtype)));
+    TORCH_CHECK(bytes, where, "argument 'allocations': negative sizes or strides");
     a.scratch_offset = r.scratch_bytes;
-    r.scratch_bytes += (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
+    r.scratch_bytes += (*bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
   }
   size_t slot_at = 0, patch_at = 0;
   std::vector<std::vector<int64_t>> slot_sizes;  // per launch, its parameters' sizes in bytes
