@@ -29,14 +29,6 @@ GOAL_US = 8.0
 MODES = (("inference_mode", torch.inference_mode), ("grad enabled", torch.enable_grad))
 
 
-def one_token_args(op: str, device: str) -> tuple:
-    """Fresh bf16 arguments of ``op`` at one token and its first hidden size (the GPU profile's on CUDA)."""
-    profile = cases.PROFILES["gpu" if device == "cuda" else "cpu"]
-    hidden = cases.hidden_sizes(op, (), profile.hidden[:1], profile)[0]
-    rows, hidden, label = cases.shape_of(op, 1, hidden, profile)
-    return cases.build(op, rows, hidden, profile, device, torch.bfloat16), label
-
-
 def _flashinfer(op: str, args: tuple):
     """A no-argument call of FlashInfer's API for ``op(*args)``, or why there is none."""
     try:
@@ -71,20 +63,20 @@ def measure(device: str = "cuda", names=None, rounds: int = 20, calls: int = 100
     for op in names or [d.name for d in ops.ALL]:
         if op.startswith("all_reduce_"):  # needs a process group: bench_layers and the collective tests time it
             continue
-        args, label = one_token_args(op, device)
+        args, label = cases.one_token(op, device)
         fn = getattr(torch.ops.deepinfer, op).default
         with torch.inference_mode():
             for _ in range(2):
                 fn(*args)  # the first call publishes the signature to the C++ entry
             sync()
         peer = "not asked (--no-peers)" if not peers else _flashinfer(op, args) if device == "cuda" else "not timed off a GPU"
+        table = {"ours": lambda: fn(*args)}
+        if callable(peer):
+            table["flashinfer"] = peer
+        # a sampling call launches up to 6 kernels: 100 of them would wait on the queue, not the host
+        per_round = {name: max(10, min(calls, QUEUED_LAUNCHES // launches_of(f))) if device == "cuda" else calls
+                     for name, f in table.items()}
         for mode, ctx in MODES:
-            table = {"ours": lambda: fn(*args)}
-            if callable(peer):
-                table["flashinfer"] = peer
-            # a sampling call launches up to 6 kernels: 100 of them would wait on the queue, not the host
-            per_round = {name: max(10, min(calls, QUEUED_LAUNCHES // launches_of(f))) if device == "cuda" else calls
-                         for name, f in table.items()}
             served = fast_path.counters()["served"] if fast_path.loaded() else 0
             with ctx():
                 times = harness.host_us_interleaved(table, rounds, per_round, warmup=10, sync=sync, launches_only=True)

@@ -1392,9 +1392,7 @@ def test_recorded_ops_replay_a_decode_steps_call(op, triton_entry):
     """The call a decode step makes (one token, the benchmark case's bf16 arguments) is recorded and then
     replayed, as the Python kernels compute it: a one-row route with an aten kernel between its launches
     (a fill) would leave every decode call in Python."""
-    profile = cases.PROFILES["gpu"]
-    rows, hidden, _ = cases.shape_of(op, 1, cases.hidden_sizes(op, (), profile.hidden[:1], profile)[0], profile)
-    args = cases.build(op, rows, hidden, profile, "cuda", torch.bfloat16)
+    args, _ = cases.one_token(op, "cuda")
     overload = getattr(torch.ops.deepinfer, op).default
     overload(*_fresh(args))
     fresh = _fresh(args)

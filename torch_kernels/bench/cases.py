@@ -83,6 +83,15 @@ def build(op: str, rows: int, hidden: Optional[int], profile: Profile, device, d
     return case(op).args(rows, hidden, profile.name, device, dtype)
 
 
+def one_token(op: str, device: str, dtype: torch.dtype = torch.bfloat16) -> Tuple[tuple, str]:
+    """``(args, label)``: fresh arguments of ``op`` as a decode step calls it, one token at its first hidden
+    size (the GPU profile's on CUDA)."""
+    profile = PROFILES["gpu" if str(device).startswith("cuda") else "cpu"]
+    hidden = hidden_sizes(op, (), profile.hidden[:1], profile)[0]
+    rows, hidden, label = shape_of(op, 1, hidden, profile)
+    return build(op, rows, hidden, profile, device, dtype), label
+
+
 def nbytes(op: str, args: tuple) -> int:
     """Bytes one call of ``op`` on ``args`` reads and writes at the least (each tensor once)."""
     return case(op).nbytes(args)
